@@ -1,0 +1,34 @@
+"""pipejax: GPipe pipeline parallelism, deterministic checkpointing and higher-order derivatives
+for JAX, as pure composable functions."""
+
+from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
+from pipejax._src.keys import key_for as stage_key
+from pipejax._src.microbatch import Plan as MicrobatchPlan
+from pipejax._src.microbatch import merge as merge_microbatches
+from pipejax._src.microbatch import plan as microbatch_plan
+from pipejax._src.microbatch import split as split_microbatches
+from pipejax._src.pipeline import Pipeline as Pipeline
+from pipejax._src.pipeline import StageFn as StageFn
+from pipejax._src.pipeline import pipeline as pipeline
+from pipejax._src.placement import StageParams as StageParams
+from pipejax._src.schedule import Schedule as Schedule
+from pipejax._src.schedule import gpipe as gpipe_schedule
+from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "MicrobatchPlan",
+    "Pipeline",
+    "Schedule",
+    "StageFn",
+    "StageParams",
+    "gpipe_bubble_fraction",
+    "gpipe_schedule",
+    "merge_microbatches",
+    "microbatch_plan",
+    "pipeline",
+    "split_microbatches",
+    "stage_key",
+]

@@ -1,0 +1,1 @@
+"""Private implementation of pipejax. Import public names from :mod:`pipejax`."""

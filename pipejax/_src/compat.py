@@ -1,0 +1,72 @@
+"""The one place that knows about JAX-version details of sharding types.
+
+JAX 0.10 tracks, for every value inside ``jax.shard_map``, the set of mesh axes along which it
+varies ("vma"). Scan carries and ``lax.cond`` branches must agree on it, so values that start out
+replicated have to be cast to "varying" explicitly. Everything pipejax needs of that machinery is
+here, so a change in JAX touches one file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Mesh axes along which ``x`` varies, inside ``shard_map`` (empty outside it)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older spelling
+
+
+def to_varying(tree: Any, axis_name: str) -> Any:
+    """Casts every leaf of ``tree`` to vary along ``axis_name`` (leaves that already do are kept).
+
+    Never call this inside a ``lax.cond``/``lax.switch`` branch: the transpose of the cast is a
+    ``psum``, and a collective that only some devices reach deadlocks the backward pass.
+    """
+
+    def cast(x):
+        if axis_name in varying_axes(x):
+            return x
+        return lax.pcast(x, (axis_name,), to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+def is_explicit(mesh: Mesh, axis_name: str) -> bool:
+    """Whether ``axis_name`` of ``mesh`` is an Explicit (sharding-in-types) axis."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return types[axis_name] == AxisType.Explicit
+
+
+def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str) -> Any:
+    """Gives every leaf of ``tree`` the sharding ``NamedSharding(mesh, spec)`` inside ``jit``.
+
+    Explicit axes need ``jax.reshard`` (``with_sharding_constraint`` only asserts there); Auto axes
+    take a sharding constraint. Leaves whose type already carries the sharding are left alone.
+    """
+    sharding = NamedSharding(mesh, spec)
+    if is_explicit(mesh, axis_name):
+
+        def put(x):
+            current = getattr(jax.typeof(x), "sharding", None)
+            if (
+                isinstance(current, NamedSharding)
+                and current.mesh == mesh.abstract_mesh
+                and _padded(current.spec, x.ndim) == _padded(spec, x.ndim)
+            ):
+                return x
+            return jax.reshard(x, sharding)
+
+        return jax.tree.map(put, tree)
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))

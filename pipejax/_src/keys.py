@@ -1,0 +1,46 @@
+"""Key derivation: which PRNG key each (micro-batch, stage) pair receives.
+
+The rule, which users may rely on to reproduce any draw::
+
+    key_for(i, s) = jax.random.fold_in(jax.random.fold_in(key, i), s)
+
+for micro-batch ``i`` (0-based, in the order of the batch) and stage ``s``. It depends only on the
+caller's key and the two indices: not on the device that runs the stage, on the checkpoint mode,
+or on whether the segment is being recomputed. So recomputation replays the same dropout masks by
+construction, and a run with or without a mesh draws the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_key(key: Any, *, name: str = "key") -> None:
+    """Raises ``TypeError`` unless ``key`` is ``None``, a typed key, or a raw ``uint32[2]`` key."""
+    if key is None:
+        return
+    dtype = getattr(key, "dtype", None)
+    shape = getattr(key, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape == ():
+            return
+        raise TypeError(
+            f"`{name}` must be a single PRNG key, but got a key array of shape {shape}. Pass one "
+            "key (e.g. `jax.random.key(0)`); pipejax derives the per-stage keys itself."
+        )
+    if dtype == jnp.uint32 and shape == (2,):
+        return
+    raise TypeError(
+        f"`{name}` must be None or a PRNG key such as `jax.random.key(0)`, but got "
+        f"{type(key).__name__} with shape {shape} and dtype {dtype}."
+    )
+
+
+def key_for(key: jax.Array | None, microbatch: Any, stage: Any) -> jax.Array | None:
+    """The key that ``stage`` receives for ``microbatch``; ``None`` when ``key`` is ``None``."""
+    if key is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(key, microbatch), stage)

@@ -1,0 +1,94 @@
+"""Micro-batching: cut a pytree batch into micro-batches along axis 0, and merge them back.
+
+A batch of ``B`` examples and ``chunks`` requested micro-batches gives micro-batches of
+``b = ceil(B / chunks)`` examples, and ``m = ceil(B / b) <= chunks`` of them (the counts
+``torch.chunk`` gives). The last micro-batch is completed with ``m * b - B < b`` padding rows
+that copy the batch's last example, so that a stage never sees values it was not written for
+(zeros would make ``log``/``sqrt`` stages produce ``inf``, and ``0 * inf = nan`` in the backward
+pass). Padding rows are dropped again by :func:`merge`, so they receive zero cotangents and never
+contribute to gradients. :func:`split` also returns a mask of the real rows for stages that
+compute statistics over the micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Plan(NamedTuple):
+    """How a batch is cut. All fields are Python ints, fixed at trace time."""
+
+    batch: int  # B, examples in the mini-batch
+    num_micro: int  # m, micro-batches actually run (<= chunks)
+    micro_size: int  # b, examples per micro-batch
+    padding: int  # m * b - B, copied rows appended to the last micro-batch
+
+
+def batch_size(x: Any, *, name: str = "x") -> int:
+    """The shared leading-axis size of the leaves of ``x``; raises if they disagree."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(x)
+    if not leaves:
+        raise ValueError(
+            f"`{name}` has no array leaves (got {x!r}). Pass an array or a pytree of arrays "
+            "whose leaves share a leading batch axis."
+        )
+    sizes = {}
+    for path, leaf in leaves:
+        shape = jnp.shape(leaf)
+        if len(shape) == 0:
+            raise ValueError(
+                f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar; every leaf "
+                "needs a leading batch axis. Add one (e.g. `x[None]`) or move the value into the "
+                "stage parameters."
+            )
+        sizes[jax.tree_util.keystr(path) or "<root>"] = shape[0]
+    if len(set(sizes.values())) != 1:
+        listing = ", ".join(f"{p}: {n}" for p, n in sizes.items())
+        raise ValueError(
+            f"The leaves of `{name}` must share the leading batch axis, but their sizes differ "
+            f"({listing}). Give every leaf the same number of examples along axis 0."
+        )
+    (size,) = set(sizes.values())
+    if size == 0:
+        raise ValueError(f"`{name}` has an empty batch (leading axis 0); pass at least one example.")
+    return size
+
+
+def plan(batch: int, chunks: int) -> Plan:
+    """The micro-batch plan for ``batch`` examples and ``chunks`` requested micro-batches."""
+    micro_size = math.ceil(batch / chunks)
+    num_micro = math.ceil(batch / micro_size)
+    return Plan(batch, num_micro, micro_size, num_micro * micro_size - batch)
+
+
+def split(x: Any, chunks: int) -> tuple[Any, jax.Array, Plan]:
+    """Cuts ``x`` into micro-batches.
+
+    Returns:
+      ``(xs, mask, plan)``: ``xs`` has the structure of ``x`` with leaves of shape
+      ``(m, b, *rest)``; ``mask`` is a ``bool[m, b]`` array, ``True`` on real examples.
+    """
+    p = plan(batch_size(x), chunks)
+
+    def cut(leaf):
+        leaf = jnp.asarray(leaf)
+        if p.padding:
+            fill = jnp.repeat(leaf[-1:], p.padding, axis=0)
+            leaf = jnp.concatenate([leaf, fill], axis=0)
+        return leaf.reshape((p.num_micro, p.micro_size) + leaf.shape[1:])
+
+    mask = (jnp.arange(p.num_micro * p.micro_size) < p.batch).reshape(p.num_micro, p.micro_size)
+    return jax.tree.map(cut, x), mask, p
+
+
+def merge(ys: Any, p: Plan) -> Any:
+    """Inverse of :func:`split`: ``(m, b, *rest)`` leaves back to ``(B, *rest)``, padding dropped."""
+
+    def join(leaf):
+        return leaf.reshape((p.num_micro * p.micro_size,) + leaf.shape[2:])[: p.batch]
+
+    return jax.tree.map(join, ys)

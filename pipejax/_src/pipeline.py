@@ -1,0 +1,677 @@
+"""GPipe pipeline parallelism: ``pipeline(stages, ...) -> apply(params, x, key=None)``.
+
+How a call runs:
+
+1. ``x`` is cut into ``m`` micro-batches (:mod:`pipejax._src.microbatch`).
+2. The shapes of the activations at every stage boundary are found with ``jax.eval_shape``; this
+   is also where a stage whose output cannot feed the next stage is reported.
+3. The schedule (:mod:`pipejax._src.schedule`) is a static table of which micro-batch each stage
+   works on at each tick. A ``lax.scan`` over the ticks runs it.
+   * With a mesh, the scan runs inside ``jax.shard_map``: device ``s`` runs stage ``s`` and sends its
+     output to device ``s + 1`` with ``lax.ppermute`` after every tick. Heterogeneous stages are
+     chosen with ``lax.switch`` on the device's stage index, and their activations travel in a flat
+     :class:`~pipejax._src.layout.Container` so every device sends the same type.
+   * Without a mesh, the same table runs on one device: each tick applies every stage to the
+     output the previous stage produced on the tick before.
+4. A stage with no micro-batch at a tick (a bubble) does not compute at all (``lax.cond``), so no
+   value it was not written for ever reaches it and no ``nan``/``inf`` leaks into gradients.
+5. The last stage's outputs are merged back into the original batch order.
+
+The schedule, the cond, the switch, the scan and the collectives are ordinary JAX: there is no
+``custom_vjp`` anywhere, so forward- and reverse-mode autodiff of every order compose with it.
+Collectives are never placed inside a ``cond``/``switch`` branch: only some devices take a branch,
+and a collective that not every device reaches deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipejax._src import checkpoint as ckpt
+from pipejax._src import compat, keys, microbatch
+from pipejax._src import schedule as sched
+from pipejax._src.layout import Container, Layout
+from pipejax._src.placement import StageParams
+from pipejax._src.placement import pack as pack_params
+
+PyTree = Any
+
+
+class StageFn(Protocol):
+    """A pipeline stage: ``stage(params, x, key) -> y``.
+
+    ``x`` and ``y`` are pytrees of arrays whose leading axis is the micro-batch; ``key`` is a PRNG
+    key, or ``None`` when the pipeline is called without one.
+    """
+
+    def __call__(self, params: PyTree, x: PyTree, key: jax.Array | None) -> PyTree: ...
+
+
+def pipeline(
+    stages: Sequence[StageFn] | StageFn,
+    *,
+    num_stages: int | None = None,
+    chunks: int = 1,
+    checkpoint: str | Callable[..., Any] = "except_last",
+    mesh: Mesh | None = None,
+    axis_name: str = "stage",
+) -> "Pipeline":
+    """Builds a GPipe pipeline over ``stages``.
+
+    The mini-batch ``x`` is cut into ``chunks`` micro-batches that stream through the stages: at
+    tick ``t`` stage ``s`` works on micro-batch ``t - s``, so with a mesh the ``n`` devices work
+    at once except during the ``n - 1`` fill and drain ticks. The idle ("bubble") fraction is
+    ``(n - 1) / (m + n - 1)`` for ``m`` micro-batches.
+
+    Checkpointing trades compute for memory (GPipe, Huang et al. 2019). With ``"always"`` a device
+    keeps only the activations entering its stage, one per tick, and recomputes the stage's
+    internals in the backward pass (about one extra forward). ``"never"`` keeps every internal
+    activation of every tick. ``"except_last"`` (the default, as in torchgpipe) checkpoints the
+    fill phase and keeps the drain phase, whose backward starts at once. A ``jax.checkpoint``
+    policy checkpoints every stage with that policy. All modes give bitwise-identical results.
+
+    Randomness: when called with a ``key``, stage ``s`` working on micro-batch ``i`` receives
+    ``jax.random.fold_in(jax.random.fold_in(key, i), s)``, independent of the device, the mesh and
+    the checkpoint mode; :func:`pipejax.stage_key` computes it.
+
+    Args:
+      stages: a sequence of stage functions ``stage(params, x, key) -> y``, one per stage, which
+        may differ in parameters and in the type of their inputs and outputs
+        (heterogeneous stages); or a single stage function used for every stage, with
+        ``num_stages`` (homogeneous stages: the function is traced once and its parameters are
+        stacked on a leading stage axis).
+      num_stages: the number of stages when ``stages`` is a single function.
+      chunks: the number of micro-batches to cut each mini-batch into, ``>= 1``. A batch of ``B``
+        examples runs as ``ceil(B / ceil(B / chunks))`` micro-batches of ``ceil(B / chunks)``
+        examples; the last is padded with copies of the last example, which are dropped again.
+      checkpoint: ``"always"``, ``"except_last"``, ``"never"``, or a ``jax.checkpoint`` policy.
+      mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name`` of size ``num_stages``; device ``s``
+        along it runs stage ``s``. ``None`` runs the same schedule on one device.
+      axis_name: the name of the mesh axis that holds the stages.
+
+    Returns:
+      A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
+      one pytree per stage (heterogeneous), a pytree whose leaves have a leading axis of size
+      ``num_stages`` (homogeneous), or what :meth:`Pipeline.place` returned. ``x`` is a pytree of
+      arrays that share their leading batch axis. The result has the same leading batch axis, in
+      the original order, and equals applying the stages in turn to the whole batch.
+
+    Raises:
+      ValueError, TypeError: for bad arguments, at construction or when ``apply`` is traced.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> def affine(p, x, key):
+      ...     return x * p["w"] + p["b"]
+      >>> apply = pj.pipeline([affine, affine], chunks=4)
+      >>> params = [{"w": 2.0, "b": 1.0}, {"w": 3.0, "b": 0.0}]
+      >>> apply(params, jnp.arange(6.0)).tolist()
+      [3.0, 9.0, 15.0, 21.0, 27.0, 33.0]
+
+    References:
+      Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+      Parallelism", NeurIPS 2019. Kim et al., "torchgpipe: On-the-fly Pipeline Parallelism for
+      Training Giant Models", 2020.
+    """
+    return Pipeline(
+        stages,
+        num_stages=num_stages,
+        chunks=chunks,
+        checkpoint=checkpoint,
+        mesh=mesh,
+        axis_name=axis_name,
+    )
+
+
+class Pipeline:
+    """A configured pipeline; see :func:`pipeline`. Call it as ``apply(params, x, key=None)``."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageFn] | StageFn,
+        *,
+        num_stages: int | None,
+        chunks: int,
+        checkpoint: Any,
+        mesh: Mesh | None,
+        axis_name: str,
+    ):
+        self.homogeneous, self.stages = _check_stages(stages, num_stages)
+        self.num_stages = len(self.stages)
+        _check_chunks(chunks)
+        ckpt.check_mode(checkpoint)
+        _check_mesh(mesh, axis_name, self.num_stages)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self._jitted = jax.jit(self._apply)
+
+    def __repr__(self) -> str:
+        kind = "homogeneous" if self.homogeneous else "heterogeneous"
+        where = "no mesh" if self.mesh is None else f"mesh axis {self.axis_name!r}"
+        return (
+            f"Pipeline({self.num_stages} {kind} stages, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}, {where})"
+        )
+
+    # -- public -----------------------------------------------------------------------------
+
+    def __call__(self, params: Any, x: PyTree, key: jax.Array | None = None) -> PyTree:
+        keys.check_key(key)
+        _check_params_shape(params, self)
+        params, x, key = self._commit(params, x, key)
+        return self._jitted(params, x, key)
+
+    def place(self, params: Any) -> Any:
+        """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
+
+        Heterogeneous stages: returns a :class:`StageParams` (every stage's leaves packed into one
+        buffer per dtype, stacked on a stage axis). Homogeneous stages: the stacked pytree. With
+        a mesh, the stage axis is sharded over ``axis_name``, so a device stores only its own
+        stage's parameters (heterogeneous stages: padded to the largest stage). Pass the result
+        to the pipeline, to ``jax.grad`` and to optax in place of ``params``.
+        """
+        _check_params_shape(params, self)
+        if not self.homogeneous and not isinstance(params, StageParams):
+            params = pack_params(params)
+        if self.mesh is None:
+            return params
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+        return jax.device_put(params, sharding)
+
+    def stage_params(self, params: Any, s: int) -> PyTree:
+        """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms."""
+        if isinstance(params, StageParams):
+            return params.stage(s)
+        if self.homogeneous:
+            return jax.tree.map(lambda a: a[s], params)
+        return params[s]
+
+    def schedule(self, batch: int) -> sched.Schedule:
+        """The schedule a batch of ``batch`` examples runs with."""
+        return sched.gpipe(self.num_stages, microbatch.plan(batch, self.chunks).num_micro)
+
+    # -- input placement (eager calls) ------------------------------------------------------
+
+    def _commit(self, params, x, key):
+        """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
+        leaves = [a for a in jax.tree.leaves((params, x, key)) if _is_concrete(a)]
+        if self.mesh is None:
+            device_sets = {a.sharding.device_set for a in leaves if a.committed}
+            if len(device_sets) <= 1:
+                return params, x, key
+            target = next(iter(sorted(device_sets.pop(), key=lambda d: d.id)))
+            return jax.device_put((params, x, key), target)
+        mesh_devices = set(self.mesh.devices.flat)
+
+        def put(tree, spec):
+            sharding = NamedSharding(self.mesh, spec)
+
+            def move(a):
+                if _is_concrete(a) and a.committed and a.sharding.device_set != mesh_devices:
+                    return jax.device_put(a, sharding)
+                return a
+
+            return jax.tree.map(move, tree)
+
+        stacked = self.homogeneous or isinstance(params, StageParams)
+        params = put(params, PartitionSpec(self.axis_name) if stacked else PartitionSpec())
+        return params, put(x, PartitionSpec()), put(key, PartitionSpec())
+
+    # -- traced -----------------------------------------------------------------------------
+
+    def _apply(self, params, x, key):
+        xs, _, plan = microbatch.split(x, self.chunks)
+        schedule = sched.gpipe(self.num_stages, plan.num_micro)
+        key_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
+        if self.homogeneous:
+            boundaries = _homogeneous_boundaries(self, params, xs, key_struct)
+            run = _run_homogeneous_mesh if self.mesh is not None else _run_homogeneous_local
+        else:
+            if self.mesh is None and isinstance(params, StageParams):
+                params = params.unpack()
+            boundaries = _heterogeneous_boundaries(self, params, xs, key_struct)
+            run = _run_heterogeneous_mesh if self.mesh is not None else _run_heterogeneous_local
+        ys = run(self, params, xs, key, schedule, boundaries)
+        return microbatch.merge(ys, plan)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
+    if callable(stages) and not isinstance(stages, Sequence):
+        if num_stages is None:
+            raise TypeError(
+                "`stages` is a single function, so the pipeline is homogeneous and needs "
+                "`num_stages` (e.g. `pipeline(stage, num_stages=4)`). For different stages pass "
+                "a sequence of functions instead."
+            )
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"`num_stages` must be an int >= 1, but got {num_stages!r}.")
+        return True, (stages,) * num_stages
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise TypeError(
+            "`stages` must be a sequence of stage functions `stage(params, x, key) -> y`, or one "
+            f"such function with `num_stages`; got {type(stages).__name__}."
+        )
+    if len(stages) == 0:
+        raise ValueError(
+            "`stages` is empty; a pipeline needs at least one stage function "
+            "`stage(params, x, key) -> y`."
+        )
+    for s, stage in enumerate(stages):
+        if not callable(stage):
+            raise TypeError(
+                f"`stages[{s}]` must be a callable `stage(params, x, key) -> y`, but got "
+                f"{type(stage).__name__} {stage!r}."
+            )
+    if num_stages is not None and num_stages != len(stages):
+        raise ValueError(
+            f"`num_stages` is {num_stages} but {len(stages)} stage functions were given; drop "
+            "`num_stages` (it is only needed for a single homogeneous stage function)."
+        )
+    return False, tuple(stages)
+
+
+def _check_chunks(chunks) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"`chunks` must be an int >= 1, but got {type(chunks).__name__} {chunks!r}.")
+    if chunks < 1:
+        raise ValueError(
+            f"`chunks` must be >= 1 (the number of micro-batches per mini-batch), but got {chunks}."
+        )
+
+
+def _check_mesh(mesh, axis_name, num_stages) -> None:
+    if not isinstance(axis_name, str):
+        raise TypeError(f"`axis_name` must be a str, but got {type(axis_name).__name__} {axis_name!r}.")
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
+            f"with `jax.make_mesh(({num_stages},), ({axis_name!r},))`."
+        )
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}). "
+            f"Add a stage axis of size {num_stages}, e.g. "
+            f"`jax.make_mesh(({num_stages},), ({axis_name!r},))`, or pass `axis_name=`."
+        )
+    size = mesh.shape[axis_name]
+    if size != num_stages:
+        raise ValueError(
+            f"`mesh` axis {axis_name!r} has size {size}, but the pipeline has {num_stages} stages; "
+            "each device along the stage axis runs one stage, so the sizes must be equal. Use "
+            f"`jax.make_mesh(({num_stages},), ({axis_name!r},))` or change the number of stages."
+        )
+
+
+def _check_params_shape(params, pipe: Pipeline) -> None:
+    """Static checks on ``params`` that need no tracing."""
+    n = pipe.num_stages
+    if isinstance(params, StageParams):
+        if pipe.homogeneous:
+            raise TypeError(
+                "`params` is a StageParams (packed heterogeneous parameters), but this pipeline "
+                "has homogeneous stages; pass the parameters stacked on a leading stage axis."
+            )
+        if params.num_stages != n:
+            raise ValueError(
+                f"`params` packs {params.num_stages} stages, but the pipeline has {n} stages."
+            )
+        return
+    if pipe.homogeneous:
+        leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+        for path, leaf in leaves:
+            shape = jnp.shape(leaf)
+            if len(shape) == 0 or shape[0] != n:
+                raise ValueError(
+                    f"Homogeneous stages take parameters stacked on a leading stage axis of size "
+                    f"{n}, but `params` leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                    f"{shape}. Stack the per-stage parameters, e.g. "
+                    "`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_params)`."
+                )
+        return
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(
+            f"`params` must be a sequence with one parameter pytree per stage ({n} stages), but "
+            f"got {type(params).__name__}. Wrap a single stage's parameters in a list."
+        )
+    if len(params) != n:
+        raise ValueError(
+            f"`params` has {len(params)} entries but the pipeline has {n} stages; pass exactly one "
+            "parameter pytree per stage (use None or {} for a stage without parameters)."
+        )
+
+
+def _is_concrete(a) -> bool:
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
+# --- boundary shapes ---------------------------------------------------------------------------
+
+
+def _struct(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def _micro_struct(xs):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+
+
+def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layout:
+    """The output layout of ``stage`` on ``in_struct``, or a clear error."""
+    try:
+        out = jax.eval_shape(stage, p_struct, in_struct, key_struct)
+    except Exception as err:  # noqa: BLE001 - re-raised with context
+        source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
+        raise ValueError(
+            f"Stage {s} could not be applied to {source}, whose type is "
+            f"{Layout.of(in_struct).describe()}: {type(err).__name__}: {err}\n"
+            f"Make stage {s} accept what {('`x`' if s == 0 else f'stage {s - 1}')} produces "
+            "(shapes include the micro-batch axis first)."
+        ) from err
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or not leaf.shape or leaf.shape[0] != micro_size:
+            got = getattr(leaf, "shape", leaf)
+            raise ValueError(
+                f"Stage {s} returned leaf {jax.tree_util.keystr(path) or '<root>'} with shape {got}, "
+                f"but every output leaf must keep the micro-batch axis first (size {micro_size}). "
+                "Stages may change every axis but the leading batch axis."
+            )
+    return Layout.of(out)
+
+
+def _heterogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
+    """Layouts of the values entering stage 0, 1, ..., and leaving the last stage."""
+    in_struct = _micro_struct(xs)
+    micro_size = jax.tree.leaves(xs)[0].shape[1]
+    p_structs = (
+        [_struct(p) for p in params.unpack()] if isinstance(params, StageParams) else [_struct(p) for p in params]
+    )
+    layouts = [Layout.of(in_struct)]
+    for s, stage in enumerate(pipe.stages):
+        layouts.append(_stage_output(s, stage, p_structs[s], in_struct, key_struct, micro_size))
+        in_struct = layouts[-1].structs()
+    return layouts
+
+
+def _homogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
+    in_struct = _micro_struct(xs)
+    micro_size = jax.tree.leaves(xs)[0].shape[1]
+    p_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), params)
+    layout_in = Layout.of(in_struct)
+    layout_out = _stage_output(0, pipe.stages[0], p_struct, in_struct, key_struct, micro_size)
+    if layout_out != layout_in:
+        raise ValueError(
+            "Homogeneous stages must return activations of the type they take, so that each "
+            f"stage can feed the next; the stage maps {layout_in.describe()} to "
+            f"{layout_out.describe()}. Use a sequence of stage functions (heterogeneous stages) "
+            "for stages that change the activation type."
+        )
+    return [layout_in] * (pipe.num_stages + 1)
+
+
+# --- shared pieces of the tick loop ---------------------------------------------------------------
+
+
+def _take(xs, i):
+    """Micro-batch ``i`` (a traced index) of the split batch."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+
+
+def _clip(i, num_micro):
+    return jnp.clip(i, 0, num_micro - 1)
+
+
+def _write(acc, y, i, enabled):
+    """``acc[i] = y`` where ``enabled``; ``acc`` unchanged otherwise."""
+
+    def one(a, v):
+        old = lax.dynamic_index_in_dim(a, i, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), i, 0)
+
+    return jax.tree.map(one, acc, y)
+
+
+def _zeros(layout: Layout, leading=()):
+    return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
+
+
+def _scan_phases(pipe, schedule, make_step, carry):
+    """Runs the schedule's ticks, one ``lax.scan`` per checkpoint phase."""
+    table = jnp.asarray(schedule.table)
+    for start, stop, remat in ckpt.phases(pipe.checkpoint, schedule):
+        carry, _ = lax.scan(make_step(remat), carry, table[start:stop])
+    return carry
+
+
+# --- without a mesh ------------------------------------------------------------------------------
+
+
+def _run_heterogeneous_local(pipe, params, xs, key, schedule, boundaries):
+    n, m = pipe.num_stages, schedule.num_micro
+
+    def compute(s):
+        stage = pipe.stages[s]
+
+        def f(p, xs, inbox, i, key):
+            ic = _clip(i, m)
+            k = keys.key_for(key, ic, s)
+            x_in = _take(xs, ic) if s == 0 else inbox
+            return lax.cond(
+                i >= 0,
+                lambda: stage(p, x_in, k),
+                lambda: _zeros(boundaries[s + 1]),
+            )
+
+        return f
+
+    def make_step(remat):
+        fns = [remat(compute(s)) for s in range(n)]
+
+        def step(carry, row):
+            inboxes, acc = carry
+            outs = [fns[s](params[s], xs, inboxes[s - 1] if s else None, row[s], key) for s in range(n)]
+            acc = _write(acc, outs[-1], _clip(row[n - 1], m), row[n - 1] >= 0)
+            return (tuple(outs[:-1]), acc), None
+
+        return step
+
+    inboxes = tuple(_zeros(boundaries[s]) for s in range(1, n))
+    acc = _zeros(boundaries[n], (m,))
+    _, acc = _scan_phases(pipe, schedule, make_step, (inboxes, acc))
+    return acc
+
+
+def _run_homogeneous_local(pipe, params, xs, key, schedule, boundaries):
+    n, m = pipe.num_stages, schedule.num_micro
+    stage = pipe.stages[0]
+    layout = boundaries[0]
+
+    def compute(params, x_in, i, s, key):
+        ic = _clip(i, m)
+        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), params)
+        k = keys.key_for(key, ic, s)
+        return lax.cond(i >= 0, lambda: stage(p, x_in, k), lambda: _zeros(layout))
+
+    def make_step(remat):
+        f = remat(compute)
+
+        def step(carry, row):
+            inboxes, acc = carry  # inboxes: stacked inputs of stages 1..n-1
+            x0 = _take(xs, _clip(row[0], m))
+            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), x0, inboxes)
+
+            def one_stage(_, args):
+                x_in, i, s = args
+                return None, f(params, x_in, i, s, key)
+
+            _, outs = lax.scan(one_stage, None, (inputs, row, jnp.arange(n)))
+            last = jax.tree.map(lambda a: a[n - 1], outs)
+            acc = _write(acc, last, _clip(row[n - 1], m), row[n - 1] >= 0)
+            return (jax.tree.map(lambda a: a[: n - 1], outs), acc), None
+
+        return step
+
+    inboxes = _zeros(layout, (n - 1,))
+    acc = _zeros(layout, (m,))
+    _, acc = _scan_phases(pipe, schedule, make_step, (inboxes, acc))
+    return acc
+
+
+# --- on a mesh -----------------------------------------------------------------------------------
+
+
+def _shift(tree, axis_name, n):
+    """Sends every device's value to the next device along the stage axis."""
+    if n == 1:
+        return tree
+    return lax.ppermute(tree, axis_name, [(s, s + 1) for s in range(n - 1)])
+
+
+def _spmd(pipe, body, params, xs, key):
+    """Runs ``body(params, xs, key)`` under shard_map; its output comes back replicated.
+
+    Every parameter leaf has a leading stage axis, sharded over the mesh's stage axis.
+    """
+    axis = pipe.axis_name
+    rep = PartitionSpec()
+    params_spec = PartitionSpec(axis)
+    params = compat.constrain(params, pipe.mesh, params_spec, axis)
+    xs = compat.constrain(xs, pipe.mesh, rep, axis)  # after micro-batching: x was split eagerly
+    if key is not None:
+        key = compat.constrain(key, pipe.mesh, rep, axis)
+    key_spec = None if key is None else rep
+    fn = jax.shard_map(
+        body,
+        mesh=pipe.mesh,
+        in_specs=(params_spec, rep, key_spec),
+        out_specs=rep,
+    )
+    return fn(params, xs, key)
+
+
+def _as_varying(tree, template, axis_name):
+    """``tree`` with the sharding type of ``template`` (varying), values unchanged.
+
+    Used inside cond branches, where ``pcast`` must not appear (see :mod:`pipejax._src.compat`).
+    A stage output that depends on no device-varying value is written into a varying zero buffer;
+    ``dynamic_update_slice`` is exact and its transpose has no collective.
+    """
+
+    def fix(v, t):
+        if axis_name in compat.varying_axes(v):
+            return v
+        return lax.dynamic_update_slice(t, v.astype(t.dtype), (0,) * t.ndim)
+
+    return jax.tree.map(fix, tree, template)
+
+
+def _finish(acc, axis, n):
+    """Replicates the last device's outputs: the other devices' accumulators are all zeros.
+
+    Adding exact zeros is exact, so the result is bitwise the last device's accumulator.
+    """
+    return lax.psum(acc, axis)
+
+
+def _run_homogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
+    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
+    stage = pipe.stages[0]
+    layout = boundaries[0]
+
+    def body(params, xs, key):
+        s = lax.axis_index(axis)
+        params = jax.tree.map(lambda a: a[0], params)
+        xs, key = compat.to_varying((xs, key), axis)
+        zeros = compat.to_varying(_zeros(layout), axis)
+
+        def compute(params, xs, inbox, i, key, zeros):
+            ic = _clip(i, m)
+            k = keys.key_for(key, ic, s)
+            x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
+
+            def run():
+                return _as_varying(stage(params, x_in, k), zeros, axis)
+
+            return lax.cond(i >= 0, run, lambda: zeros)
+
+        def make_step(remat):
+            f = remat(compute)
+
+            def step(carry, row):
+                inbox, acc = carry
+                i = row[s]
+                out = f(params, xs, inbox, i, key, zeros)
+                acc = _write(acc, out, _clip(i, m), (i >= 0) & (s == n - 1))
+                return (_shift(out, axis, n), acc), None
+
+            return step
+
+        acc = compat.to_varying(_zeros(layout, (m,)), axis)
+        _, acc = _scan_phases(pipe, schedule, make_step, (zeros, acc))
+        return _finish(acc, axis, n)
+
+    return _spmd(pipe, body, params, xs, key)
+
+
+def _run_heterogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
+    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
+    if not isinstance(params, StageParams):
+        params = pack_params(params)
+    pbox, playouts = params.container, params.layouts
+    box = Container.for_layouts(boundaries[1:])
+
+    def branch(s):
+        stage = pipe.stages[s]
+
+        def f(pbufs, xs, inbox, ic, k, zeros):
+            p = pbox.unpack(pbufs, playouts[s])
+            x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
+            return _as_varying(box.pack(stage(p, x_in, k)), zeros, axis)
+
+        return f
+
+    branches = [branch(s) for s in range(n)]
+
+    def body(pbufs, xs, key):
+        s = lax.axis_index(axis)
+        pbufs = tuple(b[0] for b in pbufs)
+        xs, key = compat.to_varying((xs, key), axis)
+        zeros = compat.to_varying(box.zeros(), axis)
+
+        def compute(pbufs, xs, inbox, i, key, zeros):
+            ic = _clip(i, m)
+            k = keys.key_for(key, ic, s)
+            args = (pbufs, xs, inbox, ic, k, zeros)
+            return lax.cond(i >= 0, lambda: lax.switch(s, branches, *args), lambda: zeros)
+
+        def make_step(remat):
+            f = remat(compute)
+
+            def step(carry, row):
+                inbox, acc = carry
+                i = row[s]
+                out = f(pbufs, xs, inbox, i, key, zeros)
+                y = box.unpack(out, boundaries[n])
+                acc = _write(acc, y, _clip(i, m), (i >= 0) & (s == n - 1))
+                return (_shift(out, axis, n), acc), None
+
+            return step
+
+        acc = compat.to_varying(_zeros(boundaries[n], (m,)), axis)
+        _, acc = _scan_phases(pipe, schedule, make_step, (zeros, acc))
+        return _finish(acc, axis, n)
+
+    return _spmd(pipe, body, params.buffers, xs, key)

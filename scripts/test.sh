@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Runs lint and the whole test suite (unit, property, doctests and examples in short mode).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+.venv/bin/ruff check pipejax tests examples benchmarks
+exec .venv/bin/python -m pytest -n 2 -q "$@"
