@@ -2,12 +2,15 @@
 
 ``"always"``       every stage computation is checkpointed: a device keeps only the activations
                    that enter its stage (one per tick), and recomputes the stage in backward.
-``"except_last"``  GPipe/torchgpipe's default. Ticks of the fill phase are checkpointed; the drain
-                   phase (the last ``n`` ticks, which include the last micro-batch on every stage)
-                   keeps its activations, because its backward starts at once.
-``"never"``        plain autodiff: every tick keeps the stage's internal activations.
+``"except_last"``  GPipe/torchgpipe's default. The first ``m - 1`` ticks are checkpointed; the last
+                   ``n`` ticks (the drain, which include the last micro-batch on every stage)
+                   keep their activations, because their backward starts at once.
+``"never"``        no recomputation once the pipeline is full: ticks ``n - 1`` onwards keep the
+                   stage's internal activations. The first ``n - 1`` ticks are checkpointed all
+                   the same (see :func:`phases` for why).
 a policy           a ``jax.checkpoint`` policy (e.g. ``jax.checkpoint_policies.dots_saveable``)
-                   applied to every stage computation.
+                   applied to every stage computation from tick ``n - 1`` on; the first ``n - 1``
+                   ticks are fully checkpointed.
 
 All modes compute bitwise-identical results: recomputation replays the same operations on the
 same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`).
@@ -16,7 +19,7 @@ same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -54,16 +57,37 @@ def _identity(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def phases(checkpoint: Any, schedule: Schedule) -> list[tuple[int, int, Remat]]:
-    """Splits the schedule's ticks into ``(start, stop, remat)`` ranges run as separate scans."""
-    ticks = schedule.num_ticks
+class Phase(NamedTuple):
+    """A range of ticks run as one ``lax.scan``."""
+
+    start: int
+    stop: int
+    remat: Remat  # how each stage computation is wrapped
+    skip_bubbles: bool  # True: bubble ticks run no stage (lax.cond); False: every tick computes
+
+
+def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
+    """Splits the schedule's ticks into phases, each run as a separate ``lax.scan``.
+
+    Two facts of JAX shape this. (1) A stage that has not yet received its first micro-batch
+    (ticks ``t < s``) has no valid input, so those ticks must skip the stage with ``lax.cond``.
+    (2) Reverse-mode autodiff of a ``lax.cond`` saves the cond's operands that the backward pass
+    needs -- the stage parameters among them -- as per-tick outputs, so an un-checkpointed cond in
+    a scan stores the parameters once per tick. So the first ``n - 1`` ticks (the only ones where a
+    stage can be unfilled) always run the cond under full checkpointing, whose saved inputs are
+    loop-invariant and hoisted out of the scan; later ticks that are not fully checkpointed run
+    every stage without a cond. There a stage with no micro-batch recomputes its last real input,
+    so it still sees only values it was written for, and its output is discarded.
+    """
+    n, ticks = schedule.num_stages, schedule.num_ticks
+    first_full = min(n - 1, ticks)  # ticks before this one may have unfilled stages
     if checkpoint == "always":
-        ranges = [(0, ticks, _remat())]
+        ranges = [Phase(0, ticks, _remat(), True)]
     elif checkpoint == "never":
-        ranges = [(0, ticks, _identity)]
+        ranges = [Phase(0, first_full, _remat(), True), Phase(first_full, ticks, _identity, False)]
     elif checkpoint == "except_last":
-        fill = schedule.fill_ticks
-        ranges = [(0, fill, _remat()), (fill, ticks, _identity)]
+        kept = max(schedule.fill_ticks, first_full)
+        ranges = [Phase(0, kept, _remat(), True), Phase(kept, ticks, _identity, False)]
     else:
-        ranges = [(0, ticks, _remat(checkpoint))]
-    return [(a, b, r) for a, b, r in ranges if b > a]
+        ranges = [Phase(0, first_full, _remat(), True), Phase(first_full, ticks, _remat(checkpoint), False)]
+    return [p for p in ranges if p.stop > p.start]

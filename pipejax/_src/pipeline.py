@@ -448,49 +448,62 @@ def _zeros(layout: Layout, leading=()):
     return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
 
 
+def _guard(skip_bubbles, i, run, prev):
+    """Runs the stage, or on a bubble tick (``i < 0``) returns the stage's previous output.
+
+    With ``skip_bubbles`` the stage does not run on bubble ticks at all (``lax.cond``). Without,
+    it always runs: the caller guarantees that its input is then a real (stale) activation.
+    Returning the previous output on a skipped tick keeps every activation in flight real, so a
+    later un-guarded tick never sees a value a stage was not written for.
+    """
+    if skip_bubbles:
+        return lax.cond(i >= 0, run, lambda: prev)
+    return run()
+
+
 def _scan_phases(pipe, schedule, make_step, carry):
-    """Runs the schedule's ticks, one ``lax.scan`` per checkpoint phase."""
+    """Runs the schedule's ticks, one ``lax.scan`` per phase (see ``checkpoint.phases``)."""
     table = jnp.asarray(schedule.table)
-    for start, stop, remat in ckpt.phases(pipe.checkpoint, schedule):
-        carry, _ = lax.scan(make_step(remat), carry, table[start:stop])
+    for phase in ckpt.phases(pipe.checkpoint, schedule):
+        carry, _ = lax.scan(make_step(phase), carry, table[phase.start : phase.stop])
     return carry
 
 
 # --- without a mesh ------------------------------------------------------------------------------
+# The same table runs on one device. The carry holds every stage's previous output, which is what
+# the next stage reads at this tick.
 
 
 def _run_heterogeneous_local(pipe, params, xs, key, schedule, boundaries):
     n, m = pipe.num_stages, schedule.num_micro
 
-    def compute(s):
+    def compute(s, skip):
         stage = pipe.stages[s]
 
-        def f(p, xs, inbox, i, key):
+        def f(p, xs, inbox, prev, i, key):
             ic = _clip(i, m)
-            k = keys.key_for(key, ic, s)
             x_in = _take(xs, ic) if s == 0 else inbox
-            return lax.cond(
-                i >= 0,
-                lambda: stage(p, x_in, k),
-                lambda: _zeros(boundaries[s + 1]),
-            )
+            return _guard(skip, i, lambda: stage(p, x_in, keys.key_for(key, ic, s)), prev)
 
         return f
 
-    def make_step(remat):
-        fns = [remat(compute(s)) for s in range(n)]
+    def make_step(phase):
+        fns = [phase.remat(compute(s, phase.skip_bubbles)) for s in range(n)]
 
         def step(carry, row):
-            inboxes, acc = carry
-            outs = [fns[s](params[s], xs, inboxes[s - 1] if s else None, row[s], key) for s in range(n)]
+            outs_prev, acc = carry  # outputs of every stage at the previous tick
+            outs = tuple(
+                fns[s](params[s], xs, outs_prev[s - 1] if s else None, outs_prev[s], row[s], key)
+                for s in range(n)
+            )
             acc = _write(acc, outs[-1], _clip(row[n - 1], m), row[n - 1] >= 0)
-            return (tuple(outs[:-1]), acc), None
+            return (outs, acc), None
 
         return step
 
-    inboxes = tuple(_zeros(boundaries[s]) for s in range(1, n))
+    outs = tuple(_zeros(boundaries[s]) for s in range(1, n + 1))
     acc = _zeros(boundaries[n], (m,))
-    _, acc = _scan_phases(pipe, schedule, make_step, (inboxes, acc))
+    _, acc = _scan_phases(pipe, schedule, make_step, (outs, acc))
     return acc
 
 
@@ -499,38 +512,42 @@ def _run_homogeneous_local(pipe, params, xs, key, schedule, boundaries):
     stage = pipe.stages[0]
     layout = boundaries[0]
 
-    def compute(params, x_in, i, s, key):
-        ic = _clip(i, m)
-        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), params)
-        k = keys.key_for(key, ic, s)
-        return lax.cond(i >= 0, lambda: stage(p, x_in, k), lambda: _zeros(layout))
+    def compute(skip):
+        def f(params, x_in, prev, i, s, key):
+            ic = _clip(i, m)
+            p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), params)
+            return _guard(skip, i, lambda: stage(p, x_in, keys.key_for(key, ic, s)), prev)
 
-    def make_step(remat):
-        f = remat(compute)
+        return f
+
+    def make_step(phase):
+        f = phase.remat(compute(phase.skip_bubbles))
 
         def step(carry, row):
-            inboxes, acc = carry  # inboxes: stacked inputs of stages 1..n-1
+            outs_prev, acc = carry  # stacked outputs of every stage at the previous tick
             x0 = _take(xs, _clip(row[0], m))
-            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), x0, inboxes)
+            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: n - 1]]), x0, outs_prev)
 
             def one_stage(_, args):
-                x_in, i, s = args
-                return None, f(params, x_in, i, s, key)
+                x_in, prev, i, s = args
+                return None, f(params, x_in, prev, i, s, key)
 
-            _, outs = lax.scan(one_stage, None, (inputs, row, jnp.arange(n)))
+            _, outs = lax.scan(one_stage, None, (inputs, outs_prev, row, jnp.arange(n)))
             last = jax.tree.map(lambda a: a[n - 1], outs)
             acc = _write(acc, last, _clip(row[n - 1], m), row[n - 1] >= 0)
-            return (jax.tree.map(lambda a: a[: n - 1], outs), acc), None
+            return (outs, acc), None
 
         return step
 
-    inboxes = _zeros(layout, (n - 1,))
+    outs = _zeros(layout, (n,))
     acc = _zeros(layout, (m,))
-    _, acc = _scan_phases(pipe, schedule, make_step, (inboxes, acc))
+    _, acc = _scan_phases(pipe, schedule, make_step, (outs, acc))
     return acc
 
 
 # --- on a mesh -----------------------------------------------------------------------------------
+# Device s runs stage s. The carry holds the activation received from device s - 1 (the inbox),
+# the device's own previous output, and the output accumulator (written on the last device only).
 
 
 def _shift(tree, axis_name, n):
@@ -549,7 +566,7 @@ def _spmd(pipe, body, params, xs, key):
     rep = PartitionSpec()
     params_spec = PartitionSpec(axis)
     params = compat.constrain(params, pipe.mesh, params_spec, axis)
-    xs = compat.constrain(xs, pipe.mesh, rep, axis)  # after micro-batching: x was split eagerly
+    xs = compat.constrain(xs, pipe.mesh, rep, axis)
     if key is not None:
         key = compat.constrain(key, pipe.mesh, rep, axis)
     key_spec = None if key is None else rep
@@ -566,7 +583,7 @@ def _as_varying(tree, template, axis_name):
     """``tree`` with the sharding type of ``template`` (varying), values unchanged.
 
     Used inside cond branches, where ``pcast`` must not appear (see :mod:`pipejax._src.compat`).
-    A stage output that depends on no device-varying value is written into a varying zero buffer;
+    A stage output that depends on no device-varying value is written into a varying buffer;
     ``dynamic_update_slice`` is exact and its transpose has no collective.
     """
 
@@ -578,11 +595,30 @@ def _as_varying(tree, template, axis_name):
     return jax.tree.map(fix, tree, template)
 
 
-def _finish(acc, axis, n):
-    """Replicates the last device's outputs: the other devices' accumulators are all zeros.
+def _mesh_loop(pipe, schedule, s, compute, init, out_of):
+    """The per-device tick loop shared by both stage kinds on a mesh.
 
-    Adding exact zeros is exact, so the result is bitwise the last device's accumulator.
+    ``compute(phase)`` returns ``f(inbox, prev, i) -> out``; ``out_of(out)`` reads the last
+    stage's output from ``out``. Returns the replicated output accumulator.
     """
+    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
+
+    def make_step(phase):
+        f = compute(phase)
+
+        def step(carry, row):
+            inbox, prev, acc = carry
+            i = row[s]
+            out = f(inbox, prev, i)
+            acc = _write(acc, out_of(out), _clip(i, m), (i >= 0) & (s == n - 1))
+            return (_shift(out, axis, n), out, acc), None
+
+        return step
+
+    message, acc = init
+    _, _, acc = _scan_phases(pipe, schedule, make_step, (message, message, acc))
+    # Only the last device wrote its accumulator; the others hold zeros, and adding exact zeros
+    # is exact, so the sum is bitwise the last device's outputs.
     return lax.psum(acc, axis)
 
 
@@ -595,33 +631,22 @@ def _run_homogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
         s = lax.axis_index(axis)
         params = jax.tree.map(lambda a: a[0], params)
         xs, key = compat.to_varying((xs, key), axis)
-        zeros = compat.to_varying(_zeros(layout), axis)
 
-        def compute(params, xs, inbox, i, key, zeros):
-            ic = _clip(i, m)
-            k = keys.key_for(key, ic, s)
-            x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
+        def compute(phase):
+            def f(params, xs, inbox, prev, i, key):
+                ic = _clip(i, m)
+                x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
 
-            def run():
-                return _as_varying(stage(params, x_in, k), zeros, axis)
+                def run():
+                    return _as_varying(stage(params, x_in, keys.key_for(key, ic, s)), prev, axis)
 
-            return lax.cond(i >= 0, run, lambda: zeros)
+                return _guard(phase.skip_bubbles, i, run, prev)
 
-        def make_step(remat):
-            f = remat(compute)
+            f = phase.remat(f)
+            return lambda inbox, prev, i: f(params, xs, inbox, prev, i, key)
 
-            def step(carry, row):
-                inbox, acc = carry
-                i = row[s]
-                out = f(params, xs, inbox, i, key, zeros)
-                acc = _write(acc, out, _clip(i, m), (i >= 0) & (s == n - 1))
-                return (_shift(out, axis, n), acc), None
-
-            return step
-
-        acc = compat.to_varying(_zeros(layout, (m,)), axis)
-        _, acc = _scan_phases(pipe, schedule, make_step, (zeros, acc))
-        return _finish(acc, axis, n)
+        init = compat.to_varying((_zeros(layout), _zeros(layout, (m,))), axis)
+        return _mesh_loop(pipe, schedule, s, compute, init, lambda out: out)
 
     return _spmd(pipe, body, params, xs, key)
 
@@ -636,10 +661,10 @@ def _run_heterogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
     def branch(s):
         stage = pipe.stages[s]
 
-        def f(pbufs, xs, inbox, ic, k, zeros):
+        def f(pbufs, xs, inbox, prev, ic, k):
             p = pbox.unpack(pbufs, playouts[s])
             x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
-            return _as_varying(box.pack(stage(p, x_in, k)), zeros, axis)
+            return _as_varying(box.pack(stage(p, x_in, k)), prev, axis)
 
         return f
 
@@ -649,29 +674,17 @@ def _run_heterogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
         s = lax.axis_index(axis)
         pbufs = tuple(b[0] for b in pbufs)
         xs, key = compat.to_varying((xs, key), axis)
-        zeros = compat.to_varying(box.zeros(), axis)
 
-        def compute(pbufs, xs, inbox, i, key, zeros):
-            ic = _clip(i, m)
-            k = keys.key_for(key, ic, s)
-            args = (pbufs, xs, inbox, ic, k, zeros)
-            return lax.cond(i >= 0, lambda: lax.switch(s, branches, *args), lambda: zeros)
+        def compute(phase):
+            def f(pbufs, xs, inbox, prev, i, key):
+                ic = _clip(i, m)
+                args = (pbufs, xs, inbox, prev, ic, keys.key_for(key, ic, s))
+                return _guard(phase.skip_bubbles, i, lambda: lax.switch(s, branches, *args), prev)
 
-        def make_step(remat):
-            f = remat(compute)
+            f = phase.remat(f)
+            return lambda inbox, prev, i: f(pbufs, xs, inbox, prev, i, key)
 
-            def step(carry, row):
-                inbox, acc = carry
-                i = row[s]
-                out = f(pbufs, xs, inbox, i, key, zeros)
-                y = box.unpack(out, boundaries[n])
-                acc = _write(acc, y, _clip(i, m), (i >= 0) & (s == n - 1))
-                return (_shift(out, axis, n), acc), None
-
-            return step
-
-        acc = compat.to_varying(_zeros(boundaries[n], (m,)), axis)
-        _, acc = _scan_phases(pipe, schedule, make_step, (zeros, acc))
-        return _finish(acc, axis, n)
+        init = compat.to_varying((box.zeros(), _zeros(boundaries[n], (m,))), axis)
+        return _mesh_loop(pipe, schedule, s, compute, init, lambda out: box.unpack(out, boundaries[n]))
 
     return _spmd(pipe, body, params.buffers, xs, key)
