@@ -19,7 +19,8 @@ same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 

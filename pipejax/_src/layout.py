@@ -13,7 +13,8 @@ parameters (padded to the largest stage).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ class Layout(NamedTuple):
     dtypes: tuple[np.dtype, ...]
 
     @classmethod
-    def of(cls, tree: Any) -> "Layout":
+    def of(cls, tree: Any) -> Layout:
         leaves, treedef = jax.tree.flatten(tree)
         return cls(
             treedef,
@@ -61,7 +62,7 @@ class Container(NamedTuple):
     sizes: tuple[int, ...]
 
     @classmethod
-    def for_layouts(cls, layouts: Sequence[Layout]) -> "Container":
+    def for_layouts(cls, layouts: Sequence[Layout]) -> Container:
         need: dict[np.dtype, int] = {}
         for layout in layouts:
             for dtype, n in layout.demand().items():
@@ -70,7 +71,7 @@ class Container(NamedTuple):
         return cls(dtypes, tuple(need[d] for d in dtypes))
 
     def zeros(self, leading: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
-        return tuple(jnp.zeros(leading + (n,), d) for d, n in zip(self.dtypes, self.sizes, strict=True))
+        return tuple(jnp.zeros((*leading, n), d) for d, n in zip(self.dtypes, self.sizes, strict=True))
 
     def nbytes(self) -> int:
         return sum(n * d.itemsize for d, n in zip(self.dtypes, self.sizes, strict=True))

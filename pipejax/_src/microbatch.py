@@ -79,7 +79,7 @@ def split(x: Any, chunks: int) -> tuple[Any, jax.Array, Plan]:
         if p.padding:
             fill = jnp.repeat(leaf[-1:], p.padding, axis=0)
             leaf = jnp.concatenate([leaf, fill], axis=0)
-        return leaf.reshape((p.num_micro, p.micro_size) + leaf.shape[1:])
+        return leaf.reshape((p.num_micro, p.micro_size, *leaf.shape[1:]))
 
     mask = (jnp.arange(p.num_micro * p.micro_size) < p.batch).reshape(p.num_micro, p.micro_size)
     return jax.tree.map(cut, x), mask, p
@@ -89,6 +89,6 @@ def merge(ys: Any, p: Plan) -> Any:
     """Inverse of :func:`split`: ``(m, b, *rest)`` leaves back to ``(B, *rest)``, padding dropped."""
 
     def join(leaf):
-        return leaf.reshape((p.num_micro * p.micro_size,) + leaf.shape[2:])[: p.batch]
+        return leaf.reshape((p.num_micro * p.micro_size, *leaf.shape[2:]))[: p.batch]
 
     return jax.tree.map(join, ys)

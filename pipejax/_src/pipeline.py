@@ -25,8 +25,8 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ def pipeline(
     checkpoint: str | Callable[..., Any] = "except_last",
     mesh: Mesh | None = None,
     axis_name: str = "stage",
-) -> "Pipeline":
+) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
     The mini-batch ``x`` is cut into ``chunks`` micro-batches that stream through the stages: at
@@ -265,8 +265,7 @@ def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
         )
     if len(stages) == 0:
         raise ValueError(
-            "`stages` is empty; a pipeline needs at least one stage function "
-            "`stage(params, x, key) -> y`."
+            "`stages` is empty; a pipeline needs at least one stage function `stage(params, x, key) -> y`."
         )
     for s, stage in enumerate(stages):
         if not callable(stage):
@@ -326,9 +325,7 @@ def _check_params_shape(params, pipe: Pipeline) -> None:
                 "has homogeneous stages; pass the parameters stacked on a leading stage axis."
             )
         if params.num_stages != n:
-            raise ValueError(
-                f"`params` packs {params.num_stages} stages, but the pipeline has {n} stages."
-            )
+            raise ValueError(f"`params` packs {params.num_stages} stages, but the pipeline has {n} stages.")
         return
     if pipe.homogeneous:
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
@@ -373,7 +370,7 @@ def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layo
     """The output layout of ``stage`` on ``in_struct``, or a clear error."""
     try:
         out = jax.eval_shape(stage, p_struct, in_struct, key_struct)
-    except Exception as err:  # noqa: BLE001 - re-raised with context
+    except Exception as err:
         source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
         raise ValueError(
             f"Stage {s} could not be applied to {source}, whose type is "
@@ -396,9 +393,7 @@ def _heterogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
     """Layouts of the values entering stage 0, 1, ..., and leaving the last stage."""
     in_struct = _micro_struct(xs)
     micro_size = jax.tree.leaves(xs)[0].shape[1]
-    p_structs = (
-        [_struct(p) for p in params.unpack()] if isinstance(params, StageParams) else [_struct(p) for p in params]
-    )
+    p_structs = [_struct(p) for p in (params.unpack() if isinstance(params, StageParams) else params)]
     layouts = [Layout.of(in_struct)]
     for s, stage in enumerate(pipe.stages):
         layouts.append(_stage_output(s, stage, p_structs[s], in_struct, key_struct, micro_size))
@@ -623,7 +618,7 @@ def _mesh_loop(pipe, schedule, s, compute, init, out_of):
 
 
 def _run_homogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
-    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
+    m, axis = schedule.num_micro, pipe.axis_name
     stage = pipe.stages[0]
     layout = boundaries[0]
 

@@ -11,7 +11,8 @@ its own stage's parameters, padded to the largest stage.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
