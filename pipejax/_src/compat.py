@@ -68,5 +68,23 @@ def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str) -> Any
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
+def replicate(tree: Any) -> Any:
+    """Reshards leaves typed with Explicit mesh axes to replicated, on their own mesh.
+
+    Values typed with Explicit axes refuse reshapes and slices across a sharded dimension, which
+    micro-batching and parameter unpacking need. Other leaves are returned unchanged.
+    """
+
+    def put(x):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+            return x
+        if all(p is None for p in sharding.spec):
+            return x
+        return jax.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+    return jax.tree.map(put, tree)
+
+
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, keys, microbatch
@@ -205,11 +205,12 @@ class Pipeline:
         """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
         leaves = [a for a in jax.tree.leaves((params, x, key)) if _is_concrete(a)]
         if self.mesh is None:
-            device_sets = {a.sharding.device_set for a in leaves if a.committed}
-            if len(device_sets) <= 1:
+            # One device runs everything: gather inputs spread over several devices onto one.
+            device_sets = {frozenset(a.sharding.device_set) for a in leaves if a.committed}
+            if len(device_sets) <= 1 and all(len(d) == 1 for d in device_sets):
                 return params, x, key
-            target = next(iter(sorted(device_sets.pop(), key=lambda d: d.id)))
-            return jax.device_put((params, x, key), target)
+            target = min((d for ds in device_sets for d in ds), key=lambda d: d.id)
+            return jax.device_put((params, x, key), SingleDeviceSharding(target))
         mesh_devices = set(self.mesh.devices.flat)
 
         def put(tree, spec):
@@ -229,6 +230,7 @@ class Pipeline:
     # -- traced -----------------------------------------------------------------------------
 
     def _apply(self, params, x, key):
+        x = compat.replicate(x)  # a batch sharded with Explicit axes cannot be cut up in place
         xs, _, plan = microbatch.split(x, self.chunks)
         schedule = sched.gpipe(self.num_stages, plan.num_micro)
         key_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
@@ -393,7 +395,10 @@ def _heterogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
     """Layouts of the values entering stage 0, 1, ..., and leaving the last stage."""
     in_struct = _micro_struct(xs)
     micro_size = jax.tree.leaves(xs)[0].shape[1]
-    p_structs = [_struct(p) for p in (params.unpack() if isinstance(params, StageParams) else params)]
+    if isinstance(params, StageParams):
+        p_structs = [layout.structs() for layout in params.layouts]
+    else:
+        p_structs = [_struct(p) for p in params]
     layouts = [Layout.of(in_struct)]
     for s, stage in enumerate(pipe.stages):
         layouts.append(_stage_output(s, stage, p_structs[s], in_struct, key_struct, micro_size))

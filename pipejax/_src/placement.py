@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import compat
 from pipejax._src.layout import Container, Layout
 
 
@@ -47,7 +48,8 @@ class StageParams:
 
     def stage(self, s: int) -> Any:
         """The parameter pytree of stage ``s``."""
-        return self.container.unpack(tuple(b[s] for b in self.buffers), self.layouts[s])
+        rows = tuple(b[s] for b in compat.replicate(self.buffers))
+        return self.container.unpack(rows, self.layouts[s])
 
     def unpack(self) -> list[Any]:
         """The per-stage parameter pytrees, as a list."""
