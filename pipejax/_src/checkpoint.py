@@ -79,16 +79,25 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     loop-invariant and hoisted out of the scan; later ticks that are not fully checkpointed run
     every stage without a cond. There a stage with no micro-batch recomputes its last real input,
     so it still sees only values it was written for, and its output is discarded.
+
+    Every mode cuts the ticks at the same places -- ``n - 1`` and ``max(m, n) - 1`` -- and differs
+    only in how each phase computes. The backward pass sums each phase's parameter cotangents
+    separately, so equal cuts make those floating-point sums, and hence the gradients, bitwise
+    identical across modes.
     """
-    n, ticks = schedule.num_stages, schedule.num_ticks
-    first_full = min(n - 1, ticks)  # ticks before this one may have unfilled stages
+    n, m, ticks = schedule.num_stages, schedule.num_micro, schedule.num_ticks
+    fill = min(n - 1, ticks)  # ticks before this one may have unfilled stages
+    drain = max(m, n) - 1  # "except_last" keeps the activations of the ticks from here on
+    full, plain = _remat(), _identity
     if checkpoint == "always":
-        ranges = [Phase(0, ticks, _remat(), True)]
+        kinds = [(full, True), (full, True), (full, True)]
     elif checkpoint == "never":
-        ranges = [Phase(0, first_full, _remat(), True), Phase(first_full, ticks, _identity, False)]
+        kinds = [(full, True), (plain, False), (plain, False)]
     elif checkpoint == "except_last":
-        kept = max(schedule.fill_ticks, first_full)
-        ranges = [Phase(0, kept, _remat(), True), Phase(kept, ticks, _identity, False)]
+        kinds = [(full, True), (full, True), (plain, False)]
     else:
-        ranges = [Phase(0, first_full, _remat(), True), Phase(first_full, ticks, _remat(checkpoint), False)]
+        policy = _remat(checkpoint)
+        kinds = [(full, True), (policy, False), (policy, False)]
+    cuts = [0, fill, drain, ticks]
+    ranges = [Phase(a, b, remat, skip) for (a, b), (remat, skip) in zip(zip(cuts, cuts[1:]), kinds)]
     return [p for p in ranges if p.stop > p.start]
