@@ -19,6 +19,7 @@ same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -99,5 +100,6 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
         policy = _remat(checkpoint)
         kinds = [(full, True), (policy, False), (policy, False)]
     cuts = [0, fill, drain, ticks]
-    ranges = [Phase(a, b, remat, skip) for (a, b), (remat, skip) in zip(zip(cuts, cuts[1:]), kinds)]
+    bounds = itertools.pairwise(cuts)
+    ranges = [Phase(a, b, remat, skip) for (a, b), (remat, skip) in zip(bounds, kinds, strict=True)]
     return [p for p in ranges if p.stop > p.start]
