@@ -348,7 +348,8 @@ def _check_params_shape(params, pipe: Pipeline) -> None:
         )
     if len(params) != n:
         raise ValueError(
-            f"`params` has {len(params)} entries but the pipeline has {n} stages; pass exactly one "
+            f"`params` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
+            f"pipeline has {n} stages; pass exactly one "
             "parameter pytree per stage (use None or {} for a stage without parameters)."
         )
 
@@ -380,6 +381,12 @@ def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layo
             f"Make stage {s} accept what {('`x`' if s == 0 else f'stage {s - 1}')} produces "
             "(shapes include the micro-batch axis first)."
         ) from err
+    if not jax.tree.leaves(out):
+        raise ValueError(
+            f"Stage {s} returned {out!r}, which holds no arrays. A stage must return the "
+            "activation for the next stage (an array or a pytree of arrays with the micro-batch "
+            "axis first); check for a missing `return`."
+        )
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if not isinstance(leaf, jax.ShapeDtypeStruct) or not leaf.shape or leaf.shape[0] != micro_size:
             got = getattr(leaf, "shape", leaf)

@@ -60,7 +60,10 @@ class StageParams:
         return self.container.nbytes()
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{b.dtype}{list(b.shape)}" for b in self.buffers)
+        shapes = ", ".join(
+            f"{b.dtype}{list(b.shape)}" if hasattr(b, "shape") and hasattr(b, "dtype") else repr(b)
+            for b in self.buffers
+        )
         return f"StageParams(num_stages={self.num_stages}, buffers=({shapes}))"
 
 
