@@ -1,0 +1,64 @@
+"""The examples and the code in the docs run as tests, each in a fresh process.
+
+A subprocess gives each script its own JAX, initialised with the 4 fake CPU devices it asks for,
+independent of the strict settings this test process runs under.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(args, timeout=300):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_train_mlp_pipeline_short():
+    proc = run_python([str(ROOT / "examples" / "train_mlp_pipeline.py"), "--short"])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+
+    # The step-0 checks ran and passed (the script exits non-zero otherwise).
+    assert "step-0 check (no dropout)" in out, out
+    assert "step-0 check (dropout, keys from pj.stage_key)" in out, out
+
+    # Training made progress: the last train and test losses are clearly below the first ones.
+    losses = [
+        (float(train), float(test))
+        for train, test in re.findall(r"train loss ([\d.]+)\s+test loss ([\d.]+)", out)
+    ]
+    assert len(losses) >= 3, out
+    (train0, test0), (train1, test1) = losses[0], losses[-1]
+    assert train1 < 0.9 * train0, out
+    assert test1 < test0, out
+
+
+def python_blocks(markdown):
+    """The ```python blocks of a markdown file, joined in order into one script."""
+    return "\n".join(re.findall(r"```python\n(.*?)```", markdown, re.S))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["README.md", "docs/pipeline.md"])
+def test_docs_code_runs(page):
+    """Every python snippet of the page runs, in order, as one script (their asserts included)."""
+    source = python_blocks((ROOT / page).read_text())
+    assert "import pipejax as pj" in source
+    proc = run_python(["-c", source])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
