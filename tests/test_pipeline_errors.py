@@ -1,0 +1,269 @@
+"""Bad input raises ``ValueError``/``TypeError`` (never a raw XLA error) at construction or trace
+time, with a message that names the argument and the value received."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pipejax as pj
+from tests import models
+
+
+def affine(p, x, key):
+    return x * p["w"]
+
+
+def pair():
+    return pj.pipeline([affine, affine], chunks=2), [{"w": 2.0}, {"w": 3.0}]
+
+
+X = jnp.ones((4, 3))
+
+
+# --- construction -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [0, -3])
+def test_chunks_below_one(chunks):
+    with pytest.raises(ValueError, match=rf"`chunks` must be >= 1.*got {chunks}"):
+        pj.pipeline([affine], chunks=chunks)
+
+
+@pytest.mark.parametrize("chunks,shown", [(2.0, "float 2.0"), (True, "bool True"), ("4", "str '4'")])
+def test_chunks_not_an_int(chunks, shown):
+    with pytest.raises(TypeError, match=rf"`chunks` must be an int.*got {re.escape(shown)}"):
+        pj.pipeline([affine], chunks=chunks)
+
+
+def test_unknown_checkpoint_mode_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="`checkpoint`") as info:
+        pj.pipeline([affine], checkpoint="sometimes")
+    message = str(info.value)
+    assert "'sometimes'" in message
+    for mode in pj.CHECKPOINT_MODES:
+        assert repr(mode) in message
+    assert "policy" in message
+
+
+def test_checkpoint_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"`checkpoint`.*got int 3"):
+        pj.pipeline([affine], checkpoint=3)
+
+
+def test_no_stages():
+    with pytest.raises(ValueError, match=r"`stages` is empty"):
+        pj.pipeline([])
+
+
+def test_stage_not_callable():
+    with pytest.raises(TypeError, match=r"`stages\[1\]` must be a callable.*got int 3"):
+        pj.pipeline([affine, 3])
+
+
+def test_stages_not_a_sequence():
+    with pytest.raises(TypeError, match=r"`stages` must be a sequence.*got int"):
+        pj.pipeline(3)
+
+
+def test_homogeneous_function_without_num_stages():
+    with pytest.raises(TypeError, match=r"`num_stages`"):
+        pj.pipeline(affine)
+
+
+@pytest.mark.parametrize("num_stages", [0, -1, 2.0])
+def test_bad_num_stages(num_stages):
+    with pytest.raises(ValueError, match=rf"`num_stages` must be an int >= 1.*got {num_stages!r}"):
+        pj.pipeline(affine, num_stages=num_stages)
+
+
+def test_num_stages_disagrees_with_the_stage_list():
+    with pytest.raises(ValueError, match=r"`num_stages` is 3 but 2 stage functions"):
+        pj.pipeline([affine, affine], num_stages=3)
+
+
+def test_mesh_without_the_stage_axis():
+    mesh = jax.make_mesh((2,), ("data",))
+    with pytest.raises(ValueError, match=r"`mesh` has no axis named 'stage'.*\('data',\)"):
+        pj.pipeline([affine, affine], mesh=mesh)
+
+
+def test_mesh_with_a_custom_axis_name_is_accepted():
+    mesh = jax.make_mesh((2,), ("pipe",))
+    apply = pj.pipeline([affine, affine], mesh=mesh, axis_name="pipe")
+    np.testing.assert_array_equal(np.asarray(apply([{"w": 2.0}, {"w": 3.0}], X)), np.asarray(X * 6.0))
+
+
+def test_mesh_stage_axis_of_the_wrong_size():
+    mesh = jax.make_mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match=r"`mesh` axis 'stage' has size 2, but the pipeline has 3 stages"):
+        pj.pipeline([affine] * 3, mesh=mesh)
+
+
+def test_mesh_not_a_mesh():
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh or None.*got str"):
+        pj.pipeline([affine], mesh="stage")
+
+
+def test_axis_name_not_a_string():
+    with pytest.raises(TypeError, match=r"`axis_name` must be a str.*got int 0"):
+        pj.pipeline([affine], axis_name=0)
+
+
+# --- parameters ------------------------------------------------------------------------------------
+
+
+def test_params_count_differs_from_stage_count():
+    apply, params = pair()
+    with pytest.raises(ValueError, match=r"`params` has 3 entries but the pipeline has 2 stages"):
+        apply([*params, {"w": 1.0}], X)
+    with pytest.raises(ValueError, match=r"`params` has 1 entry but the pipeline has 2 stages"):
+        apply(params[:1], X)
+
+
+def test_params_not_a_sequence_for_heterogeneous_stages():
+    apply, _ = pair()
+    with pytest.raises(TypeError, match=r"`params` must be a sequence.*2 stages.*got dict"):
+        apply({"w": 2.0}, X)
+
+
+def test_homogeneous_params_without_the_stacked_axis():
+    apply = pj.pipeline(models.residual, num_stages=2)
+    params = {"w": jnp.zeros((3, 3)), "b": jnp.zeros((2, 3))}
+    with pytest.raises(
+        ValueError, match=r"leading stage axis of size 2.*`params` leaf \['w'\] has shape \(3, 3\)"
+    ):
+        apply(params, X)
+
+
+def test_homogeneous_scalar_params():
+    apply = pj.pipeline(affine, num_stages=2)
+    with pytest.raises(ValueError, match=r"leading stage axis of size 2.*\['w'\] has shape \(\)"):
+        apply({"w": 2.0}, X)
+
+
+def test_stage_params_for_homogeneous_stages():
+    placed = pj.pipeline([affine, affine]).place([{"w": jnp.ones(())}, {"w": jnp.ones(())}])
+    with pytest.raises(TypeError, match=r"`params` is a StageParams.*homogeneous"):
+        pj.pipeline(affine, num_stages=2)(placed, X)
+
+
+def test_stage_params_with_another_stage_count():
+    placed = pj.pipeline([affine, affine]).place([{"w": jnp.ones(())}, {"w": jnp.ones(())}])
+    with pytest.raises(ValueError, match=r"`params` packs 2 stages, but the pipeline has 3"):
+        pj.pipeline([affine] * 3)(placed, X)
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+def test_leaves_of_x_with_different_batch_sizes():
+    apply, params = pair()
+    x = {"a": jnp.ones((4, 3)), "b": jnp.ones((5,))}
+    with pytest.raises(ValueError, match=r"`x` must share the leading batch axis.*\['a'\]: 4.*\['b'\]: 5"):
+        apply(params, x)
+
+
+def test_scalar_leaf_in_x():
+    apply, params = pair()
+    with pytest.raises(ValueError, match=r"`x` leaf \['s'\] is a scalar"):
+        apply(params, {"a": X, "s": jnp.ones(())})
+
+
+def test_empty_batch():
+    apply, params = pair()
+    with pytest.raises(ValueError, match=r"`x` has an empty batch"):
+        apply(params, jnp.ones((0, 3)))
+
+
+def test_x_without_leaves():
+    apply, params = pair()
+    with pytest.raises(ValueError, match=r"`x` has no array leaves"):
+        apply(params, {})
+
+
+# --- stages that do not fit together ----------------------------------------------------------------
+
+
+def _dense(p, x, key):
+    return x @ p["w"]
+
+
+def test_stage_output_cannot_feed_the_next_stage():
+    apply = pj.pipeline([_dense, _dense], chunks=2)
+    params = [{"w": jnp.ones((3, 5))}, {"w": jnp.ones((4, 2))}]  # stage 1 expects width 4, gets 5
+    with pytest.raises(
+        ValueError, match=r"Stage 1 could not be applied to the output of stage 0.*float64\[2, 5\]"
+    ):
+        apply(params, X)
+
+
+def test_stage_that_fails_on_x():
+    apply = pj.pipeline([_dense], chunks=2)
+    with pytest.raises(ValueError, match=r"Stage 0 could not be applied to a micro-batch of `x`"):
+        apply([{"w": jnp.ones((7, 2))}], X)
+
+
+def test_stage_that_drops_the_batch_axis():
+    apply = pj.pipeline([affine, lambda p, x, key: jnp.sum(x, axis=0)], chunks=2)
+    with pytest.raises(
+        ValueError, match=r"Stage 1 returned leaf <root> with shape \(3,\).*micro-batch axis first \(size 2\)"
+    ):
+        apply([{"w": 2.0}, {}], X)
+
+
+def test_stage_that_returns_a_scalar():
+    apply = pj.pipeline([lambda p, x, key: jnp.sum(x)], chunks=2)
+    with pytest.raises(ValueError, match=r"Stage 0 returned leaf <root> with shape \(\)"):
+        apply([{}], X)
+
+
+def test_homogeneous_stage_that_changes_the_activation_type():
+    apply = pj.pipeline(_dense, num_stages=2)
+    with pytest.raises(ValueError, match=r"Homogeneous stages must return.*float64\[4, 3\].*float64\[4, 5\]"):
+        apply({"w": jnp.ones((2, 3, 5))}, X)
+
+
+def test_errors_are_raised_under_jit_too():
+    apply = pj.pipeline([_dense, _dense], chunks=2)
+    params = [{"w": jnp.ones((3, 5))}, {"w": jnp.ones((4, 2))}]
+    with pytest.raises(ValueError, match=r"Stage 1 could not be applied"):
+        jax.jit(apply)(params, X)
+    with pytest.raises(ValueError, match=r"must share the leading batch axis"):
+        jax.jit(apply)(params, {"a": X, "b": jnp.ones((2,))})
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key,shown",
+    [
+        (0, "int with shape None and dtype None"),
+        (jnp.zeros(2), "with shape (2,) and dtype float64"),
+        (jnp.zeros((3,), jnp.uint32), "with shape (3,) and dtype uint32"),
+    ],
+)
+def test_key_that_is_not_a_key(key, shown):
+    apply, params = pair()
+    with pytest.raises(TypeError, match=rf"`key` must be None or a PRNG key.*{re.escape(shown)}"):
+        apply(params, X, key=key)
+
+
+def test_key_array_instead_of_one_key():
+    apply, params = pair()
+    with pytest.raises(TypeError, match=r"`key` must be a single PRNG key.*shape \(2,\)"):
+        apply(params, X, key=jax.random.split(jax.random.key(0)))
+
+
+def test_stage_that_returns_none():
+    def forgot_return(p, x, key):
+        x * 2.0
+
+    apply = pj.pipeline([affine, forgot_return], chunks=2)
+    with pytest.raises(ValueError, match=r"Stage 1 returned None, which holds no arrays.*missing `return`"):
+        apply([{"w": 2.0}, {}], X)
