@@ -78,8 +78,11 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     a scan stores the parameters once per tick. So the first ``n - 1`` ticks (the only ones where a
     stage can be unfilled) always run the cond under full checkpointing, whose saved inputs are
     loop-invariant and hoisted out of the scan; later ticks that are not fully checkpointed run
-    every stage without a cond. There a stage with no micro-batch recomputes its last real input,
-    so it still sees only values it was written for, and its output is discarded.
+    every stage without a cond. There a stage with no micro-batch recomputes on a real input (stage
+    0 re-reads micro-batch 0; a later stage reads what its predecessor last produced, itself real),
+    so it still sees only values it was written for, and its output is discarded. On a mesh those
+    ticks are ones the device would idle anyway; with ``mesh=None`` they cost ``n (n - 1) / 2``
+    extra stage executions per call.
 
     Every mode cuts the ticks at the same places -- ``n - 1`` and ``max(m, n) - 1`` -- and differs
     only in how each phase computes. The backward pass sums each phase's parameter cotangents

@@ -176,7 +176,10 @@ class Pipeline:
         Heterogeneous stages: returns a :class:`StageParams` (every stage's leaves packed into one
         buffer per dtype, stacked on a stage axis). Homogeneous stages: the stacked pytree. With
         a mesh, the stage axis is sharded over ``axis_name``, so a device stores only its own
-        stage's parameters (heterogeneous stages: padded to the largest stage). Pass the result
+        stage's parameters. Heterogeneous stages are padded per dtype: a device stores, for each
+        dtype, the largest demand of any stage on that dtype (with one dtype: the largest
+        stage; with several, possibly more, since the largest demands may come from different
+        stages). Pass the result
         to the pipeline, to ``jax.grad`` and to optax in place of ``params``.
         """
         _check_params_shape(params, self)

@@ -1,0 +1,853 @@
+"""Benchmarks of ``pipejax.pipeline``: bubble, memory, overhead and compile time.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/pipeline.py            # full run (several minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/pipeline.py --quick    # smoke run (well under a minute)
+    .venv/bin/python benchmarks/pipeline.py --section memory --section compile
+
+The script simulates 8 CPU devices (``--xla_force_host_platform_device_count=8``). Fake devices in
+one process do not run in parallel, so nothing here measures a pipeline speed-up: the bubble is
+measured by counting the stage executions that happen, memory from XLA's compiled memory analysis
+(per device: with a mesh the compiled program is the per-device SPMD program), and time only as
+ratios of programs run side by side on one device.
+
+Sections (each prints markdown tables):
+
+1. ``bubble``: stage executions per device, counted with ``jax.debug.callback`` inside the stage.
+2. ``memory``: compiled temp bytes of ``jit(grad(loss))`` per device for each checkpoint mode,
+   against a memory model; fitted per-micro-batch slopes; per-device parameter bytes of
+   heterogeneous stages placed on a mesh.
+3. ``overhead``: a one-stage pipeline without a mesh against plain ``jax.jit`` of the stage.
+4. ``compile``: trace + lower + compile time of an 8-stage heterogeneous pipeline against the
+   un-pipelined composed model.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse
+import collections
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import pipejax as pj
+
+MODES = ("always", "except_last", "never")
+OVERHEAD_TARGETS = {"never": 1.05, "always": 1.4}
+COMPILE_TARGET = 3.0
+
+
+# --- output helpers ------------------------------------------------------------------------------
+
+
+def table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """A markdown table; ``align`` is one letter per column, ``l`` or ``r`` (default: r)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    align = align or "r" * len(headers)
+
+    def line(row):
+        return (
+            "| "
+            + " | ".join(
+                c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align, strict=True)
+            )
+            + " |"
+        )
+
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1))
+            for w, a in zip(widths, align, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:,.1f}"
+
+
+def section(title: str) -> None:
+    print(f"\n## {title}\n", flush=True)
+
+
+def temp_bytes(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def nbytes(tree) -> int:
+    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+
+
+def normal(shape, seed: int, scale: float = 1.0) -> jax.Array:
+    """A float32 array of normal samples, made with numpy (jax.random compiles per shape)."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def stage_mesh(n: int):
+    return jax.make_mesh((n,), ("stage",))
+
+
+# --- 1. bubble -----------------------------------------------------------------------------------
+
+
+def bench_bubble(cfg) -> None:
+    section("1. Bubble: stage executions per device, counted")
+    print(
+        "A homogeneous stage `y = x * w` calls `jax.debug.callback(record, p['idx'], x[0, 0])`: its\n"
+        "stage index (a sharded parameter, so only device s holds s) and the id of the micro-batch it\n"
+        "works on (the input rows carry their micro-batch index). The callback runs only when the\n"
+        "stage really executes, so bubble ticks that skip the stage are not counted. Mesh of n\n"
+        "devices. T = ticks of the schedule (`apply.schedule(B).num_ticks`). 'fwd exec' is the\n"
+        "count per device in one forward call; 'repeats' are executions on a micro-batch the device\n"
+        "had already processed (a bubble tick that runs the stage anyway; its output is\n"
+        "discarded), summed over devices; 'repeated ids' are those micro-batches. idle =\n"
+        "1 - (fwd exec)/T, averaged over devices; 'useful idle' counts only distinct micro-batches.\n"
+        "'grad exec' counts executions in one `jit(grad)` call (forward plus checkpoint\n"
+        "recomputation). 'local' is the total over stages with mesh=None (one device runs all).\n"
+    )
+    log: list[tuple[int, int]] = []
+
+    def record(s, i):
+        log.append((int(s), int(i)))
+
+    def stage(p, x, key):
+        jax.debug.callback(record, p["idx"], x[0, 0])
+        return x * p["w"]
+
+    def run(apply, params, x, grad):
+        log.clear()
+        if grad:
+            f = jax.jit(jax.grad(lambda w: apply({"idx": params["idx"], "w": w}, x).sum()))
+            jax.block_until_ready(f(params["w"]))
+        else:
+            jax.block_until_ready(apply(params, x))
+        jax.effects_barrier()
+        return list(log)
+
+    rows, problems = [], []
+    b = 2
+    for n in cfg["bubble_n"]:
+        mesh = stage_mesh(n)
+        for m in cfg["bubble_m"]:
+            x = jnp.repeat(jnp.arange(m, dtype=jnp.float32), b)[:, None] * jnp.ones((1, 3), jnp.float32)
+            ideal = (n - 1) / (m + n - 1)
+            for mode in MODES:
+                apply = pj.pipeline(stage, num_stages=n, chunks=m, checkpoint=mode, mesh=mesh)
+                raw = {"idx": jnp.arange(n, dtype=jnp.int32), "w": jnp.ones((n,), jnp.float32)}
+                params = apply.place(raw)
+                ticks = apply.schedule(x.shape[0]).num_ticks
+                fwd = run(apply, params, x, grad=False)
+                per_dev = collections.Counter(s for s, _ in fwd)
+                pairs = collections.Counter(fwd)
+                distinct = collections.Counter(s for s, _ in pairs)
+                execs = [per_dev[s] for s in range(n)]
+                repeats = [per_dev[s] - distinct[s] for s in range(n)]
+                repeated_ids = sorted({i for (s, i), c in pairs.items() if c > 1})
+                if set(pairs) != {(s, i) for s in range(n) for i in range(m)}:
+                    problems.append(f"n={n} m={m} {mode}: (stage, micro-batch) pairs run {sorted(pairs)}")
+                grad = collections.Counter(s for s, _ in run(apply, params, x, grad=True))
+                local = pj.pipeline(stage, num_stages=n, chunks=m, checkpoint=mode, mesh=None)
+                local_total = len(run(local, raw, x, grad=False))
+                idle = 1 - np.mean(execs) / ticks
+                useful_idle = 1 - np.mean([distinct[s] for s in range(n)]) / ticks
+                rows.append(
+                    [
+                        n,
+                        m,
+                        mode,
+                        ticks,
+                        execs,
+                        sum(repeats),
+                        repeated_ids or "",
+                        f"{idle:.3f}",
+                        f"{useful_idle:.3f}",
+                        f"{ideal:.3f}",
+                        f"{pj.gpipe_bubble_fraction(n, m):.3f}",
+                        [grad[s] for s in range(n)],
+                        f"{local_total}/{n * m}",
+                    ]
+                )
+    print(
+        table(
+            [
+                "n",
+                "m",
+                "mode",
+                "T",
+                "fwd exec per device",
+                "repeats",
+                "repeated ids",
+                "idle",
+                "useful idle",
+                "(n-1)/(m+n-1)",
+                "pj.gpipe_bubble_fraction",
+                "grad exec per device",
+                "local exec/(n*m)",
+            ],
+            rows,
+            align="rrlrlrlrrrrlr",
+        )
+    )
+    if problems:
+        print("\nPROBLEM: some (stage, micro-batch) pairs did not run exactly as scheduled:")
+        for p in problems:
+            print("  " + p)
+    else:
+        print("\nEvery (stage, micro-batch) pair ran at least once, and on the device holding that stage.")
+
+
+# --- 2. memory -----------------------------------------------------------------------------------
+
+
+def mlp_stage(p, x, key):
+    h = x
+    for w in p["ws"]:
+        h = jnp.tanh(h @ w)
+    return h
+
+
+def mlp_params(n: int, d: int, h: int, layers: int):
+    shapes = [(d, h)] + [(h, h)] * (layers - 2) + [(h, d)]
+    return {"ws": [normal((n, *s), seed=i, scale=1 / np.sqrt(s[0])) for i, s in enumerate(shapes)]}
+
+
+def residual_bytes(stage, p, x) -> tuple[int, list[str]]:
+    """Bytes plain autodiff saves for ``stage(p, x)``, excluding the arguments themselves."""
+    _, vjp = jax.vjp(lambda p, x: stage(p, x, None), p, x)
+    ids = {id(a) for a in jax.tree.leaves((p, x))}
+    saved = [a for a in jax.tree.leaves(vjp) if id(a) not in ids]
+    shapes = collections.Counter(f"{a.dtype}{list(a.shape)}" for a in saved)
+    return sum(a.nbytes for a in saved), [f"{k} x{v}" for k, v in shapes.items()]
+
+
+def model_bytes(mode: str, n: int, m: int, A: int, R: int, O: int) -> tuple[int, int]:  # noqa: E741
+    """(initial model, corrected model) of per-device temp bytes."""
+    T = m + n - 1
+    initial = {
+        "always": T * A + R + m * O,
+        "never": T * R + m * O,
+        "except_last": (m - 1) * A + n * R + m * O,
+    }[mode]
+    # Corrected (see docs/benchmark_pipeline.md): ticks with a full stage computation keep the
+    # stage's residuals R and its input A; checkpointed ticks keep only the input A (none when
+    # n == 1, where the input is read from the batch). The first n - 1 ticks are always
+    # checkpointed. Parameter-sized buffers (gradient accumulators, loop-state copies) are left
+    # out: the tables report them as (measured - model) / P.
+    a = A if n > 1 else 0
+    kept = {"always": T, "never": min(n - 1, T), "except_last": max(m - 1, min(n - 1, T))}[mode]
+    corrected = kept * a + (T - kept) * (R + A) + m * O + (R if mode == "always" else 0)
+    return initial, corrected
+
+
+def phase_summary(mode: str, n: int, m: int) -> str:
+    """The engine's scan phases as tick counts, ``c`` checkpointed, ``p`` not (private API)."""
+    try:
+        from pipejax._src import checkpoint as ckpt
+
+        parts = []
+        for ph in ckpt.phases(mode, pj.gpipe_schedule(n, m)):
+            remat = "c" if getattr(ph.remat, "func", None) is jax.checkpoint else "p"
+            parts.append(f"{ph.stop - ph.start}{remat}")
+        return " ".join(parts)
+    except Exception:  # diagnostics only; the engine's internals may change
+        return "?"
+
+
+def fit_slope(ms, ys) -> float:
+    if len(ms) < 2:
+        return float("nan")
+    return float(np.polyfit(np.asarray(ms, float), np.asarray(ys, float), 1)[0])
+
+
+def bench_memory(cfg) -> None:
+    section("2. Memory: compiled temp bytes of jit(grad(loss)) per device")
+    d, h, layers, b = cfg["mem_dims"]
+    p1 = jax.tree.map(lambda a: a[0], mlp_params(1, d, h, layers))
+    x1 = jnp.ones((b, d), jnp.float32)
+    A = O = b * d * 4  # noqa: E741
+    R, saved = residual_bytes(mlp_stage, p1, x1)
+    P = nbytes(p1)
+    single = temp_bytes(jax.grad(lambda p, x: jnp.sum(mlp_stage(p, x, None) ** 2)), p1, x1)
+    print(
+        f"Homogeneous stages: {layers} layers `h = tanh(h @ W)`, widths {d} -> {h} -> ... -> {d}; a\n"
+        f"micro-batch has {b} examples (the micro-batch size is fixed, the batch is {b}*m).\n"
+        f"loss = sum(pipeline(params, x) ** 2). Per stage and micro-batch:\n\n"
+        f"* A = stage input = {kib(A)} KiB; O = pipeline output = {kib(O)} KiB\n"
+        f"* R = residuals plain autodiff saves (jax.vjp, arguments excluded) = {kib(R)} KiB = "
+        f"{R / A:.1f} A: {', '.join(saved)}\n"
+        f"* P = one stage's parameters = {kib(P)} KiB; temp bytes of one stage's own jit(grad) "
+        f"= {kib(single)} KiB (XLA fuses part of R away when there is no loop)\n\n"
+        "Models (T = m + n - 1 ticks):\n\n"
+        "* initial:   always T*A + R + m*O;  never T*R + m*O;  except_last (m-1)*A + n*R + m*O\n"
+        "* corrected: k*A' + (T-k)*(R + A) + m*O (+ R with always, for the recomputation):\n"
+        "             k checkpointed ticks keep their input A' (A' = A, or 0 if n = 1, where the\n"
+        "             input is read from the batch), the other T - k ticks keep R and their input;\n"
+        "             k = T (always), n-1 (never), max(m-1, n-1) (except_last). Parameter-sized\n"
+        "             buffers (gradient accumulators, loop-state copies) are not modelled: see the\n"
+        "             column (meas-corr)/P.\n\n"
+        "'phases' lists the engine's scan phases in tick counts (c: checkpointed, p: not).\n"
+    )
+    grid: dict[tuple[str, int], list[tuple[int, int]]] = collections.defaultdict(list)
+    rows = []
+    for n in cfg["mem_n"]:
+        mesh = stage_mesh(n)
+        for mode in cfg["mem_modes"]:
+            for m in cfg["mem_m"]:
+                apply = pj.pipeline(mlp_stage, num_stages=n, chunks=m, checkpoint=mode, mesh=mesh)
+                params = apply.place(mlp_params(n, d, h, layers))
+                x = jnp.ones((b * m, d), jnp.float32)
+                ma = (
+                    jax.jit(jax.grad(lambda p, x, apply=apply: jnp.sum(apply(p, x) ** 2)))
+                    .lower(params, x)
+                    .compile()
+                    .memory_analysis()
+                )
+                t = ma.temp_size_in_bytes
+                grid[(mode, n)].append((m, t))
+                initial, corr = model_bytes(mode, n, m, A, R, O)
+                rows.append(
+                    [
+                        mode,
+                        n,
+                        m,
+                        phase_summary(mode, n, m),
+                        kib(t),
+                        kib(initial),
+                        f"{t / initial:.2f}",
+                        kib(corr),
+                        f"{t / corr:.2f}",
+                        f"{(t - corr) / P:.2f}",
+                        kib(ma.argument_size_in_bytes),
+                    ]
+                )
+    print(
+        table(
+            [
+                "mode",
+                "n",
+                "m",
+                "phases",
+                "temp KiB",
+                "initial model",
+                "meas/initial",
+                "corrected model",
+                "meas/corr",
+                "(meas-corr)/P",
+                "args KiB",
+            ],
+            rows,
+            align="lrrlrrrrrrr",
+        )
+    )
+
+    print(
+        f"\nSlopes: least-squares fit of temp bytes against m over m >= max({cfg['slope_from']}, n + 1)\n"
+        "(KiB per extra micro-batch; m > n so that every fit has the same phase structure), against\n"
+        "the corrected model's slope. The initial model expects about A (always), R (never).\n"
+    )
+    srows = []
+    for (mode, n), pts in grid.items():
+        m0 = max(cfg["slope_from"], n + 1)
+        pts = [(m, t) for m, t in pts if m >= m0]
+        slope = fit_slope([m for m, _ in pts], [t for _, t in pts])
+        pred = model_bytes(mode, n, m0 + 1, A, R, O)[1] - model_bytes(mode, n, m0, A, R, O)[1]
+        srows.append(
+            [
+                mode,
+                n,
+                [m for m, _ in pts],
+                kib(slope),
+                f"{slope / A:.2f}",
+                f"{slope / R:.3f}",
+                kib(pred),
+                f"{slope / pred:.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "mode",
+                "n",
+                "m fitted",
+                "slope KiB",
+                "slope / A",
+                "slope / R",
+                "model slope KiB",
+                "fitted/model",
+            ],
+            srows,
+            align="lrlrrrrr",
+        )
+    )
+    if cfg["mem_diagnostics"]:
+        memory_diagnostics(cfg, A, R, O, P)
+    bench_param_bytes(cfg)
+
+
+def memory_diagnostics(cfg, A, R, O, P) -> None:  # noqa: E741
+    d, h, layers, b = cfg["mem_dims"]
+    print(
+        "\nDiagnostics. (a) The constant: temp bytes of jit(grad) with respect to the parameters and\n"
+        "the input (as above) against with respect to the input x only (no parameter-gradient\n"
+        "accumulator). (b) 'phases' as above: a phase of one tick is a one-iteration loop, and each\n"
+        "one costs about one R more than the model (compare neighbouring n or m).\n"
+    )
+    rows = []
+    for mode, n, m in cfg["mem_diagnostics"]:
+        apply = pj.pipeline(mlp_stage, num_stages=n, chunks=m, checkpoint=mode, mesh=stage_mesh(n))
+        params = apply.place(mlp_params(n, d, h, layers))
+        x = jnp.ones((b * m, d), jnp.float32)
+
+        def loss(p, x, apply=apply):
+            return jnp.sum(apply(p, x) ** 2)
+
+        t_p = temp_bytes(jax.grad(loss), params, x)
+        t_x = temp_bytes(jax.grad(loss, argnums=1), params, x)
+        corr = model_bytes(mode, n, m, A, R, O)[1]
+        rows.append(
+            [
+                mode,
+                n,
+                m,
+                phase_summary(mode, n, m),
+                kib(t_p),
+                kib(t_x),
+                f"{(t_p - t_x) / P:.2f}",
+                kib(corr),
+                f"{(t_p - corr) / R:+.2f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "mode",
+                "n",
+                "m",
+                "phases",
+                "temp KiB (grad p, x)",
+                "temp KiB (grad x)",
+                "difference / P",
+                "corrected model KiB",
+                "(meas - model) / R",
+            ],
+            rows,
+            align="lrrlrrrrr",
+        )
+    )
+
+
+def bench_param_bytes(cfg) -> None:
+    n = cfg["param_n"]
+    print(
+        f"\nParameter bytes per device: {n} heterogeneous stages of very different sizes, placed with\n"
+        "`apply.place(params)` on a mesh of n devices. 'held' is read from the buffers'\n"
+        "`addressable_shards` on each device; 'bytes_per_stage' is StageParams.bytes_per_stage().\n"
+    )
+
+    def dense(p, x, key):
+        return jnp.tanh(x @ p["w"].astype(x.dtype) + p["b"].astype(x.dtype))
+
+    cases = {
+        "float32": [
+            (16, 32, jnp.float32),
+            (32, 512, jnp.float32),
+            (512, 64, jnp.float32),
+            (64, 16, jnp.float32),
+        ],
+        "float32 + bfloat16": [
+            (16, 32, jnp.float32),
+            (32, 512, jnp.bfloat16),
+            (512, 64, jnp.float32),
+            (64, 16, jnp.bfloat16),
+        ],
+    }
+    rows = []
+    for name, dims in cases.items():
+        dims = dims[:n]
+        stages = [dense] * len(dims)
+        params = [{"w": jnp.ones((i, o), dt), "b": jnp.zeros((o,), dt)} for i, o, dt in dims]
+        apply = pj.pipeline(stages, chunks=2, mesh=stage_mesh(len(dims)))
+        placed = apply.place(params)
+        held: dict = collections.Counter()
+        for buf in placed.buffers:
+            for shard in buf.addressable_shards:
+                held[shard.device.id] += shard.data.nbytes
+        per_stage = [nbytes(p) for p in params]
+        total = sum(per_stage)
+        devs = sorted(held)
+        rows.append(
+            [
+                name,
+                [kib(b) for b in per_stage],
+                [kib(held[dv]) for dv in devs],
+                kib(placed.bytes_per_stage()),
+                kib(max(per_stage)),
+                kib(total),
+                f"{sum(held.values()) / total:.2f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "dtypes",
+                "stage params KiB",
+                "held per device KiB",
+                "bytes_per_stage",
+                "largest stage",
+                "total params",
+                "sum held / total",
+            ],
+            rows,
+            align="lllrrrr",
+        )
+    )
+
+
+# --- 3. overhead ---------------------------------------------------------------------------------
+
+
+def bench_overhead(cfg) -> None:
+    section("3. Overhead: one-stage pipeline (chunks=1, mesh=None) against plain jax.jit")
+    d, layers, batch = cfg["ovh_dims"]
+    rounds = cfg["ovh_rounds"]
+
+    def f(p, x, key=None):
+        h = x
+        for w in p:
+            h = jnp.tanh(h @ w)
+        return h
+
+    params = [normal((d, d), seed=i, scale=1 / np.sqrt(d)) for i in range(layers)]
+    x = normal((batch, d), seed=99)
+
+    def loss_of(fn):
+        return lambda p, x: jnp.sum(fn(p, x) ** 2)
+
+    variants = {"plain": loss_of(f)}
+    for mode in MODES:
+        apply = pj.pipeline([f], chunks=1, checkpoint=mode, mesh=None)
+        variants[mode] = loss_of(lambda p, x, apply=apply: apply([p], x))
+    for chunks in cfg["ovh_context_chunks"]:  # context rows, no target: here recomputation is real
+        apply = pj.pipeline([f], chunks=chunks, checkpoint="always", mesh=None)
+        variants[f"always, chunks={chunks}"] = loss_of(lambda p, x, apply=apply: apply([p], x))
+    fns = {k: jax.jit(jax.grad(v)).lower(params, x).compile() for k, v in variants.items()}
+    temps = {k: fn.memory_analysis().temp_size_in_bytes for k, fn in fns.items()}
+    ref = fns["plain"](params, x)
+    for g in fns.values():  # warm up, and check that they agree
+        out = g(params, x)
+        for a, r in zip(out, ref, strict=True):
+            # float32; chunks > 1 sums the gradient over micro-batches in another order
+            r = np.asarray(r)
+            np.testing.assert_allclose(np.asarray(a), r, rtol=1e-3, atol=1e-5 * np.abs(r).max())
+        for _ in range(3):
+            jax.block_until_ready(g(params, x))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(rounds):  # interleaved, rotating the order every round
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for k in order:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[k](params, x))
+            times[k].append(time.perf_counter() - t0)
+    plain = np.asarray(times["plain"])
+    print(
+        f"Stage: {layers} layers `tanh(h @ W)` of width {d}, batch {batch}; forward + backward\n"
+        f"(`jit(grad(loss))`). {rounds} interleaved rounds (the order rotates each round), after\n"
+        "warm-up. 'ratio' is the median over rounds of (variant time / plain time in the same round),\n"
+        "with its interquartile range; 'temp' is the compiled temp bytes. Rows 'always, chunks=c'\n"
+        "are context, without a target: a c-tick loop, where checkpointing really recomputes.\n"
+    )
+    rows = []
+    for k in names:
+        t = np.asarray(times[k])
+        ratios = t / plain
+        q1, med, q3 = np.percentile(ratios, [25, 50, 75])
+        target = OVERHEAD_TARGETS.get(k)
+        verdict = "" if target is None else ("met" if med <= target else "MISSED")
+        rows.append(
+            [
+                k,
+                f"{np.median(t) * 1e3:.2f}",
+                f"{t.min() * 1e3:.2f}",
+                f"{med:.3f}",
+                f"{q1:.3f}-{q3:.3f}",
+                f"{np.median(t) / np.median(plain):.3f}",
+                kib(temps[k]),
+                "" if target is None else f"<= {target}",
+                verdict,
+            ]
+        )
+    print(
+        table(
+            [
+                "variant",
+                "median ms",
+                "min ms",
+                "ratio",
+                "ratio IQR",
+                "median/median",
+                "temp KiB",
+                "target",
+                "",
+            ],
+            rows,
+            align="lrrrrrrrl",
+        )
+    )
+
+
+# --- 4. compile time -----------------------------------------------------------------------------
+
+
+def count_primitives(jaxpr) -> collections.Counter:
+    """Equations per primitive, recursively through sub-jaxprs."""
+    counts: collections.Counter = collections.Counter()
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        for e in j.eqns:
+            counts[e.primitive.name] += 1
+            stack.extend(jex_core.jaxprs_in_params(e.params))
+    return counts
+
+
+def bench_compile(cfg) -> None:
+    n, depth, batch, chunks, reps = cfg["comp"]
+    section(f"4. Compile time: {n}-stage heterogeneous pipeline against the composed model")
+    widths = [64 if s % 2 == 0 else 128 for s in range(n + 1)]
+
+    def make_stages():  # fresh functions for every measurement: no tracing cache can be hit
+        def one(s):
+            def stage(p, x, key):
+                h = jnp.tanh(x @ p["w_in"] + p["b"])
+                for _ in range(depth):
+                    h = h + jnp.tanh(h @ p["w"])
+                return jnp.tanh(h @ p["w_out"])
+
+            return stage
+
+        return [one(s) for s in range(n)]
+
+    def stage_params(s):
+        i, o = widths[s], widths[s + 1]
+        return {
+            "w_in": normal((i, 2 * o), 3 * s, 1 / np.sqrt(i)),
+            "b": jnp.zeros((2 * o,)),
+            "w": normal((2 * o, 2 * o), 3 * s + 1, 1 / np.sqrt(2 * o)),
+            "w_out": normal((2 * o, o), 3 * s + 2, 1 / np.sqrt(2 * o)),
+        }
+
+    params = [stage_params(s) for s in range(n)]
+    x = jnp.ones((batch, widths[0]), jnp.float32)
+    mesh = stage_mesh(n)
+    placed = {
+        "mesh": pj.pipeline(make_stages(), chunks=chunks, mesh=mesh).place(params),
+        "none": pj.pipeline(make_stages(), chunks=chunks, mesh=None).place(params),
+    }
+
+    def composed():
+        stages = make_stages()
+
+        def loss(ps, x):
+            h = x
+            for stage, p in zip(stages, ps, strict=True):
+                h = stage(p, h, None)
+            return jnp.sum(h**2)
+
+        return jax.jit(jax.grad(loss)), (params, x)
+
+    def piped(mode, where):
+        def build():
+            apply = pj.pipeline(
+                make_stages(), chunks=chunks, checkpoint=mode, mesh=mesh if where == "mesh" else None
+            )
+            return jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x) ** 2))), (placed[where], x)
+
+        return build
+
+    configs = {"composed (no pipeline)": composed}
+    for where, mode in cfg["comp_configs"]:
+        configs[f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}"] = piped(mode, where)
+    results: dict[str, list[np.ndarray]] = {k: [] for k in configs}
+    sizes = {}
+    for _ in range(reps):
+        for name, build in configs.items():
+            jax.clear_caches()
+            fn, args = build()
+            t0 = time.perf_counter()
+            traced = fn.trace(*args)
+            t1 = time.perf_counter()
+            lowered = traced.lower()
+            t2 = time.perf_counter()
+            lowered.compile()
+            t3 = time.perf_counter()
+            results[name].append(np.array([t1 - t0, t2 - t1, t3 - t2]))
+            sizes[name] = count_primitives(traced.jaxpr.jaxpr)
+    print(
+        f"Stage s: `tanh(x @ W_in + b)`, {depth} residual layers `h + tanh(h @ W)`, `tanh(h @ W_out)`;\n"
+        f"widths alternate 64 / 128 (so the stage functions and activation shapes differ), batch\n"
+        f"{batch}, chunks={chunks}. Time of `jax.jit(jax.grad(loss))`: trace (`.trace`), lower, compile\n"
+        f"(XLA), after `jax.clear_caches()` and with freshly made stage functions; median of {reps}\n"
+        "interleaved repetitions. 'eqns' and 'tanh' count jaxpr equations of the traced jit(grad),\n"
+        "recursively (the composed model has one tanh per layer forward; backward reuses them).\n"
+    )
+    base = np.median(results["composed (no pipeline)"], axis=0).sum()
+    rows = []
+    base_eqns = sum(sizes["composed (no pipeline)"].values())
+    base_tanh = sizes["composed (no pipeline)"]["tanh"]
+    for name, ts in results.items():
+        med = np.median(ts, axis=0)
+        ratio = med.sum() / base
+        piped_row = name != "composed (no pipeline)"
+        verdict = ("met" if ratio <= COMPILE_TARGET else "MISSED") if piped_row else ""
+        eqns, tanh = sum(sizes[name].values()), sizes[name]["tanh"]
+        rows.append(
+            [
+                name,
+                f"{med[0]:.2f}",
+                f"{med[1]:.2f}",
+                f"{med[2]:.2f}",
+                f"{med.sum():.2f}",
+                f"{ratio:.2f}",
+                f"{eqns} ({eqns / base_eqns:.1f}x)",
+                f"{tanh} ({tanh / base_tanh:.1f}x)",
+                f"<= {COMPILE_TARGET}" if piped_row else "",
+                verdict,
+            ]
+        )
+    print(
+        table(
+            ["program", "trace s", "lower s", "compile s", "total s", "ratio", "eqns", "tanh", "target", ""],
+            rows,
+            align="lrrrrrrrrl",
+        )
+    )
+    names = list(sizes)
+    top = sorted(set().union(*sizes.values()), key=lambda k: -max(c[k] for c in sizes.values()))
+    top = top[: cfg["comp_top_primitives"]]
+    print(
+        f"\nWhere the equations come from: the {len(top)} most frequent primitives of each traced\n"
+        "jit(grad) (counts, recursively through sub-jaxprs).\n"
+    )
+    print(
+        table(
+            ["primitive", *names],
+            [[k, *(sizes[nm][k] for nm in names)] for k in top]
+            + [["all", *(sum(sizes[nm].values()) for nm in names)]],
+            align="l" + "r" * len(names),
+        )
+    )
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+FULL = {
+    "bubble_n": (1, 2, 4),
+    "bubble_m": (1, 4, 8, 16),
+    "mem_dims": (64, 256, 4, 256),  # input width, hidden width, layers, micro-batch size
+    "mem_n": (1, 2, 4),
+    "mem_m": (1, 4, 8, 16),
+    "mem_modes": MODES,
+    "slope_from": 4,
+    "mem_diagnostics": (
+        ("always", 1, 4),
+        ("always", 2, 4),
+        ("always", 3, 4),
+        ("always", 4, 4),
+        ("always", 4, 8),
+        ("never", 2, 4),
+        ("never", 3, 4),
+        ("except_last", 2, 2),
+        ("except_last", 2, 3),
+        ("except_last", 2, 4),
+    ),
+    "param_n": 4,
+    "ovh_dims": (512, 4, 256),  # width, layers, batch
+    "ovh_rounds": 60,
+    "ovh_context_chunks": (2,),
+    "comp": (8, 4, 64, 8, 3),  # stages, residual layers per stage, batch, chunks, repetitions
+    "comp_configs": tuple((where, mode) for where in ("mesh", "none") for mode in MODES),
+    "comp_top_primitives": 16,
+}
+QUICK = {
+    "bubble_n": (2,),
+    "bubble_m": (3,),
+    "mem_dims": (16, 64, 3, 32),
+    "mem_n": (2,),
+    "mem_m": (3, 4),
+    "mem_modes": ("always", "never"),
+    "slope_from": 2,
+    "mem_diagnostics": (),
+    "param_n": 2,
+    "ovh_dims": (128, 2, 64),
+    "ovh_rounds": 5,
+    "ovh_context_chunks": (),
+    "comp": (2, 0, 16, 2, 1),
+    "comp_configs": (("mesh", "always"),),
+    "comp_top_primitives": 6,
+}
+SECTIONS = {
+    "bubble": bench_bubble,
+    "memory": bench_memory,
+    "overhead": bench_overhead,
+    "compile": bench_compile,
+}
+
+
+def header(quick: bool) -> None:
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    print("# pipejax pipeline benchmarks" + (" (--quick)" if quick else ""))
+    print(
+        f"\npipejax {pj.__version__} (git {rev}), jax {jax.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, {jax.device_count()} {jax.devices()[0].platform} "
+        f"devices (simulated), load average {load}."
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test (< 60 s)")
+    parser.add_argument("--section", action="append", choices=list(SECTIONS), help="run only these sections")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    header(args.quick)
+    start = time.perf_counter()
+    for name in args.section or list(SECTIONS):
+        t0 = time.perf_counter()
+        SECTIONS[name](cfg)
+        print(f"\n({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"\nTotal {time.perf_counter() - start:.1f} s.")
+
+
+if __name__ == "__main__":
+    main()

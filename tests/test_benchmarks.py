@@ -1,0 +1,27 @@
+"""The benchmark script runs end to end (its --quick smoke mode); its numbers live in docs/."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_quick():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count before importing jax
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for section in ("Bubble", "Memory", "Overhead", "Compile"):
+        assert section in proc.stdout, f"missing section {section!r}:\n{proc.stdout[-2000:]}"
