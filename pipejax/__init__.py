@@ -2,6 +2,7 @@
 for JAX, as pure composable functions."""
 
 from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
+from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
 from pipejax._src.microbatch import Plan as MicrobatchPlan
 from pipejax._src.microbatch import merge as merge_microbatches
@@ -24,6 +25,7 @@ __all__ = [
     "Schedule",
     "StageFn",
     "StageParams",
+    "checkpoint_sequential",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
     "merge_microbatches",

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from pipejax._src.schedule import Schedule
 
@@ -106,3 +107,128 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     bounds = itertools.pairwise(cuts)
     ranges = [Phase(a, b, remat, skip) for (a, b), (remat, skip) in zip(bounds, kinds, strict=True)]
     return [p for p in ranges if p.stop > p.start]
+
+
+# --- checkpoint_sequential ------------------------------------------------------------------------
+
+
+def checkpoint_sequential(
+    layer: Callable[..., Any], *, segments: int | None = None, policy: Any = None
+) -> Callable[..., Any]:
+    """Applies ``L`` copies of ``layer`` in sequence, keeping O(sqrt L) activations for backward.
+
+    The JAX form of ``torch.utils.checkpoint.checkpoint_sequential``. The ``L`` layers are cut into
+    segments of ``ceil(L / segments)`` layers (the last may be shorter); the backward pass keeps
+    only the activation entering each segment and recomputes the segment's internals when it gets
+    there. With ``segments ~ sqrt(L)`` that is about ``2 sqrt(L)`` activations instead of ``L``,
+    for about one extra forward pass of compute (Chen et al. 2016).
+
+    Randomness: layer ``l`` (0-based) receives ``jax.random.fold_in(key, l)``, exactly what a plain
+    ``lax.scan`` over the layers with that derivation draws. The recomputation replays the same
+    keys, so the forward result is bitwise that of the plain scan and gradients match it.
+
+    Args:
+      layer: ``layer(params_l, x, key_l) -> x``, one layer; it must return an activation of the
+        type it takes.
+      segments: the number of segments, ``>= 1``; ``None`` picks ``round(sqrt(L))``. More segments
+        than layers give one layer per segment.
+      policy: an optional ``jax.checkpoint`` policy for what each segment may save besides its
+        input (e.g. ``jax.checkpoint_policies.dots_saveable``).
+
+    Returns:
+      ``apply(stacked_params, x, key=None)``, where every leaf of ``stacked_params`` has a leading
+      axis of length ``L`` (layer ``l`` gets ``tree.map(lambda a: a[l], stacked_params)``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> layer = lambda p, x, key: jnp.tanh(x @ p)
+      >>> apply = pj.checkpoint_sequential(layer, segments=4)
+      >>> w = jnp.stack([jnp.eye(3)] * 16)
+      >>> apply(w, jnp.ones((2, 3))).shape
+      (2, 3)
+
+    References:
+      Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016.
+    """
+    if not callable(layer):
+        raise TypeError(
+            f"`layer` must be a callable `layer(params_l, x, key_l) -> x`, but got {type(layer).__name__}."
+        )
+    if segments is not None:
+        if isinstance(segments, bool) or not isinstance(segments, int):
+            raise TypeError(f"`segments` must be an int >= 1 or None, but got {segments!r}.")
+        if segments < 1:
+            raise ValueError(
+                f"`segments` must be >= 1 (the number of checkpointed segments), but got {segments}; "
+                "pass None for about sqrt(L)."
+            )
+    remat = _remat(policy)
+
+    def step(carry, xs, key):
+        p, index = xs
+        k = None if key is None else jax.random.fold_in(key, index)
+        return layer(p, carry, k), None
+
+    def run(params, x, index, key):
+        """A plain scan over the layers in ``params`` (leading axis), numbered from ``index``."""
+        return jax.lax.scan(lambda c, xs: step(c, xs, key), x, (params, index))[0]
+
+    def apply(stacked_params: Any, x: Any, key: jax.Array | None = None) -> Any:
+        num_layers = _num_layers(stacked_params)
+        _check_layer_keeps_type(layer, stacked_params, x, key)
+        count = min(segments or max(1, round(num_layers**0.5)), num_layers)
+        size = -(-num_layers // count)  # layers per full segment
+        full = num_layers // size  # full segments; a shorter one may follow
+        index = jnp.arange(num_layers, dtype=jnp.int32)
+        head = jax.tree.map(lambda a: a[: full * size].reshape((full, size, *a.shape[1:])), stacked_params)
+        segment = remat(run)
+        x = jax.lax.scan(
+            lambda c, xs: (segment(xs[0], c, xs[1], key), None),
+            x,
+            (head, index[: full * size].reshape(full, size)),
+        )[0]
+        if full * size < num_layers:
+            tail = jax.tree.map(lambda a: a[full * size :], stacked_params)
+            x = segment(tail, x, index[full * size :], key)
+        return x
+
+    return apply
+
+
+def _num_layers(stacked_params: Any) -> int:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(stacked_params)
+    if not leaves:
+        raise ValueError(
+            "`stacked_params` has no array leaves; stack the per-layer parameters on a leading "
+            "axis of length L (e.g. `jax.tree.map(lambda *p: jnp.stack(p), *layers)`)."
+        )
+    sizes = {
+        jax.tree_util.keystr(p) or "<root>": (jnp.shape(a)[0] if jnp.ndim(a) else None) for p, a in leaves
+    }
+    if None in sizes.values() or len(set(sizes.values())) != 1:
+        listing = ", ".join(f"{p}: {n}" for p, n in sizes.items())
+        raise ValueError(
+            "Every leaf of `stacked_params` needs the same leading layer axis, but the leading "
+            f"sizes are {listing} (None: a scalar). Stack every layer's parameters on axis 0."
+        )
+    (num_layers,) = set(sizes.values())
+    if num_layers == 0:
+        raise ValueError("`stacked_params` has zero layers (leading axis 0); pass at least one.")
+    return num_layers
+
+
+def _check_layer_keeps_type(layer, stacked_params, x, key) -> None:
+    p0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), stacked_params)
+    x_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
+    k_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
+    out = jax.eval_shape(layer, p0, x_struct, k_struct)
+    if jax.tree.structure(out) != jax.tree.structure(x_struct) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(x_struct), strict=True)
+    ):
+        raise ValueError(
+            "`layer` must return an activation of the type it takes, so that layers can be chained, "
+            f"but it maps {jax.tree.map(lambda a: (a.shape, str(a.dtype)), x_struct)} to "
+            f"{jax.tree.map(lambda a: (a.shape, str(a.dtype)), out)}."
+        )
