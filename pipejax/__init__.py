@@ -12,6 +12,7 @@ from pipejax._src.pipeline import Pipeline as Pipeline
 from pipejax._src.pipeline import StageFn as StageFn
 from pipejax._src.pipeline import pipeline as pipeline
 from pipejax._src.placement import StageParams as StageParams
+from pipejax._src.random import dropout as dropout
 from pipejax._src.schedule import Schedule as Schedule
 from pipejax._src.schedule import gpipe as gpipe_schedule
 from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
@@ -26,6 +27,7 @@ __all__ = [
     "StageFn",
     "StageParams",
     "checkpoint_sequential",
+    "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
     "merge_microbatches",

@@ -44,3 +44,17 @@ def key_for(key: jax.Array | None, microbatch: Any, stage: Any) -> jax.Array | N
     if key is None:
         return None
     return jax.random.fold_in(jax.random.fold_in(key, microbatch), stage)
+
+
+def example_keys_for(key: jax.Array | None, microbatch: Any, micro_size: int, stage: Any) -> jax.Array | None:
+    """Per-example keys for ``stage`` on ``microbatch``: one key per row, shape ``(micro_size,)``.
+
+    Row ``r`` of micro-batch ``i`` is example ``e = i * micro_size + r`` of the mini-batch, and
+    receives ``fold_in(fold_in(key, e), stage)``. The key depends on the example and the stage
+    only, not on how the batch was cut, so results do not change with ``chunks``. (Padding rows
+    of an uneven batch get indices ``e >= B``; their outputs are dropped.)
+    """
+    if key is None:
+        return None
+    examples = microbatch * micro_size + jnp.arange(micro_size, dtype=jnp.int32)
+    return jax.vmap(lambda e: jax.random.fold_in(jax.random.fold_in(key, e), stage))(examples)

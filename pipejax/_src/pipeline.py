@@ -61,6 +61,7 @@ def pipeline(
     checkpoint: str | Callable[..., Any] = "except_last",
     mesh: Mesh | None = None,
     axis_name: str = "stage",
+    per_example_keys: bool = False,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -94,6 +95,12 @@ def pipeline(
       mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name`` of size ``num_stages``; device ``s``
         along it runs stage ``s``. ``None`` runs the same schedule on one device.
       axis_name: the name of the mesh axis that holds the stages.
+      per_example_keys: if True, a stage receives one key per example of its micro-batch (an
+        array of ``b`` keys) instead of one key: row ``r`` of micro-batch ``i`` gets
+        ``fold_in(fold_in(key, i * b + r), s)``, which depends on the example's position in the
+        mini-batch, not on ``chunks``. Random draws then do not change when only ``chunks``
+        changes (torchgpipe issue #35). Cost: ``b`` extra ``fold_in`` per stage call and draws made
+        row by row (``jax.vmap``); use it when results must not depend on how the batch is cut.
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -127,6 +134,7 @@ def pipeline(
         checkpoint=checkpoint,
         mesh=mesh,
         axis_name=axis_name,
+        per_example_keys=per_example_keys,
     )
 
 
@@ -142,6 +150,7 @@ class Pipeline:
         checkpoint: Any,
         mesh: Mesh | None,
         axis_name: str,
+        per_example_keys: bool = False,
     ):
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
@@ -152,6 +161,9 @@ class Pipeline:
         self.checkpoint = checkpoint
         self.mesh = mesh
         self.axis_name = axis_name
+        if not isinstance(per_example_keys, bool):
+            raise TypeError(f"`per_example_keys` must be a bool, but got {per_example_keys!r}.")
+        self.per_example_keys = per_example_keys
         self._jitted = jax.jit(self._apply)
 
     def __repr__(self) -> str:
@@ -236,7 +248,10 @@ class Pipeline:
         x = compat.replicate(x)  # a batch sharded with Explicit axes cannot be cut up in place
         xs, _, plan = microbatch.split(x, self.chunks)
         schedule = sched.gpipe(self.num_stages, plan.num_micro)
-        key_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
+        key_struct = None
+        if key is not None:
+            lead = (plan.micro_size,) if self.per_example_keys else ()
+            key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
         if self.homogeneous:
             boundaries = _homogeneous_boundaries(self, params, xs, key_struct)
             run = _run_homogeneous_mesh if self.mesh is not None else _run_homogeneous_local
@@ -458,6 +473,13 @@ def _zeros(layout: Layout, leading=()):
     return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
 
 
+def _stage_keys(pipe, key, ic, s, xs):
+    """The key(s) stage ``s`` receives for micro-batch ``ic`` (see :mod:`pipejax._src.keys`)."""
+    if pipe.per_example_keys:
+        return keys.example_keys_for(key, ic, jax.tree.leaves(xs)[0].shape[1], s)
+    return keys.key_for(key, ic, s)
+
+
 def _guard(skip_bubbles, i, run, prev):
     """Runs the stage, or on a bubble tick (``i < 0``) returns the stage's previous output.
 
@@ -493,7 +515,7 @@ def _run_heterogeneous_local(pipe, params, xs, key, schedule, boundaries):
         def f(p, xs, inbox, prev, i, key):
             ic = _clip(i, m)
             x_in = _take(xs, ic) if s == 0 else inbox
-            return _guard(skip, i, lambda: stage(p, x_in, keys.key_for(key, ic, s)), prev)
+            return _guard(skip, i, lambda: stage(p, x_in, _stage_keys(pipe, key, ic, s, xs)), prev)
 
         return f
 
@@ -526,7 +548,7 @@ def _run_homogeneous_local(pipe, params, xs, key, schedule, boundaries):
         def f(params, x_in, prev, i, s, key):
             ic = _clip(i, m)
             p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), params)
-            return _guard(skip, i, lambda: stage(p, x_in, keys.key_for(key, ic, s)), prev)
+            return _guard(skip, i, lambda: stage(p, x_in, _stage_keys(pipe, key, ic, s, xs)), prev)
 
         return f
 
@@ -648,7 +670,7 @@ def _run_homogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
                 x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
 
                 def run():
-                    return _as_varying(stage(params, x_in, keys.key_for(key, ic, s)), prev, axis)
+                    return _as_varying(stage(params, x_in, _stage_keys(pipe, key, ic, s, xs)), prev, axis)
 
                 return _guard(phase.skip_bubbles, i, run, prev)
 
@@ -688,7 +710,7 @@ def _run_heterogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
         def compute(phase):
             def f(pbufs, xs, inbox, prev, i, key):
                 ic = _clip(i, m)
-                args = (pbufs, xs, inbox, prev, ic, keys.key_for(key, ic, s))
+                args = (pbufs, xs, inbox, prev, ic, _stage_keys(pipe, key, ic, s, xs))
                 return _guard(phase.skip_bubbles, i, lambda: lax.switch(s, branches, *args), prev)
 
             f = phase.remat(f)
