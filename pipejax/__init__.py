@@ -4,6 +4,9 @@ for JAX, as pure composable functions."""
 from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
+from pipejax._src.memory import MemoryReport as MemoryReport
+from pipejax._src.memory import Residual as Residual
+from pipejax._src.memory import memory_report as memory_report
 from pipejax._src.microbatch import Plan as MicrobatchPlan
 from pipejax._src.microbatch import merge as merge_microbatches
 from pipejax._src.microbatch import plan as microbatch_plan
@@ -21,8 +24,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "MemoryReport",
     "MicrobatchPlan",
     "Pipeline",
+    "Residual",
     "Schedule",
     "StageFn",
     "StageParams",
@@ -30,6 +35,7 @@ __all__ = [
     "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
+    "memory_report",
     "merge_microbatches",
     "microbatch_plan",
     "pipeline",

@@ -88,3 +88,14 @@ def replicate(tree: Any) -> Any:
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def saved_residuals(fn: Any, *args: Any) -> list[tuple[Any, str]]:
+    """``(aval, description)`` of every value reverse-mode autodiff of ``fn`` saves for backward.
+
+    JAX exposes this only as ``jax.ad_checkpoint.print_saved_residuals``; the list form lives in
+    ``jax._src``, so it is imported here, the one module allowed to know JAX internals.
+    """
+    from jax._src import ad_checkpoint
+
+    return ad_checkpoint.saved_residuals(fn, *args)
