@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pipejax._src.layout import Layout
 from pipejax._src.schedule import Schedule
 
 MODES = ("always", "except_last", "never")
@@ -222,13 +223,9 @@ def _check_layer_keeps_type(layer, stacked_params, x, key) -> None:
     p0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), stacked_params)
     x_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
     k_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
-    out = jax.eval_shape(layer, p0, x_struct, k_struct)
-    if jax.tree.structure(out) != jax.tree.structure(x_struct) or any(
-        (a.shape, a.dtype) != (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(x_struct), strict=True)
-    ):
+    before, after = Layout.of(x_struct), Layout.of(jax.eval_shape(layer, p0, x_struct, k_struct))
+    if after != before:
         raise ValueError(
             "`layer` must return an activation of the type it takes, so that layers can be chained, "
-            f"but it maps {jax.tree.map(lambda a: (a.shape, str(a.dtype)), x_struct)} to "
-            f"{jax.tree.map(lambda a: (a.shape, str(a.dtype)), out)}."
+            f"but it maps {before.describe()} to {after.describe()}."
         )
