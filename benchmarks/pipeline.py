@@ -33,8 +33,6 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse
 import collections
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,61 +44,12 @@ from jax.extend import core as jex_core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 import pipejax as pj
+from benchmarks._common import header as print_header
+from benchmarks._common import kib, nbytes, normal, section, table, temp_bytes
 
 MODES = ("always", "except_last", "never")
 OVERHEAD_TARGETS = {"never": 1.05, "always": 1.4}
 COMPILE_TARGET = 3.0
-
-
-# --- output helpers ------------------------------------------------------------------------------
-
-
-def table(headers: list[str], rows: list[list], align: str | None = None) -> str:
-    """A markdown table; ``align`` is one letter per column, ``l`` or ``r`` (default: r)."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    align = align or "r" * len(headers)
-
-    def line(row):
-        return (
-            "| "
-            + " | ".join(
-                c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align, strict=True)
-            )
-            + " |"
-        )
-
-    rule = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1))
-            for w, a in zip(widths, align, strict=True)
-        )
-        + "|"
-    )
-    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
-
-
-def kib(nbytes: float) -> str:
-    return f"{nbytes / 1024:,.1f}"
-
-
-def section(title: str) -> None:
-    print(f"\n## {title}\n", flush=True)
-
-
-def temp_bytes(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def nbytes(tree) -> int:
-    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
-
-
-def normal(shape, seed: int, scale: float = 1.0) -> jax.Array:
-    """A float32 array of normal samples, made with numpy (jax.random compiles per shape)."""
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
 
 
 def stage_mesh(n: int):
@@ -815,23 +764,8 @@ SECTIONS = {
 
 
 def header(quick: bool) -> None:
-    try:
-        rev = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    print("# pipejax pipeline benchmarks" + (" (--quick)" if quick else ""))
-    print(
-        f"\npipejax {pj.__version__} (git {rev}), jax {jax.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, {jax.device_count()} {jax.devices()[0].platform} "
-        f"devices (simulated), load average {load}."
-    )
+    print_header("pipejax pipeline benchmarks", quick)
+    print("(The devices are simulated CPU devices.)")
 
 
 def main(argv=None) -> None:
