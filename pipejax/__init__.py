@@ -1,6 +1,13 @@
 """pipejax: GPipe pipeline parallelism, deterministic checkpointing and higher-order derivatives
 for JAX, as pure composable functions."""
 
+from pipejax._src.balance import Balance as Balance
+from pipejax._src.balance import Partition as Partition
+from pipejax._src.balance import balance as balance
+from pipejax._src.balance import balance_costs as balance_costs
+from pipejax._src.balance import layer_costs as layer_costs
+from pipejax._src.balance import layer_key as layer_key
+from pipejax._src.balance import partition as partition
 from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
@@ -24,20 +31,27 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "Balance",
     "MemoryReport",
     "MicrobatchPlan",
+    "Partition",
     "Pipeline",
     "Residual",
     "Schedule",
     "StageFn",
     "StageParams",
+    "balance",
+    "balance_costs",
     "checkpoint_sequential",
     "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
+    "layer_costs",
+    "layer_key",
     "memory_report",
     "merge_microbatches",
     "microbatch_plan",
+    "partition",
     "pipeline",
     "split_microbatches",
     "stage_key",
