@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -131,8 +132,9 @@ def checkpoint_sequential(
     Args:
       layer: ``layer(params_l, x, key_l) -> x``, one layer; it must return an activation of the
         type it takes.
-      segments: the number of segments, ``>= 1``; ``None`` picks ``round(sqrt(L))``. More segments
-        than layers give one layer per segment.
+      segments: the number of segments, ``>= 1``; ``None`` picks about ``sqrt(L)``, preferring a
+        divisor of ``L`` (see :func:`default_segments`). More segments than layers give one layer
+        per segment.
       policy: an optional ``jax.checkpoint`` policy for what each segment may save besides its
         input (e.g. ``jax.checkpoint_policies.dots_saveable``).
 
@@ -178,7 +180,7 @@ def checkpoint_sequential(
     def apply(stacked_params: Any, x: Any, key: jax.Array | None = None) -> Any:
         num_layers = _num_layers(stacked_params)
         _check_layer_keeps_type(layer, stacked_params, x, key)
-        count = min(segments or max(1, round(num_layers**0.5)), num_layers)
+        count = min(segments or default_segments(num_layers), num_layers)
         size = -(-num_layers // count)  # layers per full segment
         full = num_layers // size  # full segments; a shorter one may follow
         index = jnp.arange(num_layers, dtype=jnp.int32)
@@ -195,6 +197,25 @@ def checkpoint_sequential(
         return x
 
     return apply
+
+
+def default_segments(num_layers: int) -> int:
+    """The segment count ``segments=None`` picks for ``num_layers`` layers: about ``sqrt(L)``.
+
+    Among the counts within a factor 1.5 of ``sqrt(L)``, a divisor of ``L`` is preferred (the
+    largest of those nearest ``sqrt(L)``), so every segment has the same length: a shorter last
+    segment is a second checkpointed call outside the scan, and XLA keeps its buffers apart
+    (measured at L = 512: 23 segments, the last of 6 layers, took 1.5x the temp bytes of 32
+    segments of 16). Without such a divisor it is ``round(sqrt(L))``.
+
+    >>> [default_segments(n) for n in (1, 8, 16, 17, 64, 100, 512)]
+    [1, 4, 4, 4, 8, 10, 32]
+    """
+    root = num_layers**0.5
+    divisors = [k for k in range(1, num_layers + 1) if num_layers % k == 0 and root / 1.5 <= k <= root * 1.5]
+    if not divisors:
+        return max(1, round(root))
+    return min(divisors, key=lambda k: (round(abs(math.log(k / root)), 9), -k))
 
 
 def _num_layers(stacked_params: Any) -> int:
