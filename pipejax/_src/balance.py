@@ -240,9 +240,10 @@ def _make_stage(layers: Sequence[Layer], s: int) -> Callable[..., Any]:
 def _check_stage_params(params, s, count, *, name):
     if isinstance(params, (list, tuple)) and len(params) == count:
         return
-    got = f"a {type(params).__name__} of {len(params)}" if isinstance(params, (list, tuple)) else (
-        type(params).__name__
-    )
+    if isinstance(params, (list, tuple)):
+        got = f"a {type(params).__name__} of {len(params)}"
+    else:
+        got = type(params).__name__
     raise ValueError(
         f"Stage {s} holds {count} layers, so {name} must be a list of {count} per-layer parameter "
         f"pytrees, but got {got}. Build the per-stage parameters with `partition.group(layer_params)`."
