@@ -25,3 +25,21 @@ def test_pipeline_benchmark_quick():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for section in ("Bubble", "Memory", "Overhead", "Compile"):
         assert section in proc.stdout, f"missing section {section!r}:\n{proc.stdout[-2000:]}"
+
+
+@pytest.mark.slow
+def test_memory_benchmark_quick(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    plot = tmp_path / "memory.png"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for heading in ("Compiled temp bytes", "Time per training step", "Memory growth"):
+        assert heading in proc.stdout, f"missing {heading!r}:\n{proc.stdout[-2000:]}"
+    assert plot.stat().st_size > 10_000  # a real PNG was drawn
