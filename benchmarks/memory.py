@@ -20,8 +20,9 @@ bitwise-identical gradients (checked before anything is measured):
   ``pipejax.invertible``, when that package is present (the same width; see
   ``benchmarks/invertible.py``).
 
-Memory is XLA's compiled ``temp_size_in_bytes`` of ``jit(grad(loss))``, which is deterministic on
-CPU; parameters and their gradients are arguments and outputs, not temps. Time is the wall time of
+Memory is XLA's compiled ``temp_size_in_bytes`` of ``jit(grad(loss))`` from ``pj.memory_report``
+(deterministic on CPU), with the bytes of the residuals autodiff saves; parameters and their
+gradients are arguments and outputs, not temps. Time is the wall time of
 one ``jit(grad(loss))`` step as a ratio to ``plain`` at the same depth, measured in interleaved
 rounds in one process (median of per-round ratios): these machines are shared and noisy.
 """
@@ -98,25 +99,27 @@ def measure(cfg) -> list[dict]:
     rows = []
     for depth in cfg["depths"]:
         params, x, key = make_inputs(depth, cfg["width"], cfg["batch"])
-        grads = {}
+        grads, reports = {}, {}
         for name, apply in methods(depth).items():
 
             def loss(p, x, key, apply=apply):
                 return jnp.mean(apply(p, x, key) ** 2)
 
             grads[name] = jax.jit(jax.grad(loss)).lower(params, x, key).compile()
+            reports[name] = pj.memory_report(loss, params, x, key)
         reference = grads["plain"](params, x, key)
         for name, fn in grads.items():  # the methods are interchangeable: bitwise equal gradients
             for a, b in zip(jax.tree.leaves(fn(params, x, key)), jax.tree.leaves(reference), strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} at L={depth}")
         times = interleaved_times(grads, (params, x, key), cfg["rounds"])
-        for name, fn in grads.items():
+        for name in grads:
             med, q1, q3 = ratio_stats(times[name], times["plain"])
             rows.append(
                 {
                     "depth": depth,
                     "method": name,
-                    "temp": fn.memory_analysis().temp_size_in_bytes,
+                    "temp": reports[name].temp_bytes,
+                    "residuals": reports[name].residual_bytes,
                     "ms": float(np.median(times[name]) * 1e3),
                     "ratio": med,
                     "iqr": (q1, q3),
@@ -147,6 +150,12 @@ def report(rows: list[dict], cfg) -> None:
             ],
         )
     )
+    section("Residuals autodiff saves for backward (KiB, from pj.memory_report)")
+    print(
+        "What reverse-mode autodiff of the loss keeps for the backward pass, arguments excluded:\n"
+        "checkpointing shows up as fewer, smaller residuals (a scan's residuals are stacked per step).\n"
+    )
+    print(table(["L", *names], [[d] + [kib(by[d, n]["residuals"]) for n in names] for d in depths]))
     section("Time per training step, as a ratio to plain at the same depth")
     print(
         f"Median over {cfg['rounds']} interleaved rounds of (method time / plain time in the same\n"
