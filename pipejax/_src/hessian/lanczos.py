@@ -1,0 +1,242 @@
+"""Lanczos tridiagonalisation with full reorthogonalisation, and the top eigenvalues it gives.
+
+After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis ``Q = [q_0 ..
+q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
+``T = Q^T H Q``. The eigenvalues of ``T`` (Ritz values) converge to the extreme eigenvalues of
+``H`` first. In floating point the plain three-term recurrence loses orthogonality as Ritz values
+converge, and converged eigenvalues come back as "ghost" copies that hide the next ones; every new
+vector is therefore orthogonalised against all previous ones (twice), at ``O(m n)`` extra work per
+step and ``m + 1`` stored vectors.
+
+The loop is one ``lax.fori_loop`` whose body calls the HVP, so the HVP is traced and compiled
+once, whatever ``m`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pipejax._src.hessian import tree
+from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
+
+PyTree = Any
+Progress = bool | Callable[[str, int, int], None]
+
+
+class Tridiagonal(NamedTuple):
+    """The result of :func:`lanczos`."""
+
+    diag: jax.Array  # (m,): alpha_i = q_i^T H q_i
+    offdiag: jax.Array  # (m - 1,): beta_i = q_{i+1}^T H q_i; 0 where Lanczos restarted
+    basis: PyTree  # the vectors q_0 .. q_{m-1}: every leaf of shape (m, *leaf.shape)
+
+    def matrix(self) -> jax.Array:
+        """``T`` as a dense ``(m, m)`` matrix."""
+        return jnp.diag(self.diag) + jnp.diag(self.offdiag, 1) + jnp.diag(self.offdiag, -1)
+
+
+def print_progress(task: str, done: int, total: int) -> None:
+    """The default progress report: a line on stderr about every tenth of the work."""
+    every = max(1, total // 10)
+    if done % every == 0 or done == total:
+        print(f"pipejax.hessian {task}: {done}/{total} HVPs", file=__import__("sys").stderr, flush=True)
+
+
+def report(progress: Progress, task: str, done: jax.Array, total: int) -> None:
+    """Calls the progress function from inside compiled code (nothing when ``progress`` is off)."""
+    if not progress:
+        return
+    fn = print_progress if progress is True else progress
+    jax.debug.callback(lambda d: fn(task, int(d), total), done)
+
+
+def lanczos(
+    matvec: Callable[[PyTree], PyTree],
+    v0: PyTree,
+    num_steps: int,
+    *,
+    key: jax.Array | None = None,
+    progress: Progress = False,
+    task: str = "lanczos",
+) -> Tridiagonal:
+    """``num_steps`` Lanczos steps on a symmetric operator, with full reorthogonalisation.
+
+    Vectors are pytrees (like ``v0``, in ``v0``'s dtypes). If the Krylov space is exhausted (a new
+    vector is numerically zero: ``beta <= eps^(3/4) ||T||``), Lanczos restarts with a random vector
+    orthogonal to the basis and records ``beta = 0``, so ``T`` splits into blocks and stays exact;
+    ``num_steps`` may then reach the dimension.
+
+    Args:
+      matvec: the symmetric linear map, ``v -> H v``, traceable.
+      v0: the start vector (need not be normalised, must not be zero).
+      num_steps: ``m``, the number of matvecs and the size of ``T``.
+      key: draws restart vectors; ``None``: a fixed key.
+      progress: ``True`` prints a line about every tenth step; a function ``f(task, done, total)``
+        is called after each step.
+      task: the name passed to ``progress``.
+
+    Returns:
+      A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.hessian import lanczos
+      >>> a = jnp.diag(jnp.array([3.0, 1.0, -2.0]))
+      >>> t = lanczos(lambda v: a @ v, jnp.ones(3), 3)
+      >>> jnp.linalg.eigvalsh(t.matrix()).round(4).tolist()
+      [-2.0, 1.0, 3.0]
+    """
+    m = check_count("num_steps", num_steps, 1)
+    n = tree.size(v0)
+    if m > n:
+        raise ValueError(
+            f"`num_steps` must be at most the dimension {n} (Lanczos finds at most {n} orthogonal "
+            f"vectors), got {m}."
+        )
+    key = jax.random.key(0) if key is None else check_key(key)
+    dtype = jnp.result_type(*jax.tree.leaves(v0))
+    eps = jnp.finfo(dtype).eps
+    q0 = tree.scale(1 / tree.norm(v0), v0)
+    basis = tree.set_row(tree.zeros_basis(v0, m + 1, dtype), 0, q0)
+
+    def restart(i, basis):
+        r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
+        r, _ = tree.orthogonalise(basis, r)
+        return tree.scale(1 / tree.norm(r), r)
+
+    def step(i, carry):
+        basis, diag, offdiag, size = carry
+        w = matvec(tree.row(basis, i))
+        # rows > i are zero, so this orthogonalises against q_0 .. q_i only
+        w, coefs = tree.orthogonalise(basis, w)
+        beta = tree.norm(w)
+        size = jnp.maximum(size, jnp.abs(coefs[i]) + beta)
+        lost = beta <= eps**0.75 * size
+        q = jax.lax.cond(lost, restart, lambda i, b: tree.scale(1 / beta, w), i, basis)
+        basis = tree.set_row(basis, i + 1, q)
+        diag = diag.at[i].set(coefs[i])
+        offdiag = offdiag.at[i].set(jnp.where(lost, jnp.zeros_like(beta), beta))
+        report(progress, task, i + 1, m)
+        return basis, diag, offdiag, size
+
+    init = (basis, jnp.zeros(m, dtype), jnp.zeros(m, dtype), jnp.zeros((), dtype))
+    basis, diag, offdiag, _ = jax.lax.fori_loop(0, m, step, init)
+    return Tridiagonal(diag, offdiag[: m - 1], jax.tree.map(lambda a: a[:m], basis))
+
+
+def select(values: jax.Array, k: int, which: str) -> jax.Array:
+    """Indices of the ``k`` wanted eigenvalues, in order: largest first ("LA"), or largest |.|."""
+    order = jnp.argsort(-values if which == "LA" else -jnp.abs(values))
+    return order[:k]
+
+
+def eigenvalues(
+    loss: Callable[..., jax.Array],
+    params: PyTree,
+    *args: Any,
+    key: jax.Array,
+    k: int = 1,
+    which: Literal["LA", "LM"] = "LA",
+    num_steps: int | None = None,
+    return_eigenvectors: bool = False,
+    data: Iterable[Any] | None = None,
+    mode: Mode = "fwd_rev",
+    dtype: Any = None,
+    progress: Progress = False,
+) -> jax.Array | tuple[jax.Array, PyTree]:
+    """The top ``k`` eigenvalues of the Hessian of ``loss`` at ``params``, by Lanczos.
+
+    Runs ``num_steps`` Lanczos steps with full reorthogonalisation from a random start vector
+    and returns the ``k`` extreme Ritz values: the largest (``which="LA"``, largest algebraic) or
+    those of largest magnitude (``which="LM"``, which may be negative, as power iteration finds).
+    Without reorthogonalisation, ghost copies of the top eigenvalue would hide the next ones.
+    One HVP per step, compiled once; the cost is ``num_steps`` HVPs plus ``O(num_steps^2 n)``
+    for the reorthogonalisation, and memory for ``num_steps + 1`` vectors of ``n`` parameters.
+
+    Args:
+      loss: ``loss(params, *args) -> scalar``.
+      params: the point (any pytree of float arrays; sharded :class:`pipejax.StageParams` work).
+      *args: one batch; or pass ``data=`` (see :func:`hvp`).
+      key: a PRNG key for the start vector.
+      k: how many eigenvalues, ``1 <= k <= num_steps``.
+      which: ``"LA"`` (largest algebraic, default) or ``"LM"`` (largest magnitude).
+      num_steps: Lanczos steps; default ``min(n, max(90, 4 k))`` for ``n`` parameters. With full
+        reorthogonalisation, 90 steps gave the top 5 eigenvalues of a 3,000-parameter MLP to
+        1e-10 relative.
+      return_eigenvectors: also return the Ritz vectors.
+      data: a list of batches, instead of ``*args``.
+      mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"`` (see :func:`hvp`).
+      dtype: the dtype Lanczos accumulates in (e.g. ``jnp.float64`` for float32 parameters);
+        default the parameters' dtype. The HVP itself runs in the parameters' dtypes.
+      progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+
+    Returns:
+      ``values`` of shape ``(k,)`` (largest first, by ``which``), or ``(values, vectors)`` where
+      ``vectors`` is a pytree like ``params`` with a leading axis of size ``k``.
+
+    Raises:
+      ValueError: ``k`` larger than the number of parameters or than ``num_steps``; a non-scalar
+        loss; an unknown ``which``.
+      TypeError: a ``key`` that is not a PRNG key.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.hessian import eigenvalues
+      >>> loss = lambda w: 0.5 * jnp.sum(jnp.array([5.0, 2.0, -7.0, 1.0]) * w**2)
+      >>> eigenvalues(loss, jnp.zeros(4), key=jax.random.key(0), k=2).round(4).tolist()
+      [5.0, 2.0]
+      >>> eigenvalues(loss, jnp.zeros(4), key=jax.random.key(0), which="LM").round(4).tolist()
+      [-7.0]
+
+    References:
+      Lanczos, *An iteration method for the solution of the eigenvalue problem of linear
+      differential and integral operators*, 1950. Golub and Van Loan, *Matrix Computations*, 4th
+      ed., section 10.1. Ghorbani, Krishnan and Xiao, *An Investigation into Neural Net
+      Optimization via Hessian Eigenvalue Density*, ICML 2019.
+    """
+    op = make_operator(loss, params, args, data, mode, dtype)
+    key = check_key(key)
+    n = tree.size(params)
+    k = check_count("k", k, 1)
+    if k > n:
+        raise ValueError(f"`k` must be at most the number of parameters {n}, got k={k}.")
+    if which not in ("LA", "LM"):
+        raise ValueError(
+            f"`which` must be 'LA' (largest algebraic) or 'LM' (largest magnitude), got {which!r}."
+        )
+    m = min(n, max(90, 4 * k)) if num_steps is None else check_count("num_steps", num_steps, 1)
+    if m < k:
+        raise ValueError(
+            f"`num_steps` must be at least `k` (Lanczos gives num_steps Ritz values), got "
+            f"num_steps={m} < k={k}. Use num_steps >= 4 * k for accurate eigenvalues."
+        )
+    if m > n:
+        raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
+    return _eigenvalues_jit(
+        op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress,
+        params, args, op.groups, key,
+    )  # fmt: skip
+
+
+def _eigenvalues_impl(loss, mode, dtype, k, which, m, vectors, progress, params, args, groups, key):
+    op = make_operator(loss, params, args, None, mode, dtype)
+    op.groups = groups
+    k_start, k_restart = jax.random.split(key)
+    v0 = tree.normal(k_start, params, op.dtype)
+    t = lanczos(op.matvec, v0, m, key=k_restart, progress=progress, task="eigenvalues")
+    theta, s = jnp.linalg.eigh(t.matrix())
+    idx = select(theta, k, which)
+    if not vectors:
+        return theta[idx]
+    return theta[idx], tree.combine_many(s[:, idx], t.basis)
+
+
+_eigenvalues_jit = jax.jit(
+    _eigenvalues_impl, static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress")
+)
+
+__all__ = ["Tridiagonal", "eigenvalues", "lanczos"]
