@@ -1,0 +1,14 @@
+"""Flax adapters: run a sequence of Flax layers (Linen or NNX) as a GPipe pipeline.
+
+``LinenPipeline`` is a Linen module and ``NNXPipeline`` an NNX module; both cut their layers into
+stages, keep each stage's parameters on its own device, and convert to and from the plain
+sequential form of the same layers. See ``docs/flax.md``.
+"""
+
+from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
+from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
+
+__all__ = [
+    "LinenPipeline",
+    "NNXPipeline",
+]
