@@ -52,7 +52,8 @@ def astype(v: PyTree, dtype: Any) -> PyTree:
 
 def zeros_basis(like: PyTree, m: int, dtype: Any) -> PyTree:
     """A basis of ``m`` zero vectors shaped (and sharded) like ``like``."""
-    return jax.tree.map(lambda a: jnp.broadcast_to(jnp.zeros_like(a, dtype)[None], (m, *a.shape)), like)
+    # repeat keeps the sharding of ``like`` on the trailing axes (broadcast_to would drop it)
+    return jax.tree.map(lambda a: jnp.repeat(jnp.zeros_like(a, dtype)[None], m, axis=0), like)
 
 
 def row(basis: PyTree, i: jax.Array) -> PyTree:
@@ -103,7 +104,10 @@ def rademacher(key: jax.Array, like: PyTree, dtype: Any) -> PyTree:
     leaves, treedef = jax.tree.flatten(like)
     keys = jax.random.split(key, len(leaves))
     return treedef.unflatten(
-        [jax.random.rademacher(k, leaf.shape, dtype) for k, leaf in zip(keys, leaves, strict=True)]
+        [
+            _like(jax.random.rademacher(k, leaf.shape, dtype), leaf)
+            for k, leaf in zip(keys, leaves, strict=True)
+        ]
     )
 
 
@@ -112,5 +116,10 @@ def normal(key: jax.Array, like: PyTree, dtype: Any) -> PyTree:
     leaves, treedef = jax.tree.flatten(like)
     keys = jax.random.split(key, len(leaves))
     return treedef.unflatten(
-        [jax.random.normal(k, leaf.shape, dtype) for k, leaf in zip(keys, leaves, strict=True)]
+        [_like(jax.random.normal(k, leaf.shape, dtype), leaf) for k, leaf in zip(keys, leaves, strict=True)]
     )
+
+
+def _like(x: jax.Array, leaf: jax.Array) -> jax.Array:
+    """``x`` laid out like ``leaf`` (adding a sharded zero gives it ``leaf``'s Explicit sharding)."""
+    return x + jnp.zeros_like(leaf, x.dtype)
