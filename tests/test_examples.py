@@ -56,7 +56,7 @@ def python_blocks(markdown):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "page", ["README.md", "docs/pipeline.md", "docs/checkpointing.md", "docs/balance.md"]
+    "page", ["README.md", "docs/pipeline.md", "docs/checkpointing.md", "docs/balance.md", "docs/flax.md"]
 )
 def test_docs_code_runs(page):
     """Every python snippet of the page runs, in order, as one script (their asserts included)."""
