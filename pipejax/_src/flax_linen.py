@@ -112,7 +112,7 @@ class LinenPipeline(nn.Module):
     def __call__(self, x: PyTree, **flags: Any) -> PyTree:
         stages = self._stage_layers()
         flags_per_layer = common.group(
-            common.route_kwargs([type(layer).__call__ for layer in self.layers], flags), self._sizes()
+            common.route_kwargs([type(layer).__call__ for layer in self.layers], flags), self.stage_sizes()
         )
         engine = self._engine(stages, flags_per_layer)
         created = []  # the layers' output on `x`, when this call creates the parameters
@@ -129,6 +129,11 @@ class LinenPipeline(nn.Module):
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
         return engine(params, x, key)
 
+    @nn.nowrap
+    def stage_sizes(self) -> tuple[int, ...]:
+        """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
+        return common.stage_sizes(len(self.layers), self.balance, self.num_stages)
+
     # -- the mapping to and from nn.Sequential(layers) ---------------------------------------
 
     @nn.nowrap
@@ -144,10 +149,10 @@ class LinenPipeline(nn.Module):
           without parameters have no entry), as ``nn.Sequential(layers).init`` lays them out.
         """
         packed = _stage_params_of(variables)
-        if packed.num_stages != len(self._sizes()):
+        if packed.num_stages != len(self.stage_sizes()):
             raise ValueError(
                 f"`variables` hold {packed.num_stages} stages, but this module has "
-                f"{len(self._sizes())} stages (layers per stage: {list(self._sizes())})."
+                f"{len(self.stage_sizes())} stages (layers per stage: {list(self.stage_sizes())})."
             )
         per_layer = [p for stage in common.unpack(packed) for p in stage]
         return {"params": {f"layers_{index}": p for index, p in enumerate(per_layer) if jax.tree.leaves(p)}}
@@ -185,12 +190,8 @@ class LinenPipeline(nn.Module):
     # -- internals --------------------------------------------------------------------------
 
     @nn.nowrap
-    def _sizes(self) -> tuple[int, ...]:
-        return common.stage_sizes(len(self.layers), self.balance, self.num_stages)
-
-    @nn.nowrap
     def _group(self, items: Sequence[Any]) -> list[tuple[Any, ...]]:
-        return common.group(items, self._sizes())
+        return common.group(items, self.stage_sizes())
 
     @nn.nowrap
     def _stage_layers(self) -> list[tuple[nn.Module, ...]]:

@@ -110,8 +110,8 @@ class NNXPipeline(nnx.Module):
     ):
         _check_layers(layers)
         layers = list(layers)
-        self.sizes = common.stage_sizes(len(layers), balance, num_stages)
-        common.check_mesh(mesh, axis_name, self.sizes)
+        self._sizes = common.stage_sizes(len(layers), balance, num_stages)
+        common.check_mesh(mesh, axis_name, self._sizes)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.mesh = mesh
@@ -133,7 +133,7 @@ class NNXPipeline(nnx.Module):
             for r in rest
         )
         self.layer_state = nnx.data(rest)
-        placed = self._engine().place(common.group(params, self.sizes))
+        placed = self._engine().place(common.group(params, self._sizes))
         self.packed = nnx.List([nnx.Param(b) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
         if isinstance(rngs, nnx.Rngs):
@@ -168,6 +168,10 @@ class NNXPipeline(nnx.Module):
         """
         if deterministic is not None:
             self.deterministic = deterministic
+
+    def stage_sizes(self) -> tuple[int, ...]:
+        """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
+        return self._sizes
 
     def stage_params(self) -> StageParams:
         """The parameters as the pipeline takes them: a :class:`pipejax.StageParams`."""
@@ -238,12 +242,12 @@ class NNXPipeline(nnx.Module):
 
     def _stage_fns(self, det, flags_per_layer):
         layers = list(zip(self.graphdefs, self.layer_state, self.stream_names, flags_per_layer, strict=True))
-        return [_stage_fn(stage, det) for stage in common.group(layers, self.sizes)]
+        return [_stage_fn(stage, det) for stage in common.group(layers, self._sizes)]
 
     def _engine(self, fns=None) -> Pipeline:
         """The pipeline over ``fns``; without them, one for :meth:`Pipeline.place` only."""
         if fns is None:
-            fns = [_stage_fn((), None)] * len(self.sizes)
+            fns = [_stage_fn((), None)] * len(self._sizes)
         return pipeline(
             fns, chunks=self.chunks, checkpoint=self.checkpoint, mesh=self.mesh, axis_name=self.axis_name
         )
