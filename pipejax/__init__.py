@@ -6,11 +6,11 @@ from pipejax._src.balance import Partition as Partition
 from pipejax._src.balance import balance as balance
 from pipejax._src.balance import balance_costs as balance_costs
 from pipejax._src.balance import layer_costs as layer_costs
-from pipejax._src.balance import layer_key as layer_key
 from pipejax._src.balance import partition as partition
 from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
+from pipejax._src.keys import layer_key as layer_key
 from pipejax._src.memory import MemoryReport as MemoryReport
 from pipejax._src.memory import Residual as Residual
 from pipejax._src.memory import memory_report as memory_report

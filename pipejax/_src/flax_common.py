@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from pipejax._src.keys import layer_key as layer_key
 from pipejax._src.placement import StageParams
 
 
@@ -101,11 +102,6 @@ def check_mesh(mesh: Mesh | None, axis_name: str, sizes: Sequence[int]) -> None:
             f"runs one stage, so the sizes must be equal. Use `jax.make_mesh(({n},), "
             f"({axis_name!r},))`, or change `balance`/`num_stages` to {mesh.shape[axis_name]} stages."
         )
-
-
-def layer_key(key: jax.Array | None, j: int) -> jax.Array | None:
-    """The key of layer ``j`` (counted inside its stage) from its stage's key; ``None`` stays ``None``."""
-    return None if key is None else jax.random.fold_in(key, j)
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -58,3 +58,40 @@ def example_keys_for(key: jax.Array | None, microbatch: Any, micro_size: int, st
         return None
     examples = microbatch * micro_size + jnp.arange(micro_size, dtype=jnp.int32)
     return jax.vmap(lambda e: jax.random.fold_in(jax.random.fold_in(key, e), stage))(examples)
+
+
+def layer_key(stage_key: jax.Array | None, j: int) -> jax.Array | None:
+    """The key layer ``j`` of a partitioned stage receives: ``jax.random.fold_in(stage_key, j)``.
+
+    ``j`` counts the layers of the stage from 0. ``None`` stays ``None`` (a pipeline called
+    without a key). A batch of keys (what a stage receives with ``per_example_keys=True``) is
+    folded key by key, so every example keeps its own stream.
+
+    Args:
+      stage_key: the key the stage received (one key, a batch of keys, or ``None``).
+      j: the layer's index within the stage.
+
+    Returns:
+      The layer's key (same shape as ``stage_key``), or ``None``.
+
+    Examples:
+      >>> import jax
+      >>> import pipejax as pj
+      >>> k = pj.layer_key(jax.random.key(0), 1)
+      >>> bool(jax.random.key_data(k).tolist() == jax.random.key_data(
+      ...     jax.random.fold_in(jax.random.key(0), 1)).tolist())
+      True
+      >>> pj.layer_key(None, 1) is None
+      True
+    """
+    if stage_key is None:
+        return None
+    typed = jax.dtypes.issubdtype(stage_key.dtype, jax.dtypes.prng_key)
+    batch_dims = stage_key.ndim if typed else stage_key.ndim - 1  # raw keys are uint32[..., 2]
+
+    def fold(k):
+        return jax.random.fold_in(k, j)
+
+    for _ in range(batch_dims):
+        fold = jax.vmap(fold)
+    return fold(stage_key)
