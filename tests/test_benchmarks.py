@@ -43,3 +43,20 @@ def test_memory_benchmark_quick(tmp_path):
     for heading in ("Compiled temp bytes", "Time per training step", "Memory growth"):
         assert heading in proc.stdout, f"missing {heading!r}:\n{proc.stdout[-2000:]}"
     assert plot.stat().st_size > 10_000  # a real PNG was drawn
+
+
+@pytest.mark.slow
+def test_hessian_benchmark_quick():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hessian.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for heading in ("HVP / grad", "Lanczos / m HVPs", "float32", "float64"):
+        assert heading in proc.stdout, f"missing {heading!r}:\n{proc.stdout[-2000:]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, lanczos, print_progress
+from pipejax._src.hessian.lanczos import Progress, lanczos
 
 PyTree = Any
 
@@ -104,13 +105,17 @@ def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, params, args
         t = lanczos(op.matvec, v0, num_steps, key=k_restart, progress=False)
         theta, s = jnp.linalg.eigh(t.matrix())
         nodes, weights = out
-        if progress:
-            fn = progress if callable(progress) else print_progress
+        if progress:  # once per run (the default prints every run)
+            fn = progress if callable(progress) else _print_run
             jax.debug.callback(lambda rr: fn("density", (int(rr) + 1) * num_steps, total), r)
         return nodes.at[r].set(theta), weights.at[r].set(s[0] ** 2)
 
     init = (jnp.zeros((num_runs, num_steps), op.dtype), jnp.zeros((num_runs, num_steps), op.dtype))
     return Density(*jax.lax.fori_loop(0, num_runs, run, init))
+
+
+def _print_run(task: str, done: int, total: int) -> None:
+    print(f"pipejax.hessian {task}: {done}/{total} HVPs", file=sys.stderr, flush=True)
 
 
 _density_jit = jax.jit(
