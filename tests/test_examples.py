@@ -64,3 +64,16 @@ def test_docs_code_runs(page):
     assert "import pipejax as pj" in source
     proc = run_python(["-c", source])
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.slow
+def test_hessian_spectrum_short(tmp_path):
+    png = tmp_path / "density.png"
+    proc = run_python([str(ROOT / "examples" / "hessian_spectrum.py"), "--short", "--out", str(png)])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    top = [float(v) for v in re.search(r"top-5 eigenvalues: \[([^\]]*)\]", out)[1].split()]
+    assert len(top) == 5 and top == sorted(top, reverse=True) and top[0] > 0, out
+    est, err = map(float, re.search(r"trace: ([-\d.]+) \+- ([\d.]+)", out).groups())
+    assert err > 0 and est > top[0] - 4 * err, out  # the trace exceeds the top eigenvalue (PSD bulk)
+    assert png.stat().st_size > 5_000  # the density plot was drawn
