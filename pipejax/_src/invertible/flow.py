@@ -1,0 +1,190 @@
+"""Flow: a normalizing flow with a standard-normal base distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pipejax._src.invertible.base import Layer, PyTree, check_key, check_layer, per_example_sum
+
+
+def standard_normal_log_prob(z: PyTree) -> jax.Array:
+    """Log-density of a standard normal, summed over every leaf of ``z`` and every non-batch axis.
+
+    Args:
+      z: an array, or a pytree of arrays (a multi-scale latent) sharing the leading batch axis.
+
+    Returns:
+      Shape ``(batch,)``: ``sum(-z**2 / 2 - log(2 pi) / 2)`` per example.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> float(inv.standard_normal_log_prob(jnp.zeros((1, 2)))[0])  # -log(2 pi)
+      -1.837877...
+    """
+    terms = []
+    for leaf in jax.tree.leaves(z):
+        half_log_2pi = jnp.asarray(0.5 * math.log(2 * math.pi), leaf.dtype)
+        terms.append(per_example_sum(-0.5 * leaf * leaf - half_log_2pi))
+    return sum(terms[1:], terms[0])
+
+
+def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any = jnp.float32) -> jax.Array:
+    """Uniform dequantisation of integer data: ``(x + u) / num_bins - 1/2`` with ``u ~ U[0, 1)``.
+
+    Discrete data (pixels in ``{0, ..., num_bins - 1}``) has no density; adding uniform noise
+    gives a continuous variable whose log-likelihood bounds the discrete one from below
+    (Theis et al. 2016). The result lies in ``[-1/2, 1/2)``; :meth:`Flow.bits_per_dim` accounts
+    for the ``1 / num_bins`` rescaling.
+
+    Args:
+      x: integer-valued data in ``[0, num_bins)`` (any real dtype).
+      key: the PRNG key of the noise.
+      num_bins: the number of levels of the data (256 for 8-bit images).
+      dtype: the floating dtype of the result.
+
+    Returns:
+      A floating array of ``x``'s shape.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> y = inv.dequantize(jnp.array([[0, 255]]), jax.random.key(0))
+      >>> bool(jnp.all((y >= -0.5) & (y < 0.5)))
+      True
+    """
+    check_key(key, "dequantize")
+    if key is None:
+        raise TypeError("`key` of dequantize must be a PRNG key for the uniform noise, but got None.")
+    if not (isinstance(num_bins, int) and num_bins >= 2):
+        raise ValueError(f"`num_bins` of dequantize must be an int >= 2, but got {num_bins!r}.")
+    noise = jax.random.uniform(key, jnp.shape(x), dtype)
+    return (jnp.asarray(x).astype(dtype) + noise) / jnp.asarray(num_bins, dtype) - jnp.asarray(0.5, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flow:
+    """A normalizing flow: an invertible ``layer`` that maps data to a standard-normal latent.
+
+    ``log p(x) = log N(z; 0, I) + log|det dz/dx|`` with ``(z, logdet) = layer.forward(params, x)``;
+    ``sample`` draws ``z`` and returns ``layer.inverse(params, z)``. The latent may be a pytree
+    (:class:`MultiScale`). Train by minimising ``-mean(log_prob)`` (or ``mean(bits_per_dim)`` for
+    images); use a ``Chain`` with ``memory="constant"`` to train deep flows in constant memory.
+
+    Args:
+      layer: the invertible map from data to latent.
+      event_shape: the shape of one example (``(2,)`` for 2-D points, ``(8, 8, 1)`` for images).
+      dtype: the floating dtype of samples and dequantised data; ``None`` (the default) takes the
+        dtype of the parameters (float32 for a flow without floating parameters).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> step = [inv.InvertibleLinear(), inv.AffineCoupling(hidden=16)]
+      >>> flow = inv.Flow(inv.Chain(step, repeat=4), event_shape=(2,))
+      >>> x = jax.random.normal(jax.random.key(0), (64, 2))
+      >>> params = jax.jit(flow.init)(jax.random.key(1), x)
+      >>> jax.jit(flow.log_prob)(params, x).shape
+      (64,)
+      >>> jax.jit(flow.sample, static_argnums=2)(params, jax.random.key(2), 5).shape
+      (5, 2)
+    """
+
+    layer: Layer
+    event_shape: tuple[int, ...]
+    dtype: Any = None
+
+    def __post_init__(self):
+        check_layer(self.layer, "`layer` of Flow")
+        shape = self.event_shape
+        if not (isinstance(shape, tuple | list) and all(isinstance(d, int) and d >= 1 for d in shape)):
+            raise ValueError(
+                f"`event_shape` of Flow must be a tuple of positive ints (the shape of one example, e.g. "
+                f"(2,) or (8, 8, 1)), but got {shape!r}."
+            )
+        object.__setattr__(self, "event_shape", tuple(shape))
+
+    def _dtype(self, params: PyTree) -> Any:
+        if self.dtype is not None:
+            return self.dtype
+        for leaf in jax.tree.leaves(params):
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                return jnp.result_type(leaf)
+        return jnp.float32
+
+    def _check_x(self, x: jax.Array, where: str) -> None:
+        if tuple(jnp.shape(x)[1:]) != self.event_shape:
+            raise ValueError(
+                f"`x` of Flow.{where} must have shape (batch, *event_shape) = (batch, "
+                f"{', '.join(map(str, self.event_shape))}), but got shape {jnp.shape(x)}."
+            )
+
+    def init(self, key: jax.Array, x: jax.Array) -> PyTree:
+        """The layer's parameters, initialised on the batch ``x`` (data-dependent layers use it)."""
+        self._check_x(x, "init")
+        return self.layer.init(key, x)
+
+    def log_prob(self, params: PyTree, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """Log-density of each example, shape ``(batch,)``; ``key`` feeds the layers' randomness."""
+        self._check_x(x, "log_prob")
+        z, logdet = self.layer.forward(params, x, key)
+        return standard_normal_log_prob(z) + logdet
+
+    def sample(
+        self,
+        params: PyTree,
+        key: jax.Array,
+        num_samples: int,
+        *,
+        temperature: float = 1.0,
+        layer_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """``num_samples`` draws: ``inverse(params, temperature * z)`` with ``z`` standard normal.
+
+        ``temperature < 1`` trades diversity for sample quality (Glow's reduced-temperature
+        sampling). ``layer_key`` feeds the layers' randomness (``None``: no dropout).
+        """
+        check_key(key, "Flow.sample")
+        if key is None:
+            raise TypeError("`key` of Flow.sample must be a PRNG key, but got None.")
+        if not (isinstance(num_samples, int) and num_samples >= 1):
+            raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
+        x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), self._dtype(params))
+        z_struct = jax.eval_shape(lambda p, x: self.layer.forward(p, x)[0], params, x_struct)
+        leaves, treedef = jax.tree.flatten(z_struct)
+        keys = jax.random.split(key, len(leaves))
+        z = [
+            jax.random.normal(k, s.shape, s.dtype) * jnp.asarray(temperature, s.dtype)
+            for k, s in zip(keys, leaves, strict=True)
+        ]
+        return self.layer.inverse(params, jax.tree.unflatten(treedef, z), layer_key)[0]
+
+    def bits_per_dim(
+        self,
+        params: PyTree,
+        x: jax.Array,
+        key: jax.Array,
+        *,
+        num_bins: int = 256,
+        layer_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Bits per dimension of integer data, with uniform dequantisation; shape ``(batch,)``.
+
+        ``x`` holds integers in ``[0, num_bins)``. It is dequantised with ``key``
+        (:func:`dequantize`), and ``bpd = -(log p(x') - D log(num_bins)) / (D log 2)`` where ``D``
+        is the number of dimensions of one example: the ``D log(num_bins)`` undoes the scaling
+        by ``1 / num_bins``, so this is an upper bound (in expectation over the noise) on the
+        discrete data's code length. A model that is uniform over all ``num_bins`` levels scores
+        ``log2(num_bins)`` bits (8 for 8-bit images).
+        """
+        self._check_x(x, "bits_per_dim")
+        dims = math.prod(self.event_shape)
+        dtype = self._dtype(params)
+        x_cont = dequantize(x, key, num_bins=num_bins, dtype=dtype)
+        log_p = self.log_prob(params, x_cont, layer_key) - jnp.asarray(dims * math.log(num_bins), dtype)
+        return -log_p / jnp.asarray(dims * math.log(2.0), dtype)

@@ -1,0 +1,270 @@
+"""Invertible layers without a conditioning network: ActNorm, invertible linear maps, Squeeze."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+from pipejax._src.invertible.base import PyTree, channels, check_input, constant_logdet
+
+
+def _positions(x: jax.Array) -> int:
+    """Entries per channel of one example: 1 for vectors, ``H * W`` for images."""
+    return int(np.prod(x.shape[1:-1], dtype=np.int64))
+
+
+def _check_channels(name: str, where: str, expected: int, x: jax.Array, arg: str) -> None:
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"`{arg}` of {name}.{where} has {x.shape[-1]} channels (last axis of shape {x.shape}), but "
+            f"`params` were made by {name}.init for {expected} channels; call init with a batch like `{arg}`."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ActNorm:
+    """Per-channel affine normalisation with data-dependent initialisation (Glow's actnorm).
+
+    ``y = (x + bias) * exp(log_scale)`` over the last (channel) axis. :meth:`init` sets ``bias``
+    and ``log_scale`` so that the initial batch has zero mean and unit variance per channel; both
+    are then ordinary trainable parameters. ``logdet = positions * sum(log_scale)``, where
+    ``positions`` is ``H * W`` for images and 1 for vectors.
+
+    Attributes:
+      eps: added to the initial standard deviation, so constant channels stay finite.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (256, 4))
+      >>> params = inv.ActNorm().init(jax.random.key(1), x)
+      >>> y, logdet = inv.ActNorm().forward(params, x)
+      >>> bool(jnp.allclose(y.mean(0), 0.0, atol=1e-5)), bool(jnp.allclose(y.std(0), 1.0, atol=1e-4))
+      (True, True)
+
+    References:
+      Kingma, Dhariwal, "Glow: Generative Flow with Invertible 1x1 Convolutions", 2018.
+    """
+
+    eps: float = 1e-6
+
+    def init(self, key: jax.Array, x: jax.Array) -> PyTree:
+        """``{"bias": (C,), "log_scale": (C,)}`` that normalise the batch ``x`` per channel."""
+        del key  # the initialisation is a function of the data alone
+        check_input(x, "ActNorm", "init")
+        axes = tuple(range(x.ndim - 1))
+        std = jnp.std(x, axis=axes)
+        return {"bias": -jnp.mean(x, axis=axes), "log_scale": -jnp.log(std + jnp.asarray(self.eps, x.dtype))}
+
+    def forward(
+        self, params: PyTree, x: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``((x + bias) * exp(log_scale), positions * sum(log_scale))``."""
+        del key
+        check_input(x, "ActNorm", "forward")
+        _check_channels("ActNorm", "forward", params["bias"].shape[-1], x, "x")
+        y = (x + channels(params["bias"], x.ndim)) * channels(jnp.exp(params["log_scale"]), x.ndim)
+        return y, constant_logdet(jnp.sum(params["log_scale"]) * _positions(x), x)
+
+    def inverse(
+        self, params: PyTree, y: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(y * exp(-log_scale) - bias, -positions * sum(log_scale))``."""
+        del key
+        check_input(y, "ActNorm", "inverse", arg="y")
+        _check_channels("ActNorm", "inverse", params["bias"].shape[-1], y, "y")
+        x = y * channels(jnp.exp(-params["log_scale"]), y.ndim) - channels(params["bias"], y.ndim)
+        return x, constant_logdet(-jnp.sum(params["log_scale"]) * _positions(y), y)
+
+
+def _permutation(spec: str | int, size: int) -> np.ndarray:
+    if spec == "reverse":
+        return np.arange(size)[::-1].copy()
+    if spec == "none":
+        return np.arange(size)
+    return np.random.default_rng(spec).permutation(size)
+
+
+@dataclasses.dataclass(frozen=True)
+class InvertibleLinear:
+    """An invertible linear map of the features, ``y = W x``, in an LU parameterisation.
+
+    ``W = P L (U + diag(exp(log_scale)))`` with ``P`` a fixed permutation, ``L`` unit lower
+    triangular and ``U`` strictly upper triangular (Glow's LU-decomposed 1x1 convolution). The
+    diagonal of the triangular factor is positive by construction and ``log|det W| =
+    sum(log_scale)``: no determinant or inverse of ``W`` is ever formed, and ``W`` stays invertible
+    whatever values training gives the parameters. The inverse uses two triangular solves.
+
+    ``P`` is not a parameter: it is fixed by ``permutation`` and the number of features, and
+    ``init`` returns ``L = U = 0`` and ``log_scale = 0``, so the layer starts as the permutation
+    ``P`` (orthogonal, log-determinant 0). The default ``"reverse"`` reverses the features, which
+    lets couplings that follow alternate the half they transform (RealNVP).
+
+    Attributes:
+      permutation: ``"reverse"``, ``"none"``, or an integer seed for a fixed random permutation.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> x = jnp.array([[1.0, 2.0, 3.0]])
+      >>> params = inv.InvertibleLinear().init(jax.random.key(0), x)
+      >>> y, logdet = inv.InvertibleLinear().forward(params, x)
+      >>> y.tolist(), logdet.tolist()
+      ([[3.0, 2.0, 1.0]], [0.0])
+
+    References:
+      Kingma, Dhariwal, "Glow: Generative Flow with Invertible 1x1 Convolutions", 2018.
+    """
+
+    permutation: str | int = "reverse"
+    _ranks = (2,)
+
+    def __post_init__(self):
+        p = self.permutation
+        if not (p in ("reverse", "none") or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)):
+            raise ValueError(
+                f"`permutation` of {type(self).__name__} must be 'reverse', 'none' or a non-negative int "
+                f"seed for a fixed random permutation, but got {p!r}."
+            )
+
+    def init(self, key: jax.Array, x: jax.Array) -> PyTree:
+        """``{"lower": (C, C), "upper": (C, C), "log_scale": (C,)}``, all zero: ``W = P``."""
+        del key
+        check_input(x, type(self).__name__, "init", self._ranks)
+        c = x.shape[-1]
+        return {
+            "lower": jnp.zeros((c, c), x.dtype),
+            "upper": jnp.zeros((c, c), x.dtype),
+            "log_scale": jnp.zeros((c,), x.dtype),
+        }
+
+    def _factors(self, params: PyTree) -> tuple[jax.Array, jax.Array]:
+        lower, upper, log_scale = params["lower"], params["upper"], params["log_scale"]
+        eye = jnp.eye(lower.shape[0], dtype=lower.dtype)
+        return jnp.tril(lower, -1) + eye, jnp.triu(upper, 1) + jnp.diag(jnp.exp(log_scale))
+
+    def _check(self, params: PyTree, x: jax.Array, where: str, arg: str) -> int:
+        check_input(x, type(self).__name__, where, self._ranks, arg=arg)
+        _check_channels(type(self).__name__, where, params["log_scale"].shape[-1], x, arg)
+        return _positions(x)
+
+    def forward(
+        self, params: PyTree, x: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(W x, positions * sum(log_scale))`` applied to the last axis."""
+        del key
+        positions = self._check(params, x, "forward", "x")
+        lower, upper = self._factors(params)
+        z = jnp.einsum("...c,dc->...d", x, lower @ upper)
+        y = z[..., _permutation(self.permutation, x.shape[-1])]
+        return y, constant_logdet(jnp.sum(params["log_scale"]) * positions, x)
+
+    def inverse(
+        self, params: PyTree, y: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(W^-1 y, -positions * sum(log_scale))``, by triangular solves."""
+        del key
+        positions = self._check(params, y, "inverse", "y")
+        lower, upper = self._factors(params)
+        z = y[..., np.argsort(_permutation(self.permutation, y.shape[-1]))]
+        eye = jnp.eye(lower.shape[0], dtype=lower.dtype)
+        lower_inv = solve_triangular(lower, eye, lower=True, unit_diagonal=True)
+        w_inv = solve_triangular(upper, lower_inv, lower=False)  # U^-1 L^-1
+        x = jnp.einsum("...d,cd->...c", z, w_inv)
+        return x, constant_logdet(-jnp.sum(params["log_scale"]) * positions, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inv1x1Conv(InvertibleLinear):
+    """Glow's invertible 1x1 convolution for NHWC images: :class:`InvertibleLinear` on the channels.
+
+    Every pixel's channel vector is multiplied by the same ``W = P L (U + diag(exp(log_scale)))``,
+    so ``logdet = H * W * sum(log_scale)``. Inputs must have rank 4 (batch, height, width,
+    channels).
+
+    Attributes:
+      permutation: ``"reverse"``, ``"none"``, or an integer seed for a fixed random permutation.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> x = jax.random.normal(jax.random.key(0), (2, 4, 4, 3))
+      >>> layer = inv.Inv1x1Conv()
+      >>> params = layer.init(jax.random.key(1), x)
+      >>> y, logdet = layer.forward(params, x)
+      >>> bool(jnp.all(y == x[..., ::-1]))
+      True
+
+    References:
+      Kingma, Dhariwal, "Glow: Generative Flow with Invertible 1x1 Convolutions", 2018.
+    """
+
+    _ranks = (4,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Squeeze:
+    """Trades space for channels: ``(N, H, W, C) -> (N, H/2, W/2, 4C)``, log-determinant 0.
+
+    Each 2x2 block of pixels becomes one pixel with four times the channels (RealNVP's squeeze),
+    ordered (row in block, column in block, channel). It is a permutation of the entries, so it is
+    exactly invertible. It has no parameters (``init`` returns ``{}``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax.invertible as inv
+      >>> y, logdet = inv.Squeeze().forward({}, jnp.zeros((2, 8, 8, 1)))
+      >>> y.shape
+      (2, 4, 4, 4)
+
+    References:
+      Dinh, Sohl-Dickstein, Bengio, "Density estimation using Real NVP", 2017.
+    """
+
+    def init(self, key: jax.Array, x: jax.Array) -> PyTree:
+        """``{}``: the layer has no parameters (``x`` is checked)."""
+        del key
+        self._check(x, "init")
+        return {}
+
+    @staticmethod
+    def _check(x: jax.Array, where: str, arg: str = "x") -> None:
+        check_input(x, "Squeeze", where, (4,), arg=arg)
+        if where != "inverse" and (x.shape[1] % 2 or x.shape[2] % 2):
+            raise ValueError(
+                f"`x` of Squeeze.{where} must have an even height and width, but got shape {x.shape}; "
+                "pad or crop the images to even sizes first."
+            )
+        if where == "inverse" and x.shape[3] % 4:
+            raise ValueError(
+                f"`y` of Squeeze.inverse must have a multiple of 4 channels, but got shape {x.shape}."
+            )
+
+    def forward(
+        self, params: PyTree, x: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(x with 2x2 blocks moved to channels, zeros)``."""
+        del params, key
+        self._check(x, "forward")
+        n, h, w, c = x.shape
+        y = (
+            x.reshape(n, h // 2, 2, w // 2, 2, c)
+            .transpose(0, 1, 3, 2, 4, 5)
+            .reshape(n, h // 2, w // 2, 4 * c)
+        )
+        return y, jnp.zeros((n,), x.dtype)
+
+    def inverse(
+        self, params: PyTree, y: jax.Array, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(y with channels moved back to 2x2 blocks, zeros)``."""
+        del params, key
+        self._check(y, "inverse", arg="y")
+        n, h, w, c4 = y.shape
+        c = c4 // 4
+        x = y.reshape(n, h, w, 2, 2, c).transpose(0, 1, 3, 2, 4, 5).reshape(n, 2 * h, 2 * w, c)
+        return x, jnp.zeros((n,), y.dtype)
