@@ -110,7 +110,7 @@ def main():
     if args.quick:
         sizes, batch, m, rounds = (16, 32, 10), 64, 10, 6
     else:
-        sizes, batch, m, rounds = (64, 512, 512, 10), 512, 90, 30
+        sizes, batch, m, rounds = (32, 256, 256, 10), 256, 90, 20
     print(f"\nMLP {' -> '.join(map(str, sizes))}, batch {batch}, Lanczos steps m = {m}, {rounds} rounds.")
     run(sizes, batch, m, rounds, (jnp.float32, jnp.float64))
 
