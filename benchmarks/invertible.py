@@ -1,0 +1,224 @@
+"""Benchmarks of ``pipejax.invertible``: memory and time against depth, and reconstruction drift.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/invertible.py            # full run (a few minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/invertible.py --quick    # smoke run (well under a minute)
+    .venv/bin/python benchmarks/invertible.py --section drift
+
+The model is a chain of ``K`` Glow steps for vectors -- ``ActNorm``, ``InvertibleLinear``,
+``AffineCoupling(hidden=32)`` -- on a batch of 4,096 examples of width 64, float32 (the sizes of
+issue 5: parameters are small next to activations). The loss is a flow's NLL, so gradients flow
+through both the output and the log-determinant. ``block="additive"`` uses two additive couplings
+per step instead (a RevNet-like block).
+
+Sections (each prints markdown tables):
+
+1. ``memory``: compiled temp bytes of ``jit(grad(loss))`` (XLA's ``memory_analysis``,
+   deterministic on CPU) for ``memory="linear"``, ``"sqrt"`` and ``"constant"``, and wall time per
+   step as a ratio to ``"linear"`` at the same depth, measured in interleaved rounds in one process
+   (median of per-round ratios, with quartiles). Before timing, the three gradients are checked
+   to agree (float32, 1e-4 relative).
+2. ``drift``: how far ``"constant"`` drifts from plain autodiff with depth, in float32 and
+   float64: the largest error of the inputs it rebuilds (``Chain.reconstruction_errors``) and
+   the relative error of its gradient, for a tame chain (``scale_bound=2``, trained-like
+   parameters) and a stiff one (``scale_bound=5``, larger parameters).
+
+``memory_rows(cfg)`` returns the memory section's numbers for ``benchmarks/memory.py``'s plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import pipejax.invertible as inv
+from benchmarks._common import header, interleaved_times, kib, ratio_stats, section, table
+
+MODES = inv.MEMORY_MODES  # ("linear", "sqrt", "constant")
+TIME_TARGET = 1.5  # constant-memory step time / linear; memcnn reports 1.16-1.47x
+FULL = {"depths": (4, 8, 16, 32, 64), "width": 64, "hidden": 32, "batch": 4096, "rounds": 15}
+QUICK = {"depths": (2, 4), "width": 16, "hidden": 8, "batch": 256, "rounds": 3}
+DRIFT_FULL = {"depths": (8, 32, 128, 512), "width": 16, "hidden": 32, "batch": 256, "stiff": True}
+DRIFT_QUICK = {"depths": (4,), "width": 8, "hidden": 8, "batch": 32, "stiff": False}
+
+
+def block_layers(block: str, hidden: int, scale_bound: float = 2.0) -> list:
+    if block == "glow":
+        return [
+            inv.ActNorm(),
+            inv.InvertibleLinear(),
+            inv.AffineCoupling(hidden=hidden, scale_bound=scale_bound),
+        ]
+    if block == "additive":
+        return [inv.AdditiveCoupling(hidden=hidden), inv.AdditiveCoupling(hidden=hidden, flip=True)]
+    raise ValueError(f"`block` must be 'glow' or 'additive', but got {block!r}.")
+
+
+def nll(chain):
+    def loss(params, x):
+        y, logdet = chain.forward(params, x)
+        return jnp.mean(0.5 * jnp.sum(y * y, axis=1) - logdet)
+
+    return loss
+
+
+def perturbed(params, seed: int, scale: float):
+    """Parameters moved off their identity initialisation (as after some training)."""
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(
+        treedef, [a + jnp.asarray(rng.standard_normal(a.shape) * scale, a.dtype) for a in leaves]
+    )
+
+
+def data(batch: int, width: int, dtype, seed: int = 0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((batch, width)), dtype)
+
+
+def rel_err(a, b) -> float:
+    a, b = (np.concatenate([np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(t)]) for t in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# --- memory and time ------------------------------------------------------------------------------
+
+
+def measure(cfg: dict, block: str = "glow", timing: bool = True) -> dict[str, list[tuple[int, int, float]]]:
+    """``mode -> [(depth, temp bytes, time ratio to "linear"), ...]`` for the three memory modes.
+
+    ``cfg`` has ``depths``, ``width``, ``batch``, ``rounds`` and optionally ``hidden`` (default
+    ``width // 2``). The time ratio is NaN when ``timing`` is False.
+    """
+    hidden = cfg.get("hidden", max(1, cfg["width"] // 2))
+    x = data(cfg["batch"], cfg["width"], jnp.float32)
+    out: dict[str, list[tuple[int, int, float]]] = {m: [] for m in MODES}
+    for depth in cfg["depths"]:
+        chains = {m: inv.Chain(block_layers(block, hidden), repeat=depth, memory=m) for m in MODES}
+        params = perturbed(jax.jit(chains["linear"].init)(jax.random.key(0), x), seed=depth, scale=0.02)
+        steps = {m: jax.jit(jax.grad(nll(c))).lower(params, x).compile() for m, c in chains.items()}
+        grads = {m: step(params, x) for m, step in steps.items()}
+        for m in ("sqrt", "constant"):
+            err = rel_err(grads[m], grads["linear"])
+            assert err < 1e-4, f"{m} gradient differs from linear by {err:.2e} at depth {depth}"
+        ratios = {m: float("nan") for m in MODES}
+        if timing:
+            times = interleaved_times(steps, (params, x), cfg["rounds"])
+            ratios = {m: ratio_stats(times[m], times["linear"])[0] for m in MODES}
+        for m in MODES:
+            out[m].append((depth, int(steps[m].memory_analysis().temp_size_in_bytes), ratios[m]))
+    return out
+
+
+def memory_rows(cfg: dict, memory: str = "constant", block: str = "additive") -> list[tuple[int, int, float]]:
+    """``[(depth, temp bytes, time ratio to its own "linear" chain), ...]`` for one memory mode.
+
+    For ``benchmarks/memory.py``, whose ``cfg`` gives ``depths``, ``width``, ``batch`` and
+    ``rounds``; the default block is two additive couplings, the reversible analogue of a residual
+    layer of that width.
+    """
+    return measure(cfg, block=block)[memory]
+
+
+def memory_section(cfg: dict) -> None:
+    section(
+        f"Memory and time against depth (Glow steps, batch {cfg['batch']}, width {cfg['width']}, "
+        f"hidden {cfg['hidden']}, float32)"
+    )
+    rows = measure(cfg)
+    base = {m: rows[m][0][1] for m in MODES}
+    depth0 = cfg["depths"][0]
+    print(
+        table(
+            ["depth K", *(f"{m} temp KiB" for m in MODES), *(f"{m} / K={depth0}" for m in MODES)],
+            [
+                [d, *(kib(rows[m][i][1]) for m in MODES), *(f"{rows[m][i][1] / base[m]:.2f}x" for m in MODES)]
+                for i, d in enumerate(cfg["depths"])
+            ],
+        )
+    )
+    print()
+    print(
+        table(
+            ["depth K", "sqrt / linear time", "constant / linear time", f"constant <= {TIME_TARGET}x"],
+            [
+                [
+                    d,
+                    f"{rows['sqrt'][i][2]:.2f}",
+                    f"{rows['constant'][i][2]:.2f}",
+                    rows["constant"][i][2] <= TIME_TARGET,
+                ]
+                for i, d in enumerate(cfg["depths"])
+            ],
+        )
+    )
+    print(
+        f"\nTimes: median of per-round ratios over {cfg['rounds']} interleaved rounds of one "
+        "jit(grad(loss)) step each."
+    )
+
+
+# --- drift ----------------------------------------------------------------------------------------
+
+
+def drift_rows(cfg: dict, scale_bound: float, param_scale: float) -> list[list]:
+    rows = []
+    for depth in cfg["depths"]:
+        row = [depth]
+        for dtype in (jnp.float32, jnp.float64):
+            x = data(cfg["batch"], cfg["width"], dtype, seed=1)
+            chains = {
+                m: inv.Chain(block_layers("glow", cfg["hidden"], scale_bound), repeat=depth, memory=m)
+                for m in ("linear", "constant")
+            }
+            params = perturbed(
+                jax.jit(chains["linear"].init)(jax.random.key(1), x), seed=depth, scale=param_scale
+            )
+
+            def program(params, x, chains=chains):
+                errors = chains["constant"].reconstruction_errors(params, x)
+                return errors, {m: jax.grad(nll(c))(params, x) for m, c in chains.items()}
+
+            errors, grads = jax.jit(program)(params, x)  # one compile per (depth, dtype)
+            row += [f"{float(jnp.max(errors)):.1e}", f"{rel_err(grads['constant'], grads['linear']):.1e}"]
+        rows.append(row)
+    return rows
+
+
+def drift_section(cfg: dict) -> None:
+    section(f"Reconstruction drift against depth (batch {cfg['batch']}, width {cfg['width']})")
+    headers = ["depth K", "f32 rebuild err", "f32 grad rel err", "f64 rebuild err", "f64 grad rel err"]
+    kinds = [("tame: scale_bound=2, parameter noise 0.02", 2.0, 0.02)]
+    if cfg["stiff"]:
+        kinds.append(("stiff: scale_bound=5, parameter noise 0.1", 5.0, 0.1))
+    for title, bound, scale in kinds:
+        print(f"\n{title}\n")
+        print(table(headers, drift_rows(cfg, bound, scale)))
+    print(
+        "\nrebuild err: max |rebuilt input - true input| over all repeats (Chain.reconstruction_errors); "
+        "grad rel err: ||g_constant - g_linear|| / ||g_linear|| over all parameters."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--section", action="append", choices=["memory", "drift"], help="run only these")
+    args = parser.parse_args()
+    sections = args.section or ["memory", "drift"]
+    jax.config.update("jax_enable_x64", True)  # for the float64 drift rows; every dtype here is explicit
+    header("pipejax.invertible benchmarks", args.quick)
+    if "memory" in sections:
+        memory_section(QUICK if args.quick else FULL)
+    if "drift" in sections:
+        drift_section(DRIFT_QUICK if args.quick else DRIFT_FULL)
+
+
+if __name__ == "__main__":
+    main()
