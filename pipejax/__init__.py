@@ -7,6 +7,13 @@ from pipejax._src.balance import balance as balance
 from pipejax._src.balance import balance_costs as balance_costs
 from pipejax._src.balance import layer_costs as layer_costs
 from pipejax._src.balance import partition as partition
+from pipejax._src.batchnorm import BatchStats as BatchStats
+from pipejax._src.batchnorm import Moments as Moments
+from pipejax._src.batchnorm import batch_norm as batch_norm
+from pipejax._src.batchnorm import batch_norm_init as batch_norm_init
+from pipejax._src.batchnorm import batch_norm_update as batch_norm_update
+from pipejax._src.batchnorm import merge_moments as merge_moments
+from pipejax._src.batchnorm import moments as moments
 from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
@@ -20,6 +27,7 @@ from pipejax._src.microbatch import plan as microbatch_plan
 from pipejax._src.microbatch import split as split_microbatches
 from pipejax._src.pipeline import Pipeline as Pipeline
 from pipejax._src.pipeline import StageFn as StageFn
+from pipejax._src.pipeline import StatefulStageFn as StatefulStageFn
 from pipejax._src.pipeline import pipeline as pipeline
 from pipejax._src.placement import StageParams as StageParams
 from pipejax._src.random import dropout as dropout
@@ -32,16 +40,22 @@ __version__ = "0.1.0"
 __all__ = [
     "CHECKPOINT_MODES",
     "Balance",
+    "BatchStats",
     "MemoryReport",
     "MicrobatchPlan",
+    "Moments",
     "Partition",
     "Pipeline",
     "Residual",
     "Schedule",
     "StageFn",
     "StageParams",
+    "StatefulStageFn",
     "balance",
     "balance_costs",
+    "batch_norm",
+    "batch_norm_init",
+    "batch_norm_update",
     "checkpoint_sequential",
     "dropout",
     "gpipe_bubble_fraction",
@@ -50,7 +64,9 @@ __all__ = [
     "layer_key",
     "memory_report",
     "merge_microbatches",
+    "merge_moments",
     "microbatch_plan",
+    "moments",
     "partition",
     "pipeline",
     "split_microbatches",

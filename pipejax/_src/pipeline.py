@@ -17,6 +17,16 @@ How a call runs:
    value it was not written for ever reaches it and no ``nan``/``inf`` leaks into gradients.
 5. The last stage's outputs are merged back into the original batch order.
 
+Stage state (``stateful=True``): a stage also reads its own ``state`` (e.g. BatchNorm running
+statistics, placed on its device like its parameters) and the row mask of its micro-batch, and
+returns ``(y, stats)``: a per-micro-batch contribution without the batch axis. Each device writes
+its stage's stats into a per-device accumulator, indexed by micro-batch, only on ticks where the
+schedule gives it a real micro-batch (never on bubble ticks, never on the discarded drain
+re-executions). After the loop every device places its accumulator in its own row of an
+``(n, m, ...)`` buffer of zeros and a ``psum`` replicates them, exactly as for the outputs. The
+pipeline never changes ``state``: updating it from the stats once per mini-batch is a pure
+function the caller applies afterwards (see :mod:`pipejax._src.batchnorm`).
+
 The schedule, the cond, the switch, the scan and the collectives are ordinary JAX: there is no
 ``custom_vjp`` anywhere, so forward- and reverse-mode autodiff of every order compose with it.
 Collectives are never placed inside a ``cond``/``switch`` branch: only some devices take a branch,
@@ -26,7 +36,7 @@ and a collective that not every device reaches deadlocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +63,21 @@ class StageFn(Protocol):
     def __call__(self, params: PyTree, x: PyTree, key: jax.Array | None) -> PyTree: ...
 
 
+class StatefulStageFn(Protocol):
+    """A stage of a ``stateful=True`` pipeline: ``stage(params, x, key, state, mask) -> (y, stats)``.
+
+    ``state`` is the stage's entry of the pipeline's ``state`` argument (or ``None``); ``mask`` is
+    ``bool[b]``, ``True`` on the real rows of the micro-batch; ``stats`` is a pytree of arrays
+    without the micro-batch axis, or ``None``.
+    """
+
+    def __call__(
+        self, params: PyTree, x: PyTree, key: jax.Array | None, state: PyTree, mask: jax.Array
+    ) -> tuple[PyTree, PyTree]: ...
+
+
 def pipeline(
-    stages: Sequence[StageFn] | StageFn,
+    stages: Sequence[StageFn] | StageFn | Sequence[StatefulStageFn] | StatefulStageFn,
     *,
     num_stages: int | None = None,
     chunks: int = 1,
@@ -62,6 +85,7 @@ def pipeline(
     mesh: Mesh | None = None,
     axis_name: str = "stage",
     per_example_keys: bool = False,
+    stateful: bool = False,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -101,13 +125,27 @@ def pipeline(
         mini-batch, not on ``chunks``. Random draws then do not change when only ``chunks``
         changes (torchgpipe issue #35). Cost: ``b`` extra ``fold_in`` per stage call and draws made
         row by row (``jax.vmap``); use it when results must not depend on how the batch is cut.
+      stateful: if True, stages carry state and report statistics. A stage is then
+        ``stage(params, x, key, state, mask) -> (y, stats)``: ``state`` is the stage's own
+        entry of the ``state`` argument of ``apply`` (``None`` if none was given), ``mask`` is a
+        ``bool[b]`` array that is ``True`` on the real rows of the micro-batch (``False`` on the
+        padding rows of an uneven batch), and ``stats`` is a pytree of arrays *without* the
+        micro-batch axis (e.g. per-channel counts, means and sums of squared deviations), or
+        ``None``. ``apply(params, x, key=None, *, state=None)`` then returns ``(y, stats)``, where
+        ``stats`` holds every stage's stats of the ``m`` micro-batches, stacked in micro-batch
+        order on a leading axis of size ``m``: a list with one pytree per stage (heterogeneous
+        stages) or one pytree with leading axes ``(num_stages, m)`` (homogeneous stages). The
+        pipeline does not change ``state``; update it from ``stats`` after the call, once per
+        mini-batch (e.g. :func:`pipejax.batch_norm_update`). Stats are bitwise identical across
+        checkpoint modes and with or without a mesh.
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
       one pytree per stage (heterogeneous), a pytree whose leaves have a leading axis of size
       ``num_stages`` (homogeneous), or what :meth:`Pipeline.place` returned. ``x`` is a pytree of
       arrays that share their leading batch axis. The result has the same leading batch axis, in
-      the original order, and equals applying the stages in turn to the whole batch.
+      the original order, and equals applying the stages in turn to the whole batch. With
+      ``stateful=True`` the call returns ``(y, stats)`` (see ``stateful``).
 
     Raises:
       ValueError, TypeError: for bad arguments, at construction or when ``apply`` is traced.
@@ -122,6 +160,17 @@ def pipeline(
       >>> apply(params, jnp.arange(6.0)).tolist()
       [3.0, 9.0, 15.0, 21.0, 27.0, 33.0]
 
+      A stateful stage sees the row mask of its micro-batch and reports a statistic per
+      micro-batch (here: the sum of its real rows; 5 examples in micro-batches of 2, 2, 1 + 1
+      padding row):
+
+      >>> def summed(p, x, key, state, mask):
+      ...     return x * p, jnp.sum(jnp.where(mask, x, 0.0))
+      >>> apply = pj.pipeline([summed, summed], chunks=3, stateful=True)
+      >>> y, stats = apply([2.0, 10.0], jnp.arange(5.0))
+      >>> stats[0].tolist(), stats[1].tolist()
+      ([1.0, 5.0, 4.0], [2.0, 10.0, 8.0])
+
     References:
       Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
       Parallelism", NeurIPS 2019. Kim et al., "torchgpipe: On-the-fly Pipeline Parallelism for
@@ -135,6 +184,7 @@ def pipeline(
         mesh=mesh,
         axis_name=axis_name,
         per_example_keys=per_example_keys,
+        stateful=stateful,
     )
 
 
@@ -151,6 +201,7 @@ class Pipeline:
         mesh: Mesh | None,
         axis_name: str,
         per_example_keys: bool = False,
+        stateful: bool = False,
     ):
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
@@ -164,6 +215,9 @@ class Pipeline:
         if not isinstance(per_example_keys, bool):
             raise TypeError(f"`per_example_keys` must be a bool, but got {per_example_keys!r}.")
         self.per_example_keys = per_example_keys
+        if not isinstance(stateful, bool):
+            raise TypeError(f"`stateful` must be a bool, but got {stateful!r}.")
+        self.stateful = stateful
         self._jitted = jax.jit(self._apply)
 
     def __repr__(self) -> str:
@@ -176,11 +230,25 @@ class Pipeline:
 
     # -- public -----------------------------------------------------------------------------
 
-    def __call__(self, params: Any, x: PyTree, key: jax.Array | None = None) -> PyTree:
+    def __call__(self, params: Any, x: PyTree, key: jax.Array | None = None, *, state: Any = None) -> Any:
+        """Runs the pipeline: ``y``, or ``(y, stats)`` for a ``stateful`` pipeline.
+
+        ``state`` (stateful pipelines only) takes the forms ``params`` takes: one pytree per
+        stage, a pytree stacked on a leading stage axis (homogeneous stages), or what
+        :meth:`place` returned for it. ``None`` gives every stage ``state=None``.
+        """
         keys.check_key(key)
         _check_params_shape(params, self)
-        params, x, key = self._commit(params, x, key)
-        return self._jitted(params, x, key)
+        if state is not None:
+            if not self.stateful:
+                raise TypeError(
+                    "`state` was given, but the pipeline is not stateful, so its stages cannot "
+                    "receive it. Build it with `pj.pipeline(..., stateful=True)` and stages "
+                    "`stage(params, x, key, state, mask) -> (y, stats)`."
+                )
+            _check_params_shape(state, self, name="state")
+        params, x, key, state = self._commit(params, x, key, state)
+        return self._jitted(params, x, key, state)
 
     def place(self, params: Any) -> Any:
         """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
@@ -193,6 +261,9 @@ class Pipeline:
         stage; with several, possibly more, since the largest demands may come from different
         stages). Pass the result
         to the pipeline, to ``jax.grad`` and to optax in place of ``params``.
+
+        The ``state`` of a stateful pipeline takes the same forms and may be placed the same way
+        (``apply(placed_params, x, state=apply.place(state))``).
         """
         _check_params_shape(params, self)
         if not self.homogeneous and not isinstance(params, StageParams):
@@ -216,16 +287,16 @@ class Pipeline:
 
     # -- input placement (eager calls) ------------------------------------------------------
 
-    def _commit(self, params, x, key):
+    def _commit(self, params, x, key, state):
         """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
-        leaves = [a for a in jax.tree.leaves((params, x, key)) if _is_concrete(a)]
+        leaves = [a for a in jax.tree.leaves((params, x, key, state)) if _is_concrete(a)]
         if self.mesh is None:
             # One device runs everything: gather inputs spread over several devices onto one.
             device_sets = {frozenset(a.sharding.device_set) for a in leaves if a.committed}
             if len(device_sets) <= 1 and all(len(d) == 1 for d in device_sets):
-                return params, x, key
+                return params, x, key, state
             target = min((d for ds in device_sets for d in ds), key=lambda d: d.id)
-            return jax.device_put((params, x, key), SingleDeviceSharding(target))
+            return jax.device_put((params, x, key, state), SingleDeviceSharding(target))
         mesh_devices = set(self.mesh.devices.flat)
 
         def put(tree, spec):
@@ -238,30 +309,40 @@ class Pipeline:
 
             return jax.tree.map(move, tree)
 
-        stacked = self.homogeneous or isinstance(params, StageParams)
-        params = put(params, PartitionSpec(self.axis_name) if stacked else PartitionSpec())
-        return params, put(x, PartitionSpec()), put(key, PartitionSpec())
+        def per_stage(tree):
+            stacked = self.homogeneous or isinstance(tree, StageParams)
+            return put(tree, PartitionSpec(self.axis_name) if stacked else PartitionSpec())
+
+        return per_stage(params), put(x, PartitionSpec()), put(key, PartitionSpec()), per_stage(state)
 
     # -- traced -----------------------------------------------------------------------------
 
-    def _apply(self, params, x, key):
+    def _apply(self, params, x, key, state):
         x = compat.replicate(x)  # a batch sharded with Explicit axes cannot be cut up in place
-        xs, _, plan = microbatch.split(x, self.chunks)
+        xs, mask, plan = microbatch.split(x, self.chunks)
+        if not self.stateful:
+            mask = None  # stateless stages take no mask
+        if state is None and not self.homogeneous:
+            state = [None] * self.num_stages
         schedule = sched.gpipe(self.num_stages, plan.num_micro)
         key_struct = None
         if key is not None:
             lead = (plan.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
         if self.homogeneous:
-            boundaries = _homogeneous_boundaries(self, params, xs, key_struct)
+            boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct)
             run = _run_homogeneous_mesh if self.mesh is not None else _run_homogeneous_local
         else:
             if self.mesh is None and isinstance(params, StageParams):
                 params = params.unpack()
-            boundaries = _heterogeneous_boundaries(self, params, xs, key_struct)
+            if self.mesh is None and isinstance(state, StageParams):
+                state = state.unpack()
+            boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct)
             run = _run_heterogeneous_mesh if self.mesh is not None else _run_heterogeneous_local
-        ys = run(self, params, xs, key, schedule, boundaries)
-        return microbatch.merge(ys, plan)
+        inputs = _Inputs(params, state, xs, mask, key)
+        ys, stats = run(self, inputs, schedule, boundaries, stats)
+        y = microbatch.merge(ys, plan)
+        return (y, stats) if self.stateful else y
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -335,17 +416,17 @@ def _check_mesh(mesh, axis_name, num_stages) -> None:
         )
 
 
-def _check_params_shape(params, pipe: Pipeline) -> None:
-    """Static checks on ``params`` that need no tracing."""
+def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
+    """Static checks on ``params`` (or ``state``, which takes the same forms) that need no tracing."""
     n = pipe.num_stages
     if isinstance(params, StageParams):
         if pipe.homogeneous:
             raise TypeError(
-                "`params` is a StageParams (packed heterogeneous parameters), but this pipeline "
-                "has homogeneous stages; pass the parameters stacked on a leading stage axis."
+                f"`{name}` is a StageParams (packed heterogeneous stages), but this pipeline "
+                f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
             )
         if params.num_stages != n:
-            raise ValueError(f"`params` packs {params.num_stages} stages, but the pipeline has {n} stages.")
+            raise ValueError(f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages.")
         return
     if pipe.homogeneous:
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
@@ -353,22 +434,23 @@ def _check_params_shape(params, pipe: Pipeline) -> None:
             shape = jnp.shape(leaf)
             if len(shape) == 0 or shape[0] != n:
                 raise ValueError(
-                    f"Homogeneous stages take parameters stacked on a leading stage axis of size "
-                    f"{n}, but `params` leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-                    f"{shape}. Stack the per-stage parameters, e.g. "
-                    "`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_params)`."
+                    f"Homogeneous stages take `{name}` stacked on a leading stage axis of size "
+                    f"{n}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+                    f"{shape}. Stack the per-stage values, e.g. "
+                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`."
                 )
         return
+    what = "parameter" if name == "params" else name
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
         raise TypeError(
-            f"`params` must be a sequence with one parameter pytree per stage ({n} stages), but "
-            f"got {type(params).__name__}. Wrap a single stage's parameters in a list."
+            f"`{name}` must be a sequence with one {what} pytree per stage ({n} stages), but "
+            f"got {type(params).__name__}. Wrap a single stage's {what} in a list."
         )
     if len(params) != n:
         raise ValueError(
-            f"`params` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
+            f"`{name}` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
             f"pipeline has {n} stages; pass exactly one "
-            "parameter pytree per stage (use None or {} for a stage without parameters)."
+            f"{what} pytree per stage (use None or {{}} for a stage without any)."
         )
 
 
@@ -387,10 +469,33 @@ def _micro_struct(xs):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
 
 
-def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layout:
-    """The output layout of ``stage`` on ``in_struct``, or a clear error."""
+def _mask_struct(xs, pipe):
+    """The type of the row mask a stateful stage receives, ``bool[b]``; ``None`` when stateless."""
+    if not pipe.stateful:
+        return None
+    return jax.ShapeDtypeStruct(jax.tree.leaves(xs)[0].shape[1:2], jnp.bool_)
+
+
+def _stage_call(pipe, s):
+    """Stage ``s`` as ``f(params, x, key, state, mask) -> (y, stats)``; stats ``None`` when stateless."""
+    stage = pipe.stages[s]
+    if not pipe.stateful:
+        return lambda p, x, key, state, mask: (stage(p, x, key), None)
+
+    def call(p, x, key, state, mask):
+        y, stats = stage(p, x, key, state, mask)
+        return y, stats
+
+    return call
+
+
+def _stage_output(s, pipe, p_struct, st_struct, in_struct, key_struct, mask_struct) -> tuple[Layout, Layout]:
+    """The layouts of stage ``s``'s output and stats on ``in_struct``, or a clear error."""
+    micro_size = jax.tree.leaves(in_struct)[0].shape[0]
+    stage = pipe.stages[s]
+    args = (p_struct, in_struct, key_struct) + ((st_struct, mask_struct) if pipe.stateful else ())
     try:
-        out = jax.eval_shape(stage, p_struct, in_struct, key_struct)
+        out = jax.eval_shape(stage, *args)
     except Exception as err:
         source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
         raise ValueError(
@@ -399,6 +504,16 @@ def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layo
             f"Make stage {s} accept what {('`x`' if s == 0 else f'stage {s - 1}')} produces "
             "(shapes include the micro-batch axis first)."
         ) from err
+    stats = None
+    if pipe.stateful:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(
+                f"Stage {s} returned {out!r}, but the pipeline is stateful, so every stage must "
+                "return a pair `(y, stats)`: the activation for the next stage and a pytree of "
+                "per-micro-batch statistics without the batch axis (None if it has none), e.g. "
+                "`return y, None`."
+            )
+        out, stats = out  # (eval_shape has already rejected leaves that are not arrays)
     if not jax.tree.leaves(out):
         raise ValueError(
             f"Stage {s} returned {out!r}, which holds no arrays. A stage must return the "
@@ -413,30 +528,43 @@ def _stage_output(s, stage, p_struct, in_struct, key_struct, micro_size) -> Layo
                 f"but every output leaf must keep the micro-batch axis first (size {micro_size}). "
                 "Stages may change every axis but the leading batch axis."
             )
-    return Layout.of(out)
+    return Layout.of(out), Layout.of(stats)
 
 
-def _heterogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
-    """Layouts of the values entering stage 0, 1, ..., and leaving the last stage."""
+def _per_stage_structs(tree, n):
+    """The per-stage types of a heterogeneous ``params``/``state`` (list or StageParams)."""
+    if isinstance(tree, StageParams):
+        return [layout.structs() for layout in tree.layouts]
+    if tree is None:
+        return [None] * n
+    return [_struct(t) for t in tree]
+
+
+def _heterogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[Layout], list[Layout]]:
+    """Layouts of the values entering stage 0, 1, ..., and leaving the last stage; and of each
+    stage's stats."""
     in_struct = _micro_struct(xs)
-    micro_size = jax.tree.leaves(xs)[0].shape[1]
-    if isinstance(params, StageParams):
-        p_structs = [layout.structs() for layout in params.layouts]
-    else:
-        p_structs = [_struct(p) for p in params]
-    layouts = [Layout.of(in_struct)]
-    for s, stage in enumerate(pipe.stages):
-        layouts.append(_stage_output(s, stage, p_structs[s], in_struct, key_struct, micro_size))
-        in_struct = layouts[-1].structs()
-    return layouts
+    p_structs = _per_stage_structs(params, pipe.num_stages)
+    st_structs = _per_stage_structs(state, pipe.num_stages)
+    mask_struct = _mask_struct(xs, pipe)
+    layouts, stats = [Layout.of(in_struct)], []
+    for s in range(pipe.num_stages):
+        out, stat = _stage_output(s, pipe, p_structs[s], st_structs[s], in_struct, key_struct, mask_struct)
+        layouts.append(out)
+        stats.append(stat)
+        in_struct = out.structs()
+    return layouts, stats
 
 
-def _homogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
+def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[Layout], Layout]:
     in_struct = _micro_struct(xs)
-    micro_size = jax.tree.leaves(xs)[0].shape[1]
-    p_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), params)
+    def unstacked(tree):  # one stage's slice of a stacked pytree
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), tree)
+
     layout_in = Layout.of(in_struct)
-    layout_out = _stage_output(0, pipe.stages[0], p_struct, in_struct, key_struct, micro_size)
+    layout_out, stats = _stage_output(
+        0, pipe, unstacked(params), unstacked(state), in_struct, key_struct, _mask_struct(xs, pipe)
+    )
     if layout_out != layout_in:
         raise ValueError(
             "Homogeneous stages must return activations of the type they take, so that each "
@@ -444,10 +572,21 @@ def _homogeneous_boundaries(pipe, params, xs, key_struct) -> list[Layout]:
             f"{layout_out.describe()}. Use a sequence of stage functions (heterogeneous stages) "
             "for stages that change the activation type."
         )
-    return [layout_in] * (pipe.num_stages + 1)
+    return [layout_in] * (pipe.num_stages + 1), stats
 
 
 # --- shared pieces of the tick loop ---------------------------------------------------------------
+
+
+class _Inputs(NamedTuple):
+    """What a run reads. ``params`` and ``state`` come in the runner's per-stage form; ``xs`` has
+    leaves ``(m, b, ...)``; ``mask`` is ``bool[m, b]`` (real rows), ``None`` when stateless."""
+
+    params: Any
+    state: Any
+    xs: Any
+    mask: Any
+    key: Any
 
 
 def _take(xs, i):
@@ -502,20 +641,23 @@ def _scan_phases(pipe, schedule, make_step, carry):
 
 
 # --- without a mesh ------------------------------------------------------------------------------
-# The same table runs on one device. The carry holds every stage's previous output, which is what
-# the next stage reads at this tick.
+# The same table runs on one device. The carry holds every stage's previous (output, stats), which
+# is what the next stage reads at this tick, the output accumulator and every stage's stats
+# accumulator (leading axis m; a stage writes slot i only on a tick where it works on i).
 
 
-def _run_heterogeneous_local(pipe, params, xs, key, schedule, boundaries):
+def _run_heterogeneous_local(pipe, inputs, schedule, boundaries, stats_layouts):
     n, m = pipe.num_stages, schedule.num_micro
+    params, state, xs, mask, key = inputs
 
     def compute(s, skip):
-        stage = pipe.stages[s]
+        call = _stage_call(pipe, s)
 
-        def f(p, xs, inbox, prev, i, key):
+        def f(p, st, xs, mask, inbox, prev, i, key):
             ic = _clip(i, m)
             x_in = _take(xs, ic) if s == 0 else inbox
-            return _guard(skip, i, lambda: stage(p, x_in, _stage_keys(pipe, key, ic, s, xs)), prev)
+            k = _stage_keys(pipe, key, ic, s, xs)
+            return _guard(skip, i, lambda: call(p, x_in, k, st, _take(mask, ic)), prev)
 
         return f
 
@@ -523,32 +665,36 @@ def _run_heterogeneous_local(pipe, params, xs, key, schedule, boundaries):
         fns = [phase.remat(compute(s, phase.skip_bubbles)) for s in range(n)]
 
         def step(carry, row):
-            outs_prev, acc = carry  # outputs of every stage at the previous tick
+            prev, acc, stats = carry  # prev[s]: stage s's (output, stats) at the previous tick
             outs = tuple(
-                fns[s](params[s], xs, outs_prev[s - 1] if s else None, outs_prev[s], row[s], key)
+                fns[s](params[s], state[s], xs, mask, prev[s - 1][0] if s else None, prev[s], row[s], key)
                 for s in range(n)
             )
-            acc = _write(acc, outs[-1], _clip(row[n - 1], m), row[n - 1] >= 0)
-            return (outs, acc), None
+            acc = _write(acc, outs[-1][0], _clip(row[n - 1], m), row[n - 1] >= 0)
+            stats = tuple(_write(stats[s], outs[s][1], _clip(row[s], m), row[s] >= 0) for s in range(n))
+            return (outs, acc, stats), None
 
         return step
 
-    outs = tuple(_zeros(boundaries[s]) for s in range(1, n + 1))
+    prev = tuple((_zeros(boundaries[s + 1]), _zeros(stats_layouts[s])) for s in range(n))
     acc = _zeros(boundaries[n], (m,))
-    _, acc = _scan_phases(pipe, schedule, make_step, (outs, acc))
-    return acc
+    stats = tuple(_zeros(layout, (m,)) for layout in stats_layouts)
+    _, acc, stats = _scan_phases(pipe, schedule, make_step, (prev, acc, stats))
+    return acc, list(stats)
 
 
-def _run_homogeneous_local(pipe, params, xs, key, schedule, boundaries):
+def _run_homogeneous_local(pipe, inputs, schedule, boundaries, stats_layout):
     n, m = pipe.num_stages, schedule.num_micro
-    stage = pipe.stages[0]
+    params, state, xs, mask, key = inputs
+    call = _stage_call(pipe, 0)
     layout = boundaries[0]
 
     def compute(skip):
-        def f(params, x_in, prev, i, s, key):
+        def f(params, state, mask, x_in, prev, i, s, key):
             ic = _clip(i, m)
-            p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), params)
-            return _guard(skip, i, lambda: stage(p, x_in, _stage_keys(pipe, key, ic, s, xs)), prev)
+            p, st = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
+            k = _stage_keys(pipe, key, ic, s, xs)
+            return _guard(skip, i, lambda: call(p, x_in, k, st, _take(mask, ic)), prev)
 
         return f
 
@@ -556,30 +702,34 @@ def _run_homogeneous_local(pipe, params, xs, key, schedule, boundaries):
         f = phase.remat(compute(phase.skip_bubbles))
 
         def step(carry, row):
-            outs_prev, acc = carry  # stacked outputs of every stage at the previous tick
+            prev, acc, stats = carry  # stacked (outputs, stats) of every stage at the previous tick
             x0 = _take(xs, _clip(row[0], m))
-            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: n - 1]]), x0, outs_prev)
+            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: n - 1]]), x0, prev[0])
 
             def one_stage(_, args):
-                x_in, prev, i, s = args
-                return None, f(params, x_in, prev, i, s, key)
+                x_in, prev_s, i, s = args
+                return None, f(params, state, mask, x_in, prev_s, i, s, key)
 
-            _, outs = lax.scan(one_stage, None, (inputs, outs_prev, row, jnp.arange(n)))
-            last = jax.tree.map(lambda a: a[n - 1], outs)
+            _, outs = lax.scan(one_stage, None, (inputs, prev, row, jnp.arange(n)))
+            last = jax.tree.map(lambda a: a[n - 1], outs[0])
             acc = _write(acc, last, _clip(row[n - 1], m), row[n - 1] >= 0)
-            return (outs, acc), None
+            if jax.tree.leaves(stats):
+                stats = jax.vmap(_write)(stats, outs[1], _clip(row, m), row >= 0)
+            return (outs, acc, stats), None
 
         return step
 
-    outs = _zeros(layout, (n,))
+    prev = (_zeros(layout, (n,)), _zeros(stats_layout, (n,)))
     acc = _zeros(layout, (m,))
-    _, acc = _scan_phases(pipe, schedule, make_step, (outs, acc))
-    return acc
+    stats = _zeros(stats_layout, (n, m))
+    _, acc, stats = _scan_phases(pipe, schedule, make_step, (prev, acc, stats))
+    return acc, stats
 
 
 # --- on a mesh -----------------------------------------------------------------------------------
 # Device s runs stage s. The carry holds the activation received from device s - 1 (the inbox),
-# the device's own previous output, and the output accumulator (written on the last device only).
+# the device's own previous (output, stats), the output accumulator (written on the last device
+# only) and the device's stats accumulator.
 
 
 def _shift(tree, axis_name, n):
@@ -589,26 +739,26 @@ def _shift(tree, axis_name, n):
     return lax.ppermute(tree, axis_name, [(s, s + 1) for s in range(n - 1)])
 
 
-def _spmd(pipe, body, params, xs, key):
-    """Runs ``body(params, xs, key)`` under shard_map; its output comes back replicated.
+def _spmd(pipe, body, inputs):
+    """Runs ``body(params, state, xs, mask, key)`` under shard_map; its output comes back replicated.
 
-    Every parameter leaf has a leading stage axis, sharded over the mesh's stage axis.
+    Every leaf of ``params`` and ``state`` has a leading stage axis, sharded over the mesh's stage
+    axis; ``xs``, ``mask`` and ``key`` are replicated.
     """
-    axis = pipe.axis_name
+    axis, mesh = pipe.axis_name, pipe.mesh
     rep = PartitionSpec()
-    params_spec = PartitionSpec(axis)
-    params = compat.constrain(params, pipe.mesh, params_spec, axis)
-    xs = compat.constrain(xs, pipe.mesh, rep, axis)
-    if key is not None:
-        key = compat.constrain(key, pipe.mesh, rep, axis)
-    key_spec = None if key is None else rep
+    stage_spec = PartitionSpec(axis)
+    params, state, xs, mask, key = inputs
+    params = compat.constrain(params, mesh, stage_spec, axis)
+    state = compat.constrain(state, mesh, stage_spec, axis)
+    xs, mask, key = (compat.constrain(t, mesh, rep, axis) for t in (xs, mask, key))
     fn = jax.shard_map(
         body,
-        mesh=pipe.mesh,
-        in_specs=(params_spec, rep, key_spec),
+        mesh=mesh,
+        in_specs=(stage_spec, stage_spec, rep, rep, None if key is None else rep),
         out_specs=rep,
     )
-    return fn(params, xs, key)
+    return fn(params, state, xs, mask, key)
 
 
 def _as_varying(tree, template, axis_name):
@@ -627,11 +777,28 @@ def _as_varying(tree, template, axis_name):
     return jax.tree.map(fix, tree, template)
 
 
+def _gather_stages(tree, s, n, axis_name):
+    """Every device's ``tree`` stacked on a new leading stage axis, replicated on every device.
+
+    Device ``s`` writes its value into row ``s`` of zeros and a ``psum`` adds the rows: every
+    other term is an exact zero, so each row is bitwise its device's value.
+    """
+
+    def gather(a):
+        rows = lax.dynamic_update_index_in_dim(jnp.zeros((n, *a.shape), a.dtype), a, s, 0)
+        if a.dtype == jnp.bool_:
+            return lax.psum(rows.astype(jnp.int32), axis_name) > 0
+        return lax.psum(rows, axis_name)
+
+    return jax.tree.map(gather, tree)
+
+
 def _mesh_loop(pipe, schedule, s, compute, init, out_of):
     """The per-device tick loop shared by both stage kinds on a mesh.
 
-    ``compute(phase)`` returns ``f(inbox, prev, i) -> out``; ``out_of(out)`` reads the last
-    stage's output from ``out``. Returns the replicated output accumulator.
+    ``compute(phase)`` returns ``f(inbox, prev, i) -> (message, stats)``; ``out_of(message)``
+    reads the last stage's output from a message. Returns the replicated output accumulator and
+    every device's stats accumulator stacked on a leading stage axis.
     """
     n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
 
@@ -639,84 +806,99 @@ def _mesh_loop(pipe, schedule, s, compute, init, out_of):
         f = compute(phase)
 
         def step(carry, row):
-            inbox, prev, acc = carry
+            inbox, prev, acc, stats = carry
             i = row[s]
             out = f(inbox, prev, i)
-            acc = _write(acc, out_of(out), _clip(i, m), (i >= 0) & (s == n - 1))
-            return (_shift(out, axis, n), out, acc), None
+            acc = _write(acc, out_of(out[0]), _clip(i, m), (i >= 0) & (s == n - 1))
+            stats = _write(stats, out[1], _clip(i, m), i >= 0)
+            return (_shift(out[0], axis, n), out, acc, stats), None
 
         return step
 
-    message, acc = init
-    _, _, acc = _scan_phases(pipe, schedule, make_step, (message, message, acc))
+    message, stat, acc, stats = init
+    carry = (message, (message, stat), acc, stats)
+    _, _, acc, stats = _scan_phases(pipe, schedule, make_step, carry)
     # Only the last device wrote its accumulator; the others hold zeros, and adding exact zeros
     # is exact, so the sum is bitwise the last device's outputs.
-    return lax.psum(acc, axis)
+    return lax.psum(acc, axis), _gather_stages(stats, s, n, axis)
 
 
-def _run_homogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
+def _run_homogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layout):
     m, axis = schedule.num_micro, pipe.axis_name
-    stage = pipe.stages[0]
+    call = _stage_call(pipe, 0)
     layout = boundaries[0]
 
-    def body(params, xs, key):
+    def body(params, state, xs, mask, key):
         s = lax.axis_index(axis)
-        params = jax.tree.map(lambda a: a[0], params)
-        xs, key = compat.to_varying((xs, key), axis)
+        params, state = jax.tree.map(lambda a: a[0], (params, state))
+        xs, mask, key = compat.to_varying((xs, mask, key), axis)
 
         def compute(phase):
-            def f(params, xs, inbox, prev, i, key):
+            def f(params, state, xs, mask, inbox, prev, i, key):
                 ic = _clip(i, m)
                 x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
 
                 def run():
-                    return _as_varying(stage(params, x_in, _stage_keys(pipe, key, ic, s, xs)), prev, axis)
+                    k = _stage_keys(pipe, key, ic, s, xs)
+                    return _as_varying(call(params, x_in, k, state, _take(mask, ic)), prev, axis)
 
                 return _guard(phase.skip_bubbles, i, run, prev)
 
             f = phase.remat(f)
-            return lambda inbox, prev, i: f(params, xs, inbox, prev, i, key)
+            return lambda inbox, prev, i: f(params, state, xs, mask, inbox, prev, i, key)
 
-        init = compat.to_varying((_zeros(layout), _zeros(layout, (m,))), axis)
-        return _mesh_loop(pipe, schedule, s, compute, init, lambda out: out)
+        init = (_zeros(layout), _zeros(stats_layout), _zeros(layout, (m,)), _zeros(stats_layout, (m,)))
+        return _mesh_loop(pipe, schedule, s, compute, compat.to_varying(init, axis), lambda out: out)
 
-    return _spmd(pipe, body, params, xs, key)
+    return _spmd(pipe, body, inputs)
 
 
-def _run_heterogeneous_mesh(pipe, params, xs, key, schedule, boundaries):
+def _unpack_rows(box, buffers, layout):
+    """``box.unpack`` for buffers with a leading axis: the values of ``layout`` stacked on it."""
+    if not layout.shapes:
+        return layout.structs()  # no leaves: the empty pytree itself (e.g. None)
+    return jax.vmap(lambda bufs: box.unpack(bufs, layout))(buffers)
+
+
+def _run_heterogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layouts):
     n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
-    if not isinstance(params, StageParams):
-        params = pack_params(params)
+    params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in inputs[:2])
     pbox, playouts = params.container, params.layouts
+    sbox, slayouts = state.container, state.layouts
     box = Container.for_layouts(boundaries[1:])
+    statbox = Container.for_layouts(stats_layouts)
 
     def branch(s):
-        stage = pipe.stages[s]
+        call = _stage_call(pipe, s)
 
-        def f(pbufs, xs, inbox, prev, ic, k):
-            p = pbox.unpack(pbufs, playouts[s])
+        def f(pbufs, sbufs, xs, mask, inbox, prev, ic, k):
+            p, st = pbox.unpack(pbufs, playouts[s]), sbox.unpack(sbufs, slayouts[s])
             x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
-            return _as_varying(box.pack(stage(p, x_in, k)), prev, axis)
+            y, stats = call(p, x_in, k, st, _take(mask, ic))
+            return _as_varying((box.pack(y), statbox.pack(stats)), prev, axis)
 
         return f
 
     branches = [branch(s) for s in range(n)]
 
-    def body(pbufs, xs, key):
+    def body(pbufs, sbufs, xs, mask, key):
         s = lax.axis_index(axis)
-        pbufs = tuple(b[0] for b in pbufs)
-        xs, key = compat.to_varying((xs, key), axis)
+        pbufs, sbufs = (tuple(b[0] for b in bufs) for bufs in (pbufs, sbufs))
+        xs, mask, key = compat.to_varying((xs, mask, key), axis)
 
         def compute(phase):
-            def f(pbufs, xs, inbox, prev, i, key):
+            def f(pbufs, sbufs, xs, mask, inbox, prev, i, key):
                 ic = _clip(i, m)
-                args = (pbufs, xs, inbox, prev, ic, _stage_keys(pipe, key, ic, s, xs))
+                args = (pbufs, sbufs, xs, mask, inbox, prev, ic, _stage_keys(pipe, key, ic, s, xs))
                 return _guard(phase.skip_bubbles, i, lambda: lax.switch(s, branches, *args), prev)
 
             f = phase.remat(f)
-            return lambda inbox, prev, i: f(pbufs, xs, inbox, prev, i, key)
+            return lambda inbox, prev, i: f(pbufs, sbufs, xs, mask, inbox, prev, i, key)
 
-        init = compat.to_varying((box.zeros(), _zeros(boundaries[n], (m,))), axis)
-        return _mesh_loop(pipe, schedule, s, compute, init, lambda out: box.unpack(out, boundaries[n]))
+        init = (box.zeros(), statbox.zeros(), _zeros(boundaries[n], (m,)), statbox.zeros((m,)))
+        out_of = lambda message: box.unpack(message, boundaries[n])
+        return _mesh_loop(pipe, schedule, s, compute, compat.to_varying(init, axis), out_of)
 
-    return _spmd(pipe, body, params.buffers, xs, key)
+    acc, stats = _spmd(pipe, body, inputs._replace(params=params.buffers, state=state.buffers))
+    # stats: one (n, m, size) buffer per dtype; stage s's stats are row s, laid out by its layout.
+    return acc, [_unpack_rows(statbox, tuple(b[s] for b in stats), stats_layouts[s]) for s in range(n)]
