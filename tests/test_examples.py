@@ -56,7 +56,15 @@ def python_blocks(markdown):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "page", ["README.md", "docs/pipeline.md", "docs/checkpointing.md", "docs/balance.md", "docs/flax.md"]
+    "page",
+    [
+        "README.md",
+        "docs/pipeline.md",
+        "docs/checkpointing.md",
+        "docs/balance.md",
+        "docs/flax.md",
+        "docs/batchnorm.md",
+    ],
 )
 def test_docs_code_runs(page):
     """Every python snippet of the page runs, in order, as one script (their asserts included)."""
