@@ -64,6 +64,7 @@ def python_blocks(markdown):
         "docs/balance.md",
         "docs/flax.md",
         "docs/batchnorm.md",
+        "docs/migrating_from_torchgpipe.md",
     ],
 )
 def test_docs_code_runs(page):
@@ -72,6 +73,24 @@ def test_docs_code_runs(page):
     assert "import pipejax as pj" in source
     proc = run_python(["-c", source])
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.slow
+def test_train_transformer_lm_short(tmp_path):
+    out_dir = tmp_path / "lm"
+    proc = run_python(
+        [str(ROOT / "examples" / "train_transformer_lm.py"), "--short", "--out", str(out_dir)], timeout=600
+    )
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    # The step-0 check (pipelined vs nn.Sequential, loss and gradients) ran and passed.
+    match = re.search(r"step-0 check: loss ([\d.]+) vs plain ([\d.]+)", out)
+    assert match, out
+    assert abs(float(match[1]) - float(match[2])) <= 1e-4 * float(match[2]), out
+    # Training made progress, and the loss curve was drawn.
+    first, last = map(float, re.search(r"train loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < 0.9 * first, out
+    assert (out_dir / "loss.png").stat().st_size > 5_000
 
 
 @pytest.mark.slow
