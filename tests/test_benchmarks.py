@@ -77,3 +77,20 @@ def test_invertible_benchmark_quick():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for heading in ("Memory and time against depth", "constant / linear time", "Reconstruction drift"):
         assert heading in proc.stdout, f"missing {heading!r}:\n{proc.stdout[-2000:]}"
+
+
+def test_simulate_benchmark_quick():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "simulate.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for heading in ("against theory", "measured on this CPU", "torchgpipe's published speed-ups"):
+        assert heading in proc.stdout, f"missing {heading!r}:\n{proc.stdout[-2000:]}"
+    assert "| False |" not in proc.stdout  # every simulated bubble equals the theory exactly
