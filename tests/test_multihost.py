@@ -13,12 +13,14 @@ from __future__ import annotations
 import io
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from pipejax import launch
@@ -39,6 +41,28 @@ def test_pipeline_across_two_processes():
         for check in ("outputs", "gradient wrt params", "gradient wrt x", "homogeneous gradients"):
             assert f"[{i}] {check}: matches the composition" in proc.stdout, output
         assert f"[{i}] process {i}: all checks passed" in proc.stdout, output
+
+
+def test_docs_script_trains_the_same_on_two_processes_as_on_one(tmp_path):
+    """The training script of docs/multihost.md, on 2 processes x 2 devices and in 1 process."""
+    source = "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multihost.md").read_text(), re.S))
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    run = lambda argv: subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+    launched = run(
+        [sys.executable, "-m", "pipejax.launch", "-n", "2", "-d", "2", "--timeout", "240", str(path)]
+    )
+    single = run([sys.executable, str(path)])
+    for proc in (launched, single):
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    for i in (0, 1):
+        assert f"[{i}] process {i}: the trained pipeline equals the composed stages" in launched.stdout
+    losses = [
+        [float(v) for v in re.search(r"losses ([\d. ]+)", p.stdout)[1].split()] for p in (launched, single)
+    ]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)  # printed with 4 decimals
 
 
 def script(tmp_path, body: str) -> str:
