@@ -323,10 +323,8 @@ class _Group:
             try:
                 p.wait(max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
+                _signal_group(p, signal.SIGKILL)  # while unreaped, its pid still names its group
                 p.wait()
-        for p in self.procs:  # children a process left behind in its session
-            _signal_group(p, signal.SIGKILL)
         for t in self.threads:
             t.join(timeout=_GRACE_S)
 
