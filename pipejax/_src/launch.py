@@ -92,7 +92,7 @@ def initialize(*, initialization_timeout: int = 120) -> ProcessInfo:
       RuntimeError: pipejax.launch.initialize() found no PIPEJAX_COORDINATOR ...
     """
     info = _read_environment(os.environ)
-    import jax  # only here: the launcher itself never needs JAX
+    import jax  # imported here: the launcher process itself never configures or starts JAX
 
     try:
         jax.config.update("jax_num_cpu_devices", info.devices_per_process)
