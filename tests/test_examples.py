@@ -65,6 +65,7 @@ def python_blocks(markdown):
         "docs/flax.md",
         "docs/batchnorm.md",
         "docs/migrating_from_torchgpipe.md",
+        "docs/multihost.md",
     ],
 )
 def test_docs_code_runs(page):
