@@ -562,8 +562,8 @@ def layer_costs(
       and of up to ``chunks`` micro-batches under ``"never"``.
 
     Args:
-      layers, layer_params, sample_x, by, key, backward, param_scale, activation_scale, warmup,
-        repeats: as for :func:`balance`.
+      layers, layer_params, sample_x, by, key, backward, param_scale: as for :func:`balance`.
+      activation_scale, warmup, repeats: as for :func:`balance`.
 
     Raises:
       TypeError, ValueError: as for :func:`balance`.
