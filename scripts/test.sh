@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs lint and the whole test suite (unit, property, doctests and examples in short mode).
+# Runs lint and the whole test suite (unit, property, doctests, examples in short mode, and the
+# docs build with warnings as errors: tests/test_docs.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 .venv/bin/ruff check pipejax tests examples benchmarks
