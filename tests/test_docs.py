@@ -19,6 +19,8 @@ import pytest
 
 import pipejax
 
+pytestmark = pytest.mark.slow  # a Sphinx build and a script that compiles a pipeline
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
@@ -47,9 +49,8 @@ def read_inventory(path):
     return entries
 
 
-@pytest.fixture(scope="module")
-def built_site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("docs")
+def build_site(out):
+    """Runs ``sphinx-build -W`` into ``out``; returns the HTML directory."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [
@@ -77,7 +78,19 @@ def built_site(tmp_path_factory):
     return out / "html"
 
 
-def test_docs_build_without_warnings(built_site):
+def test_docs_site(tmp_path):
+    """The site builds with warnings as errors, and its pages and API reference are complete.
+
+    One build, then every check of it: autosummary writes its pages into docs/api/_generated, so
+    two builds at once (as pytest-xdist could run them for separate tests) would race there.
+    """
+    site = build_site(tmp_path)
+    check_pages(site)
+    check_reference_is_complete(site)
+    check_reference_shows_docstrings(site)
+
+
+def check_pages(built_site):
     assert (built_site / "index.html").is_file()
     assert (built_site / "quickstart.html").is_file()
     # Pages linked from the index and images referenced by the guides are in the site.
@@ -85,7 +98,7 @@ def test_docs_build_without_warnings(built_site):
     assert list((built_site / "_images").glob("memory_vs_depth*.png"))
 
 
-def test_api_reference_documents_every_public_name(built_site):
+def check_reference_is_complete(built_site):
     """Each public module and every name in its ``__all__`` has an entry, under its public name."""
     inventory = read_inventory(built_site / "objects.inv")
     missing = []
@@ -101,7 +114,7 @@ def test_api_reference_documents_every_public_name(built_site):
     assert not missing, f"not in the API reference: {missing}; add new modules to docs/api/index.md"
 
 
-def test_api_reference_shows_docstrings(built_site):
+def check_reference_shows_docstrings(built_site):
     """A page carries the docstring's summary, its Args as a parameter list and its Examples."""
     page = (built_site / "api" / "_generated" / "pipejax.pipeline.html").read_text()
     summary = pipejax.pipeline.__doc__.strip().splitlines()[0]
