@@ -108,12 +108,13 @@ def _case_collisions():
         names = [module.__name__ + "." + n for n in getattr(module, "__all__", ())]
         lower = [n.lower() for n in names]
         for full in names:
-            if lower.count(full.lower()) > 1 and inspect.isclass(eval_public(full)):
+            if lower.count(full.lower()) > 1 and inspect.isclass(_public_object(full)):
                 mapping[full] = full + "-class"
     return mapping
 
 
-def eval_public(full_name):
+def _public_object(full_name):
+    """The object a dotted public name (`pipejax.hessian.Density`) refers to."""
     module_name, _, attr = full_name.rpartition(".")
     return getattr(importlib.import_module(module_name), attr)
 
@@ -151,7 +152,7 @@ def _field_comments_as_docs(app, what, name, obj, options, lines):
         return
     owner_name, _, field = name.rpartition(".")
     try:
-        source = inspect.getsource(eval_public(owner_name))
+        source = inspect.getsource(_public_object(owner_name))
     except (AttributeError, ImportError, OSError, TypeError):
         return
     found = re.search(rf"^\s+{re.escape(field)}\s*:[^#\n]*#\s*(.+?)\s*$", source, flags=re.MULTILINE)
