@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: trains a deep MLP through a 4-stage GPipe pipeline on 4 simulated CPU devices.
+# The main job: `python -m pipejax.demo` (pipelined Flax training with checks, Hessian spectrum,
+# a constant-memory flow, and a report folder), after creating .venv and installing pipejax.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-exec .venv/bin/python examples/train_mlp_pipeline.py "$@"
+exec .venv/bin/python -m pipejax.demo "$@"

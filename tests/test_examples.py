@@ -122,3 +122,25 @@ def test_train_glow_digits_short(tmp_path):
     bpd = [float(v) for v in re.findall(r"test bpd ([\d.]+)", out)]
     assert len(bpd) >= 3 and bpd[-1] < bpd[0] and bpd[-1] < 4.0, out
     assert png.stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_demo_short(tmp_path):
+    """`python -m pipejax.demo` end to end with small settings: checks pass, report written."""
+    out_dir = tmp_path / "demo"
+    args = ["-m", "pipejax.demo", "--steps", "30", "--flow-steps", "30", "--lanczos-steps", "12"]
+    proc = run_python([*args, "--probes", "5", "--out", str(out_dir)], timeout=600)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "equal (tolerance" in proc.stdout and "bitwise equal" in proc.stdout, proc.stdout
+    summary = (out_dir / "summary.md").read_text()
+    for heading in ("## Training", "## Checks", "## Curvature", "## Constant-memory flow", "## Memory"):
+        assert heading in summary, summary
+    for png in ("loss.png", "spectral_density.png", "memory_vs_depth.png"):
+        assert (out_dir / png).stat().st_size > 5_000, png
+
+
+def test_demo_rejects_bad_options():
+    proc = run_python(["-m", "pipejax.demo", "--stages", "0"], timeout=120)
+    assert proc.returncode == 2 and "--stages must be >= 1, got 0" in proc.stderr, proc.stderr
+    proc = run_python(["-m", "pipejax.demo", "--stages", "64"], timeout=120)
+    assert proc.returncode == 2 and "--stages 64 needs 64 devices" in proc.stderr, proc.stderr
