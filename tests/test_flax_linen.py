@@ -280,9 +280,21 @@ def test_bad_flags():
         pipe.init(jax.random.key(0), x, deterministic=jnp.asarray(True))
 
 
-def test_layer_state_is_not_supported_yet():
+def test_layer_state_needs_deferred_batch_norm_and_caches_are_not_supported():
     pipe = LinenPipeline([nn.Dense(4), nn.BatchNorm(use_running_average=False)], num_stages=2)
-    with pytest.raises(NotImplementedError, match=r"Layer 1 \(BatchNorm\).*\['batch_stats'\]"):
+    with pytest.raises(
+        ValueError, match=r"Layer 1 \(BatchNorm\) creates 'batch_stats'.*deferred_batch_norm=True"
+    ):
+        pipe.init(jax.random.key(0), jnp.ones((4, 3), jnp.float32))
+
+    class Counter(nn.Module):  # mutable state that is not BatchNorm's
+        @nn.compact
+        def __call__(self, x):
+            self.variable("cache", "calls", lambda: jnp.zeros((), jnp.int32))
+            return x
+
+    pipe = LinenPipeline([nn.Dense(4), Counter()], num_stages=2, deferred_batch_norm=True)
+    with pytest.raises(NotImplementedError, match=r"Layer 1 \(Counter\).*\['cache'\]"):
         pipe.init(jax.random.key(0), jnp.ones((4, 3), jnp.float32))
 
 

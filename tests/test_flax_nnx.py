@@ -259,8 +259,22 @@ def test_bad_layers():
         NNXPipeline([nn.Dense(3)], num_stages=1)
     with pytest.raises(TypeError, match=r"`layers\[1\]` must be an nnx.Module"):
         NNXPipeline([nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh], num_stages=1)
-    with pytest.raises(NotImplementedError, match=r"Layer 1 \(BatchNorm\).*BatchStat"):
+    with pytest.raises(
+        ValueError, match=r"Layer 1 \(BatchNorm\) holds nnx.BatchNorm statistics.*deferred_batch_norm"
+    ):
         NNXPipeline([nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.BatchNorm(2, rngs=nnx.Rngs(0))], num_stages=2)
+
+    class Counter(nnx.Module):  # mutable state that is not BatchNorm's
+        def __init__(self):
+            self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            return x
+
+    with pytest.raises(
+        NotImplementedError, match=r"Layer 0 \(Counter\) holds state of type\(s\) \['Variable'\]"
+    ):
+        NNXPipeline([Counter()], num_stages=1, deferred_batch_norm=True)
 
 
 def test_bad_call():

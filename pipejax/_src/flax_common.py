@@ -9,6 +9,13 @@ Randomness: stage ``s`` on micro-batch ``i`` receives ``pj.stage_key(key, i, s)`
 pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws from
 :func:`layer_key` of it, ``jax.random.fold_in(stage_key, j)``. Every (micro-batch, stage, layer)
 triple thus has its own key, and recomputing a checkpointed stage replays it.
+
+Deferred BatchNorm (``deferred_batch_norm=True``): the adapters run the pipeline with stage state.
+A stage holds its layers' running statistics as ``state``; a BatchNorm layer in training
+normalises its micro-batch with that micro-batch's own statistics over its real rows (the
+``mask`` the stage receives) and reports the micro-batch's :class:`~pipejax.Moments` as a
+:class:`SownMoments`; after the call :func:`update_running` updates the running statistics once,
+from the moments of all micro-batches merged (:func:`pipejax.batch_norm_update`).
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
+from pipejax._src.batchnorm import moments as moments_of
 from pipejax._src.keys import layer_key as layer_key
 from pipejax._src.placement import StageParams
 
@@ -147,3 +157,55 @@ def route_kwargs(calls: Sequence[Callable[..., Any]], kwargs: Mapping[str, Any])
 def unpack(packed: StageParams) -> list[Any]:
     """``packed.unpack()`` as one compiled program (eagerly it would dispatch a slice per leaf)."""
     return packed.unpack()
+
+
+# --- deferred BatchNorm ------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class SownMoments:
+    """One BatchNorm call's :class:`~pipejax.Moments`, with the layer's momentum (static).
+
+    The momentum travels in the pytree structure, not as an array, so the stats a pipeline stacks
+    over the micro-batches still say how to update the layer they came from.
+    """
+
+    def __init__(self, moments: Moments, momentum: float):
+        self.moments = moments
+        self.momentum = momentum
+
+    def tree_flatten(self):
+        return (self.moments,), self.momentum
+
+    @classmethod
+    def tree_unflatten(cls, momentum, children):
+        return cls(children[0], momentum)
+
+    def __repr__(self) -> str:
+        return f"SownMoments({self.moments!r}, momentum={self.momentum!r})"
+
+
+def batch_norm_moments(x: jax.Array, row_mask: jax.Array, axis: Any, momentum: float) -> SownMoments:
+    """The moments of a BatchNorm input ``x`` over the real rows of a micro-batch."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return SownMoments(moments_of(x, row_mask, axis=axes), momentum)
+
+
+def row_mask_for(row_mask: jax.Array, x: jax.Array) -> jax.Array:
+    """``bool[b]`` reshaped to broadcast against ``x`` (``(b, 1, ..., 1)``), as Flax's ``mask=``."""
+    return jnp.reshape(row_mask, (x.shape[0],) + (1,) * (x.ndim - 1))
+
+
+def update_running(mean: jax.Array, var: jax.Array, sown: SownMoments, unbiased: bool) -> BatchStats:
+    """New running ``(mean, var)`` from the moments of every micro-batch (leading axis ``m``)."""
+    return batch_norm_update(BatchStats(mean, var), sown.moments, momentum=sown.momentum, unbiased=unbiased)
+
+
+def check_user_mask(mask: Any, layer: str) -> None:
+    """Raises ``NotImplementedError`` for a BatchNorm ``mask=`` in training inside a pipeline."""
+    if mask is not None:
+        raise NotImplementedError(
+            f"{layer} was called with `mask=` in training inside a pipeline. Deferred BatchNorm "
+            "masks the padding rows of each micro-batch itself and supports no other mask; drop "
+            "`mask=`, or evaluate with `use_running_average=True`."
+        )

@@ -6,16 +6,28 @@ cuts them into stages of consecutive layers, and keeps:
 * ``packed``: the layers' ``nnx.Param`` values in the stage-sharded layout of
   :meth:`pipejax.Pipeline.place` (one ``nnx.Param`` per dtype, of shape ``(num_stages, size)``;
   with a mesh, device ``s`` stores only row ``s``, its stage's parameters);
-* ``layer_state``: the rest of each layer's state (for now, only rng streams are allowed);
+* ``packed_batch_stats``: with ``deferred_batch_norm=True``, the layers' ``nnx.BatchStat``
+  values (BatchNorm running statistics) in the same layout (one ``nnx.BatchStat`` per dtype);
+* ``layer_state``: the rest of each layer's state (only rng streams are allowed);
 * the layers' graph definitions (static), from ``nnx.split``.
 
 A call rebuilds each layer inside its stage with ``nnx.merge`` from its graph definition and its
 parameters, so every stage is a pure function ``stage(params, x, key)`` as
 :func:`pipejax.pipeline` requires, and nothing of the pipeline's tracing leaks into the module.
+
+Deferred BatchNorm: the pipeline then runs with stage state, ``stage(params, x, key, state, mask)
+-> (y, stats)``, where ``state`` holds the stage's batch statistics. Inside the stage every
+``nnx.BatchNorm`` of the rebuilt layers (a fresh object, private to the stage's trace) has its
+class switched to a subclass whose training call passes the micro-batch's row mask as
+``mask=`` (so padding rows do not count) and records the micro-batch's :class:`~pipejax.Moments`;
+its own update of the (fresh, discarded) ``BatchStat`` is dropped. After the call the pipeline
+updates ``packed_batch_stats`` once from the moments of all micro-batches.
 """
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pipejax._src import flax_common as common
+from pipejax._src.flax_common import SownMoments
 from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
 
@@ -54,9 +67,21 @@ class NNXPipeline(nnx.Module):
       ``nnx.reseed(layer, **{name: jax.random.fold_in(pj.stage_key(key, i, s), j)})``. The keys do
       not depend on the mesh or the checkpoint mode, so all of them give bitwise the same result.
 
+    BatchNorm: with ``deferred_batch_norm=True``, ``nnx.BatchNorm`` layers (also nested inside a
+    layer) work as torchgpipe's deferred batch norm. In training (``use_running_average=False``)
+    each micro-batch is normalised with its own statistics over its real rows (the padding rows
+    of an uneven batch do not count), and the call updates the running statistics (the
+    pipeline's ``nnx.BatchStat`` variables) **once**, from the statistics of the whole
+    mini-batch: ``new = momentum * old + (1 - momentum) * batch``, with the layer's momentum
+    and the unbiased variance ``M2 / (N - 1)`` (PyTorch's convention; ``unbiased_variance=False``
+    tracks the biased ``M2 / N`` of ``nnx.BatchNorm``). In evaluation (``pipe.eval()``, or
+    ``use_running_average=True``) the running statistics are used; the schedule and
+    checkpointing are the same in both modes. Without the flag, layers with ``nnx.BatchStat``
+    raise ``ValueError``: a pipeline never updates them once per micro-batch.
+
     Args:
-      layers: the NNX modules, applied in order; non-parameter state other than rng streams
-        (``nnx.BatchNorm``'s batch statistics) raises ``NotImplementedError`` for now.
+      layers: the NNX modules, applied in order; non-parameter state other than rng streams and
+        ``nnx.BatchNorm`` statistics raises ``NotImplementedError``.
       balance: the number of layers of each stage (``sum(balance) == len(layers)``), as in
         torchgpipe. Give this or ``num_stages``.
       num_stages: an even split into this many stages (the first ``len(layers) % num_stages``
@@ -70,10 +95,19 @@ class NNXPipeline(nnx.Module):
       rng_collection: the stream taken from an ``nnx.Rngs`` given as ``rngs``.
       rngs: an ``nnx.Rngs`` or ``nnx.RngStream`` the pipeline forks its own key stream from; needed
         when layers hold rng streams, unless every call passes ``rngs``.
+      deferred_batch_norm: support ``nnx.BatchNorm`` layers with deferred batch norm, as
+        described above (torchgpipe's flag).
+      use_running_average: the default for calls: ``True`` makes every BatchNorm use its running
+        statistics, ``False`` the micro-batch's, ``None`` keeps each layer's own setting.
+        ``pipe.eval()`` and ``pipe.train()`` set it.
+      unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
+        (True, as PyTorch) or the biased ``M2 / N`` (False, as ``nnx.BatchNorm``).
 
     Raises:
-      TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax.md``).
-      NotImplementedError: for layers with state other than parameters and rng streams.
+      TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax.md``), and
+        for BatchNorm layers without ``deferred_batch_norm=True``.
+      NotImplementedError: for layers with state other than parameters, rng streams and
+        ``nnx.BatchNorm`` statistics.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -107,8 +141,17 @@ class NNXPipeline(nnx.Module):
         deterministic: bool | None = None,
         rng_collection: str = "dropout",
         rngs: nnx.Rngs | nnx.RngStream | None = None,
+        deferred_batch_norm: bool = False,
+        use_running_average: bool | None = None,
+        unbiased_variance: bool = True,
     ):
         _check_layers(layers)
+        for name, value in (
+            ("deferred_batch_norm", deferred_batch_norm),
+            ("unbiased_variance", unbiased_variance),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, but got {value!r}.")
         layers = list(layers)
         self._sizes = common.stage_sizes(len(layers), balance, num_stages)
         common.check_mesh(mesh, axis_name, self._sizes)
@@ -118,12 +161,16 @@ class NNXPipeline(nnx.Module):
         self.axis_name = axis_name
         self.deterministic = deterministic
         self.rng_collection = rng_collection
-        graphdefs, params, rest = [], [], []
+        self.deferred_batch_norm = deferred_batch_norm
+        self.use_running_average = use_running_average
+        self.unbiased_variance = unbiased_variance
+        graphdefs, params, batch_stats, rest = [], [], [], []
         for index, layer in enumerate(layers):
-            graphdef, p, r = nnx.split(layer, nnx.Param, ...)
-            _check_state(index, layer, r)
+            graphdef, p, bs, r = nnx.split(layer, nnx.Param, nnx.BatchStat, ...)
+            _check_state(index, layer, bs, r, deferred_batch_norm)
             graphdefs.append(graphdef)
             params.append(p)
+            batch_stats.append(bs)
             rest.append(r)
         self.graphdefs = tuple(graphdefs)
         self.calls = tuple(type(layer).__call__ for layer in layers)
@@ -136,6 +183,12 @@ class NNXPipeline(nnx.Module):
         placed = self._engine().place(common.group(params, self._sizes))
         self.packed = nnx.List([nnx.Param(b) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
+        self.stats_container = self.stats_layouts = None
+        self.packed_batch_stats = nnx.List([])
+        if jax.tree.leaves(batch_stats):
+            placed = self._engine().place(common.group(batch_stats, self._sizes))
+            self.packed_batch_stats = nnx.List([nnx.BatchStat(b) for b in placed.buffers])
+            self.stats_container, self.stats_layouts = placed.container, placed.layouts
         if isinstance(rngs, nnx.Rngs):
             self.rngs = rngs[rng_collection].fork()
         elif isinstance(rngs, nnx.RngStream):
@@ -152,22 +205,40 @@ class NNXPipeline(nnx.Module):
         x: PyTree,
         *,
         deterministic: bool | None = None,
+        use_running_average: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         **flags: Any,
     ) -> PyTree:
         flags_per_layer = common.route_kwargs(self.calls, flags)
         det = self.deterministic if deterministic is None else deterministic
-        engine = self._engine(self._stage_fns(det, flags_per_layer))
-        return engine(self.stage_params(), x, self._key(rngs))
+        ura = self.use_running_average if use_running_average is None else use_running_average
+        engine = self._engine(self._stage_fns(det, ura, flags_per_layer))
+        if not self.deferred_batch_norm:
+            return engine(self.stage_params(), x, self._key(rngs))
+        state = self.stage_batch_stats()
+        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state)
+        sown = jax.tree.leaves(stats, is_leaf=lambda t: isinstance(t, SownMoments))
+        if any(isinstance(t, SownMoments) for t in sown):  # some BatchNorm trained: update once
+            old = common.unpack(state)
+            new = [
+                tuple(_updated(st, sw, self.unbiased_variance) for st, sw in zip(sts, sws, strict=True))
+                for sts, sws in zip(old, stats, strict=True)
+            ]
+            for var, buffer in zip(self.packed_batch_stats, engine.place(new).buffers, strict=True):
+                var[...] = buffer
+        return y
 
-    def set_view(self, deterministic: bool | None = None):
-        """Used by ``nnx.view(model, deterministic=...)``: sets the default of calls.
+    def set_view(self, deterministic: bool | None = None, use_running_average: bool | None = None):
+        """Used by ``nnx.view(model, deterministic=..., use_running_average=...)``: sets call defaults.
 
         Args:
           deterministic: if not None, the new default of :attr:`deterministic`.
+          use_running_average: if not None, the new default of :attr:`use_running_average`.
         """
         if deterministic is not None:
             self.deterministic = deterministic
+        if use_running_average is not None:
+            self.use_running_average = use_running_average
 
     def stage_sizes(self) -> tuple[int, ...]:
         """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
@@ -176,6 +247,21 @@ class NNXPipeline(nnx.Module):
     def stage_params(self) -> StageParams:
         """The parameters as the pipeline takes them: a :class:`pipejax.StageParams`."""
         return StageParams(tuple(p[...] for p in self.packed), self.container, self.layouts)
+
+    def stage_batch_stats(self) -> StageParams | None:
+        """The BatchNorm statistics as the pipeline takes them (``None`` without BatchNorm)."""
+        if self.stats_container is None:
+            return None
+        return StageParams(
+            tuple(b[...] for b in self.packed_batch_stats), self.stats_container, self.stats_layouts
+        )
+
+    def layer_batch_stats(self) -> list[nnx.State]:
+        """Each layer's ``nnx.BatchStat`` state (empty for layers without BatchNorm), in order."""
+        state = self.stage_batch_stats()
+        if state is None:
+            return [nnx.State({}) for _ in self.graphdefs]
+        return [st for stage in common.unpack(state) for st in stage]
 
     def layer_params(self, state: Any = None) -> list[nnx.State]:
         """Each layer's ``nnx.Param`` state, read out of the packed parameters.
@@ -206,13 +292,16 @@ class NNXPipeline(nnx.Module):
         """The layers as separate modules, with the pipeline's current parameters.
 
         Returns:
-          New modules (sharing nothing with the pipeline), in order; running them in sequence
-          computes what the pipeline computes. Their rng streams are those the layers had when
-          the pipeline was built.
+          New modules (sharing nothing with the pipeline), in order, with the current BatchNorm
+          statistics; running them in sequence computes what the pipeline computes (in training,
+          BatchNorm on the whole batch instead of per micro-batch). Their rng streams are those
+          the layers had when the pipeline was built.
         """
         return [
-            nnx.merge(g, p, jax.tree.map(lambda a: a, r))
-            for g, p, r in zip(self.graphdefs, self.layer_params(), self.layer_state, strict=True)
+            nnx.merge(g, p, bs, jax.tree.map(lambda a: a, r))
+            for g, p, bs, r in zip(
+                self.graphdefs, self.layer_params(), self.layer_batch_stats(), self.layer_state, strict=True
+            )
         ]
 
     # -- internals --------------------------------------------------------------------------
@@ -240,35 +329,149 @@ class NNXPipeline(nnx.Module):
             )
         return self.rngs()
 
-    def _stage_fns(self, det, flags_per_layer):
-        layers = list(zip(self.graphdefs, self.layer_state, self.stream_names, flags_per_layer, strict=True))
-        return [_stage_fn(stage, det) for stage in common.group(layers, self._sizes)]
+    def _stage_fns(self, det, ura, flags_per_layer):
+        layers = list(
+            zip(
+                range(len(self.graphdefs)),
+                self.graphdefs,
+                self.layer_state,
+                self.stream_names,
+                flags_per_layer,
+                strict=True,
+            )
+        )
+        return [
+            _stage_fn(stage, det, ura, self.deferred_batch_norm)
+            for stage in common.group(layers, self._sizes)
+        ]
 
     def _engine(self, fns=None) -> Pipeline:
         """The pipeline over ``fns``; without them, one for :meth:`Pipeline.place` only."""
         if fns is None:
-            fns = [_stage_fn((), None)] * len(self._sizes)
+            fns = [_stage_fn((), None, None, self.deferred_batch_norm)] * len(self._sizes)
         return pipeline(
-            fns, chunks=self.chunks, checkpoint=self.checkpoint, mesh=self.mesh, axis_name=self.axis_name
+            fns,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            mesh=self.mesh,
+            axis_name=self.axis_name,
+            stateful=self.deferred_batch_norm,
         )
 
 
-def _stage_fn(layers, det):
-    """Stage ``stage(params, x, key)``; ``params[j]`` is layer ``j``'s ``nnx.Param`` state."""
+def _stage_fn(layers, det, ura, deferred):
+    """Stage ``stage(params, x, key)``; ``params[j]`` is layer ``j``'s ``nnx.Param`` state.
+
+    With ``deferred`` (deferred BatchNorm), ``stage(params, x, key, state, mask) -> (y, stats)``:
+    ``state[j]`` is layer ``j``'s ``nnx.BatchStat`` state and ``stats[j]`` the moments its
+    BatchNorm layers recorded in training, keyed by their path in the layer.
+    """
+
+    def run(j, p, x, key, state, mask):
+        index, graphdef, rest, names, kw = layers[j]
+        # Fresh Variables for the rest: the stored ones belong to the module, outside this trace.
+        states = (p,) if state is None else (p, state[j])
+        layer = nnx.merge(graphdef, *states, jax.tree.map(lambda a: a, rest))
+        if det is not None:
+            layer.set_attributes(deterministic=det, raise_if_not_found=False)
+        if ura is not None:
+            layer.set_attributes(use_running_average=ura, raise_if_not_found=False)
+        k = common.layer_key(key, j)
+        if names and k is not None:
+            nnx.reseed(layer, **{name: k for name in names})
+        records: dict[str, SownMoments] = {}
+        for path, module in nnx.iter_graph(layer):
+            if isinstance(module, nnx.BatchNorm):
+                where = (
+                    f"Layer {index}'s {type(module).__name__} (at {_path_key(path) or 'the layer itself'})"
+                )
+                if not deferred:
+                    raise ValueError(_NEEDS_FLAG.format(what=f"{where} is an nnx.BatchNorm"))
+                object.__setattr__(module, "__class__", _deferred_class(type(module)))
+                object.__setattr__(module, _CTX, _Deferred(mask, _path_key(path), records, where))
+        return layer(x, **kw), records
 
     def stage(params, x, key):
-        for j, ((graphdef, rest, names, kw), p) in enumerate(zip(layers, params, strict=True)):
-            # Fresh Variables for the rest: the stored ones belong to the module, outside this trace.
-            layer = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))
-            if det is not None:
-                layer.set_attributes(deterministic=det, raise_if_not_found=False)
-            k = common.layer_key(key, j)
-            if names and k is not None:
-                nnx.reseed(layer, **{name: k for name in names})
-            x = layer(x, **kw)
+        for j, p in enumerate(params):
+            x, _ = run(j, p, x, key, None, None)
         return x
 
-    return stage
+    def stateful_stage(params, x, key, state, mask):
+        stats = []
+        for j, p in enumerate(params):
+            x, records = run(j, p, x, key, state, mask)
+            stats.append(records or None)
+        return x, tuple(stats)
+
+    return stateful_stage if deferred else stage
+
+
+_CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
+
+
+class _Deferred:
+    """What a switched BatchNorm needs: the row mask, its path, and where to record its moments."""
+
+    def __init__(self, mask, path: str, records: dict[str, SownMoments], where: str):
+        self.mask, self.path, self.records, self.where = mask, path, records, where
+
+
+@functools.cache
+def _deferred_class(base: type) -> type:
+    """A subclass of the BatchNorm class ``base`` whose training call is deferred batch norm."""
+
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        ctx = getattr(self, _CTX)
+        train = use_running_average is False or (
+            use_running_average is None and self.use_running_average is False
+        )
+        if not train:  # evaluation (or no setting, which BatchNorm reports itself): unchanged
+            return base.__call__(self, x, use_running_average, mask=mask)
+        common.check_user_mask(mask, ctx.where)
+        if self.axis_name is not None:
+            raise NotImplementedError(
+                f"{ctx.where} has axis_name={self.axis_name!r}: statistics synchronised over a "
+                "device axis are not supported inside a pipeline; set axis_name=None."
+            )
+        if ctx.path in ctx.records:
+            raise NotImplementedError(
+                f"{ctx.where} was called twice in one call of the layer; deferred batch norm "
+                "supports one call per BatchNorm module per layer call."
+            )
+        y = base.__call__(self, x, use_running_average, mask=common.row_mask_for(ctx.mask, x))
+        ctx.records[ctx.path] = common.batch_norm_moments(x, ctx.mask, self.axis, self.momentum)
+        return y
+
+    def body(ns):
+        ns["__call__"] = __call__
+        ns["__module__"] = __name__
+
+    return types.new_class(f"Deferred{base.__name__}", (base,), exec_body=body)
+
+
+def _path_key(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _updated(state: nnx.State, records: dict[str, SownMoments] | None, unbiased: bool) -> nnx.State:
+    """A layer's ``nnx.BatchStat`` state updated at every BatchNorm that recorded moments."""
+    if not records:
+        return state
+    flat = dict(nnx.to_flat_state(state))
+    modules = {_path_key(p[:-1]): p[:-1] for p in flat if p[-1] == "mean"}  # BatchNorm paths
+    for path, sown in records.items():
+        mean, var = (*modules[path], "mean"), (*modules[path], "var")
+        new = common.update_running(flat[mean].get_value(), flat[var].get_value(), sown, unbiased)
+        flat[mean], flat[var] = flat[mean].replace(new.mean), flat[var].replace(new.var)
+    return nnx.from_flat_state(list(flat.items()))
+
+
+_NEEDS_FLAG = (
+    "{what}, but this NNXPipeline was built without `deferred_batch_norm=True`. A pipeline "
+    "normalises each micro-batch separately and must not update the running statistics once per "
+    "micro-batch; build it with `NNXPipeline(..., deferred_batch_norm=True)`, which updates them "
+    "once per mini-batch."
+)
 
 
 def _is_var(v) -> bool:
@@ -293,7 +496,7 @@ def _check_layers(layers) -> None:
             raise TypeError(f"`layers[{index}]` must be an nnx.Module, but got {type(layer).__name__}.{hint}")
 
 
-def _check_state(index: int, layer: nnx.Module, rest: Any) -> None:
+def _check_state(index: int, layer: nnx.Module, batch_stats: nnx.State, rest: Any, deferred: bool) -> None:
     other = sorted(
         {
             type(v).__name__
@@ -304,7 +507,21 @@ def _check_state(index: int, layer: nnx.Module, rest: Any) -> None:
     if other:
         raise NotImplementedError(
             f"Layer {index} ({type(layer).__name__}) holds state of type(s) {other} besides its "
-            "nnx.Param parameters and rng streams. Mutable layer state (such as BatchNorm's "
-            "batch statistics) is not supported by NNXPipeline yet; use layers with parameters "
-            "only (e.g. nnx.LayerNorm instead of nnx.BatchNorm)."
+            "nnx.Param parameters, rng streams and BatchNorm statistics. NNXPipeline supports "
+            "no other mutable layer state."
+        )
+    paths = [path for path, _ in nnx.to_flat_state(batch_stats)]
+    if not paths:
+        return
+    norms = {path for path, module in nnx.iter_graph(layer) if isinstance(module, nnx.BatchNorm)}
+    outside = [_path_key(p) for p in paths if p[:-1] not in norms or p[-1] not in ("mean", "var")]
+    if outside:
+        raise NotImplementedError(
+            f"Layer {index} ({type(layer).__name__}) holds nnx.BatchStat variables {outside} that "
+            "are not the mean/var of an nnx.BatchNorm. NNXPipeline updates BatchNorm statistics "
+            "only (deferred batch norm); other mutable state is not supported."
+        )
+    if not deferred:
+        raise ValueError(
+            _NEEDS_FLAG.format(what=f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics")
         )
