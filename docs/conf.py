@@ -9,7 +9,9 @@ autosummary (Google style, read by napoleon). Adding a guide takes one line in a
 ``index.md``; adding a public name to a module's ``__all__`` adds it to the reference by itself.
 """
 
+import ast
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
@@ -69,12 +71,27 @@ napoleon_use_rtype = False
 
 
 def _public_modules():
-    """`pipejax` and its public submodules (no `_`-prefixed part), as module objects."""
+    """`pipejax` and its API submodules, as module objects.
+
+    An API module has no `_`-prefixed part in its name and defines `__all__` (the house rule for
+    public names); a public module without `__all__` is a program (`python -m pipejax.demo`).
+    """
     found = [pipejax]
     for info in pkgutil.walk_packages(pipejax.__path__, "pipejax."):
-        if not any(part.startswith("_") for part in info.name.split(".")):
+        if not any(part.startswith("_") for part in info.name.split(".")) and _defines_all(info.name):
             found.append(importlib.import_module(info.name))
     return found
+
+
+def _defines_all(module_name):
+    """Whether the module's source assigns `__all__`.
+
+    The source is read, not imported: a program module may configure JAX when imported.
+    """
+    tree = ast.parse(Path(importlib.util.find_spec(module_name).origin).read_text())
+    targets = [t for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+    targets += [node.target for node in tree.body if isinstance(node, ast.AnnAssign)]
+    return any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
 
 
 PUBLIC_MODULES = _public_modules()

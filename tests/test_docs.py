@@ -6,7 +6,9 @@ runs them. The Python blocks of the quickstart run as one script, as the other p
 ``tests/test_examples.py``.
 """
 
+import ast
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
@@ -26,12 +28,27 @@ DOCS = ROOT / "docs"
 
 
 def public_modules():
-    """`pipejax` and its submodules with no `_`-prefixed part: the surface the reference covers."""
+    """`pipejax` and its API submodules: no `_`-prefixed part, and an `__all__`.
+
+    A public module without `__all__` is a program (`python -m pipejax.demo`), not API.
+    """
     names = ["pipejax"]
     for info in pkgutil.walk_packages(pipejax.__path__, "pipejax."):
-        if not any(part.startswith("_") for part in info.name.split(".")):
+        if not any(part.startswith("_") for part in info.name.split(".")) and defines_all(info.name):
             names.append(info.name)
     return names
+
+
+def defines_all(module_name):
+    """Whether the module's source assigns `__all__`.
+
+    The source is read, not imported: importing a program module (the demo sets
+    `jax_num_cpu_devices`) could change JAX's setup in this test process.
+    """
+    tree = ast.parse(Path(importlib.util.find_spec(module_name).origin).read_text())
+    targets = [t for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+    targets += [node.target for node in tree.body if isinstance(node, ast.AnnAssign)]
+    return any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
 
 
 def read_inventory(path):
@@ -112,6 +129,9 @@ def check_reference_is_complete(built_site):
             if not roles & {"py:function", "py:class", "py:data", "py:exception"}:
                 missing.append(f"{module_name}.{name}")
     assert not missing, f"not in the API reference: {missing}; add new modules to docs/api/index.md"
+    assert {"pipejax", "pipejax.flax", "pipejax.hessian", "pipejax.invertible", "pipejax.launch"} <= set(
+        public_modules()
+    )
 
 
 def check_reference_shows_docstrings(built_site):
