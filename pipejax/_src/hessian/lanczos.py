@@ -103,22 +103,31 @@ def lanczos(
     q0 = tree.scale(1 / tree.norm(v0), v0)
     basis = tree.set_row(tree.zeros_basis(v0, m + 1, dtype), 0, q0)
 
-    def restart(i, basis):
-        r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
-        r, _ = tree.orthogonalise(basis, r)
+    def restart(i, basis):  # a random unit vector orthogonal to the basis (two passes)
+        r, _ = tree.orthogonalise(basis, tree.normal(jax.random.fold_in(key, i), v0, dtype))
         return tree.scale(1 / tree.norm(r), r)
 
     def step(i, carry):
         basis, diag, offdiag, size = carry
-        w = matvec(tree.row(basis, i))
-        # rows > i are zero, so this orthogonalises against q_0 .. q_i only
-        w, coefs = tree.orthogonalise(basis, w)
+        q = tree.row(basis, i)
+        # the three-term recurrence: w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i
+        w = tree.astype(matvec(q), dtype)
+        j = jnp.maximum(i - 1, 0)
+        w = tree.sub(w, tree.scale(jnp.where(i > 0, offdiag[j], jnp.zeros((), dtype)), tree.row(basis, j)))
+        alpha = tree.dot(q, w)
+        w = tree.sub(w, tree.scale(alpha, q))
+        # one classical Gram-Schmidt pass against all vectors (rows > i are zero): it removes the
+        # rounding errors of the recurrence, which are small next to w, so one pass is enough
+        coefs = tree.project(basis, w)
+        w = tree.sub(w, tree.combine(coefs, basis))
+        alpha = alpha + coefs[i]
         beta = tree.norm(w)
-        size = jnp.maximum(size, jnp.abs(coefs[i]) + beta)
+        size = jnp.maximum(size, jnp.abs(alpha) + beta)
         lost = beta <= eps**0.75 * size
-        q = jax.lax.cond(lost, restart, lambda i, b: tree.scale(1 / beta, w), i, basis)
+        # the restart's operands are only read, so the basis is not copied when it does not run
+        q = jax.lax.cond(lost, restart, lambda i, basis: tree.scale(1 / beta, w), i, basis)
         basis = tree.set_row(basis, i + 1, q)
-        diag = diag.at[i].set(coefs[i])
+        diag = diag.at[i].set(alpha)
         offdiag = offdiag.at[i].set(jnp.where(lost, jnp.zeros_like(beta), beta))
         report(progress, task, i + 1, m)
         return basis, diag, offdiag, size
