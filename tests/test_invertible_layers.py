@@ -2,8 +2,9 @@
 
 Each case is checked against naive references in float64: the inverse undoes the forward; the
 inverse's logdet is minus the forward's; the forward's logdet equals ``log|det J|`` of the full
-Jacobian computed by ``jax.jacrev`` example by example; and ``jax.test_util.check_grads`` checks
-first and second derivatives (forward and reverse mode) against finite differences.
+Jacobian computed by ``jax.jacrev`` example by example. Derivatives (gradients and
+forward-over-reverse Hessian-vector products) are checked against finite differences for the
+layers with maths of their own, and ``jax.test_util.check_grads`` runs on the LU inverse.
 """
 
 import jax
@@ -26,9 +27,7 @@ def image_level(repeat):
 
 # name: (layer, input shape). Odd feature counts exercise the uneven split of couplings.
 CASES = {
-    "actnorm_vector": (inv.ActNorm(), (5, 3)),
     "actnorm_image": (inv.ActNorm(), (2, 4, 4, 3)),
-    "linear_reverse": (inv.InvertibleLinear(), (5, 4)),
     "linear_random_perm": (inv.InvertibleLinear(permutation=3), (5, 5)),
     "inv1x1conv": (inv.Inv1x1Conv(), (2, 3, 3, 4)),
     "additive_vector_odd": (inv.AdditiveCoupling(hidden=8), (5, 5)),
@@ -37,7 +36,6 @@ CASES = {
     "affine_image": (inv.AffineCoupling(hidden=4), (2, 4, 4, 2)),
     "squeeze": (inv.Squeeze(), (2, 4, 6, 2)),
     "chain_constant": (inv.Chain(glow_step(), repeat=3), (4, 4)),
-    "chain_sqrt": (inv.Chain(glow_step(), repeat=4, memory="sqrt", segments=2), (4, 4)),
     "multiscale": (inv.MultiScale([image_level(1), image_level(1)]), (2, 4, 4, 1)),
 }
 
@@ -118,8 +116,10 @@ def directional_check(fn, params, x, seed, eps=1e-5, rtol=1e-6):
     assert float(jnp.linalg.norm(hvp - fd_hvp) / jnp.linalg.norm(fd_hvp)) < rtol
 
 
-@pytest.mark.parametrize("name", ["affine_vector_flip", "linear_random_perm", "chain_constant"])
-@pytest.mark.parametrize("direction", ["forward", "inverse"])
+@pytest.mark.parametrize(
+    ("name", "direction"),
+    [("affine_vector_flip", "forward"), ("linear_random_perm", "inverse"), ("chain_constant", "forward")],
+)
 def test_derivatives_against_finite_differences(name, direction):
     """Gradients and forward-over-reverse HVPs against finite differences (float64).
 
@@ -133,10 +133,10 @@ def test_derivatives_against_finite_differences(name, direction):
     directional_check(getattr(layer, direction), params, x, seed=4)
 
 
-def test_check_grads_affine_coupling():
-    """jax.test_util.check_grads, order 2 in both modes, on the affine coupling (float64)."""
-    layer, params, x = make("affine_vector_flip")
-    check_grads(jax.jit(layer.forward), (params, x), order=2, modes=("fwd", "rev"))
+def test_check_grads_invertible_linear_inverse():
+    """jax.test_util.check_grads, order 2 in both modes, through the LU inverse's triangular solves."""
+    layer, params, x = make("linear_random_perm")
+    check_grads(jax.jit(layer.inverse), (params, x), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize(

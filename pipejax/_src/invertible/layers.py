@@ -97,7 +97,8 @@ class InvertibleLinear:
     triangular and ``U`` strictly upper triangular (Glow's LU-decomposed 1x1 convolution). The
     diagonal of the triangular factor is positive by construction and ``log|det W| =
     sum(log_scale)``: no determinant or inverse of ``W`` is ever formed, and ``W`` stays invertible
-    whatever values training gives the parameters. The inverse uses two triangular solves.
+    whatever values training gives the parameters. The inverse uses two triangular solves of
+    ``C x C`` matrices; the permutation is applied to the ``C x C`` matrices, never to the batch.
 
     ``P`` is not a parameter: it is fixed by ``permutation`` and the number of features, and
     ``init`` returns ``L = U = 0`` and ``log_scale = 0``, so the layer starts as the permutation
@@ -159,9 +160,8 @@ class InvertibleLinear:
         del key
         positions = self._check(params, x, "forward", "x")
         lower, upper = self._factors(params)
-        z = jnp.einsum("...c,dc->...d", x, lower @ upper)
-        y = z[..., _permutation(self.permutation, x.shape[-1])]
-        return y, constant_logdet(jnp.sum(params["log_scale"]) * positions, x)
+        w = (lower @ upper)[_permutation(self.permutation, x.shape[-1])]  # P L U: rows of L U permuted
+        return jnp.einsum("...c,dc->...d", x, w), constant_logdet(jnp.sum(params["log_scale"]) * positions, x)
 
     def inverse(
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
@@ -170,11 +170,11 @@ class InvertibleLinear:
         del key
         positions = self._check(params, y, "inverse", "y")
         lower, upper = self._factors(params)
-        z = y[..., np.argsort(_permutation(self.permutation, y.shape[-1]))]
         eye = jnp.eye(lower.shape[0], dtype=lower.dtype)
         lower_inv = solve_triangular(lower, eye, lower=True, unit_diagonal=True)
-        w_inv = solve_triangular(upper, lower_inv, lower=False)  # U^-1 L^-1
-        x = jnp.einsum("...d,cd->...c", z, w_inv)
+        lu_inv = solve_triangular(upper, lower_inv, lower=False)  # U^-1 L^-1
+        w_inv = lu_inv[:, _permutation(self.permutation, y.shape[-1])]  # (P L U)^-1 = U^-1 L^-1 P^T
+        x = jnp.einsum("...d,cd->...c", y, w_inv)
         return x, constant_logdet(-jnp.sum(params["log_scale"]) * positions, y)
 
 
