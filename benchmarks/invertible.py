@@ -17,9 +17,10 @@ Sections (each prints markdown tables):
 1. ``memory``: compiled temp bytes of ``jit(grad(loss))`` (XLA's ``memory_analysis``,
    deterministic on CPU) for ``memory="linear"``, ``"sqrt"`` and ``"constant"``, and wall time per
    step as a ratio to ``"linear"`` at the same depth, measured in interleaved rounds in one process
-   (median of per-round ratios, with quartiles). Before timing, the three gradients are checked
-   to agree (float32, 1e-4 relative).
-2. ``drift``: how far ``"constant"`` drifts from plain autodiff with depth, in float32 and
+   (median of per-round ratios). Before timing, the three gradients are checked to agree
+   (float32, 1e-4 relative).
+2. ``time``: the same time ratios at a small batch (256), where the step is compute-bound.
+3. ``drift``: how far ``"constant"`` drifts from plain autodiff with depth, in float32 and
    float64: the largest error of the inputs it rebuilds (``Chain.reconstruction_errors``) and
    the relative error of its gradient, with parameters moved off the identity initialisation by
    noise of two sizes (a tame flow, and one that overflows float32 at some depth).
@@ -28,6 +29,14 @@ Sections (each prints markdown tables):
 """
 
 from __future__ import annotations
+
+import os
+
+# InvertibleLinear's inverse calls LAPACK (two triangular solves of C x C matrices) through
+# jaxlib's scipy OpenBLAS. On a loaded 2-core machine OpenBLAS's spinning worker threads turn each
+# 0.1 ms solve into 10-20 ms; one thread is the right setting for such tiny solves. It must be set
+# before OpenBLAS loads, i.e. before JAX is imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import sys
@@ -45,8 +54,10 @@ MODES = inv.MEMORY_MODES  # ("linear", "sqrt", "constant")
 TIME_TARGET = 1.5  # constant-memory step time / linear; memcnn reports 1.16-1.47x
 FULL = {"depths": (4, 8, 16, 32, 64), "width": 64, "hidden": 32, "batch": 4096, "rounds": 15}
 QUICK = {"depths": (2, 4), "width": 16, "hidden": 8, "batch": 256, "rounds": 3}
-DRIFT_FULL = {"depths": (8, 32, 128, 512), "width": 16, "hidden": 32, "batch": 256, "sigmas": (0.04, 0.08)}
-DRIFT_QUICK = {"depths": (4,), "width": 8, "hidden": 8, "batch": 32, "sigmas": (0.04,)}
+TIME_FULL = {"depths": (16, 64), "width": 64, "hidden": 32, "batch": 256, "rounds": 30}
+TIME_QUICK = {"depths": (4,), "width": 16, "hidden": 8, "batch": 64, "rounds": 3}
+DRIFT_FULL = {"depths": (8, 32, 128, 512), "width": 16, "hidden": 32, "batch": 256, "sigmas": (0.02, 0.08)}
+DRIFT_QUICK = {"depths": (4,), "width": 8, "hidden": 8, "batch": 32, "sigmas": (0.02,)}
 
 
 def block_layers(block: str, hidden: int, scale_bound: float = 2.0) -> list:
@@ -90,7 +101,13 @@ def data(batch: int, width: int, dtype, seed: int = 0) -> jax.Array:
 
 def rel_err(a, b) -> float:
     a, b = (np.concatenate([np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(t)]) for t in (a, b))
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def sci(value: float, spec: str = ".1e") -> str:
+    """``value`` formatted, or ``overflow`` for inf/NaN (the float range was exhausted)."""
+    return format(value, spec) if np.isfinite(value) else "overflow"
 
 
 # --- memory and time ------------------------------------------------------------------------------
@@ -170,6 +187,33 @@ def memory_section(cfg: dict) -> None:
     )
 
 
+def time_section(cfg: dict) -> None:
+    section(
+        f"Time at a small batch (Glow steps, batch {cfg['batch']}, width {cfg['width']}, "
+        f"hidden {cfg['hidden']}, float32)"
+    )
+    rows = measure(cfg)
+    print(
+        table(
+            ["depth K", "sqrt / linear time", "constant / linear time", f"constant <= {TIME_TARGET}x"],
+            [
+                [
+                    d,
+                    f"{rows['sqrt'][i][2]:.2f}",
+                    f"{rows['constant'][i][2]:.2f}",
+                    rows["constant"][i][2] <= TIME_TARGET,
+                ]
+                for i, d in enumerate(cfg["depths"])
+            ],
+        )
+    )
+    print(
+        "\nWith small activations the step is compute-bound, and the constant-memory backward pass "
+        "pays for its extra inverse; with large ones (the memory section) plain autodiff's stored "
+        "activations cost more memory traffic than the recomputation."
+    )
+
+
 # --- drift ----------------------------------------------------------------------------------------
 
 
@@ -192,8 +236,8 @@ def drift_rows(cfg: dict, sigma: float) -> list[list]:
 
             y_max, errors, grads = jax.jit(program)(params, x)  # one compile per (depth, dtype)
             if dtype == jnp.float32:
-                row.append(f"{float(y_max):.3g}")
-            row += [f"{float(jnp.max(errors)):.1e}", f"{rel_err(grads['constant'], grads['linear']):.1e}"]
+                row.append(sci(float(y_max), ".3g"))
+            row += [sci(float(jnp.max(errors))), sci(rel_err(grads["constant"], grads["linear"]))]
         rows.append(row)
     return rows
 
@@ -209,23 +253,27 @@ def drift_section(cfg: dict) -> None:
         print(f"\nParameter noise sigma = {sigma} (std sigma / sqrt(width) on every parameter):\n")
         print(table(headers, drift_rows(cfg, sigma)))
     print(
-        "\nmax abs y: the largest output of the float32 forward pass (inf: it overflowed, in every "
-        "memory mode); rebuild err: max |rebuilt input - true input| over all repeats "
-        "(Chain.reconstruction_errors); grad rel err: ||g_constant - g_linear|| / ||g_linear|| over "
-        "all parameters."
+        "\nmax abs y: the largest output of the float32 forward pass (the same in every memory "
+        "mode); overflow: inf or NaN. rebuild err: max |rebuilt input - true input| over all "
+        "repeats (Chain.reconstruction_errors); grad rel err: ||g_constant - g_linear|| / "
+        "||g_linear|| over all parameters."
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    parser.add_argument("--section", action="append", choices=["memory", "drift"], help="run only these")
+    parser.add_argument(
+        "--section", action="append", choices=["memory", "time", "drift"], help="run only these"
+    )
     args = parser.parse_args()
-    sections = args.section or ["memory", "drift"]
+    sections = args.section or (["memory", "drift"] if args.quick else ["memory", "time", "drift"])
     jax.config.update("jax_enable_x64", True)  # for the float64 drift rows; every dtype here is explicit
     header("pipejax.invertible benchmarks", args.quick)
     if "memory" in sections:
         memory_section(QUICK if args.quick else FULL)
+    if "time" in sections:
+        time_section(TIME_QUICK if args.quick else TIME_FULL)
     if "drift" in sections:
         drift_section(DRIFT_QUICK if args.quick else DRIFT_FULL)
 

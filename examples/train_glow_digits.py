@@ -19,6 +19,12 @@ runs a few steps (the tests use it). Bits per dimension are of 4-bit data: a uni
 4.0.
 """
 
+import os
+
+# Inv1x1Conv's inverse (used by the constant-memory backward pass) makes two tiny LAPACK triangular
+# solves per step of flow; OpenBLAS's spinning threads only slow those down. Set before JAX loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import math
 import sys
