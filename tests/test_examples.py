@@ -66,6 +66,7 @@ def python_blocks(markdown):
         "docs/batchnorm.md",
         "docs/migrating_from_torchgpipe.md",
         "docs/multihost.md",
+        "docs/invertible.md",
     ],
 )
 def test_docs_code_runs(page):
