@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
+from tests.conftest import PATIENT_COLLECTIVES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_pipeline_benchmark_quick():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count before importing jax
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick"],
         capture_output=True,
@@ -48,7 +50,7 @@ def test_memory_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_hessian_benchmark_quick():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hessian.py"), "--quick"],
         capture_output=True,
@@ -65,7 +67,7 @@ def test_hessian_benchmark_quick():
 @pytest.mark.slow
 def test_invertible_benchmark_quick():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "invertible.py"), "--quick"],
         capture_output=True,
@@ -81,7 +83,7 @@ def test_invertible_benchmark_quick():
 
 def test_simulate_benchmark_quick():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "simulate.py"), "--quick"],
         capture_output=True,

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PATIENT_COLLECTIVES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(args, timeout=300):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    flags = f"--xla_force_host_platform_device_count=4 {PATIENT_COLLECTIVES}"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,

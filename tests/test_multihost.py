@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from pipejax import launch
+from tests.conftest import PATIENT_COLLECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def test_docs_script_trains_the_same_on_two_processes_as_on_one(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(source)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     run = lambda argv: subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
     launched = run(
         [sys.executable, "-m", "pipejax.launch", "-n", "2", "-d", "2", "--timeout", "240", str(path)]
