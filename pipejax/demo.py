@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,14 @@ import jax
 # (the demo imported from a running program), the devices that exist are used.
 try:
     jax.config.update("jax_num_cpu_devices", 8)
+    # Simulated devices share the machine's cores; on a busy machine a healthy collective can wait
+    # longer than XLA's default before every device reaches it. (Read when the backend starts.)
+    if "collective_timeout" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_cpu_collective_timeout_seconds=300"
+            + " --xla_cpu_collective_call_terminate_timeout_seconds=300"
+        ).strip()
 except RuntimeError:
     pass
 
