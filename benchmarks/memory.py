@@ -16,9 +16,9 @@ bitwise-identical gradients (checked before anything is measured):
   and recomputes the layer.
 * ``sqrt(L)``: ``pj.checkpoint_sequential(layer)``, about ``sqrt(L)`` segments of ``sqrt(L)``
   layers (Chen et al. 2016).
-* ``reversible``: a chain of additive couplings with ``memory="constant"`` from
-  ``pipejax.invertible``, when that package is present (the same width; see
-  ``benchmarks/invertible.py``).
+* ``reversible``: a chain of ``L`` additive couplings with ``memory="constant"`` from
+  ``pipejax.invertible`` (the same width and batch; its own network, so its time ratio compares
+  two models; ``benchmarks/invertible.py`` compares it with its own ``"linear"`` chain).
 
 Memory is XLA's compiled ``temp_size_in_bytes`` of ``jit(grad(loss))`` from ``pj.memory_report``
 (deterministic on CPU), with the bytes of the residuals autodiff saves; parameters and their
@@ -29,7 +29,14 @@ rounds in one process (median of per-round ratios): these machines are shared an
 
 from __future__ import annotations
 
+import os
+
+# The reversible chain's LU-free couplings call no LAPACK, but jaxlib's OpenBLAS threads spin on a
+# busy 2-core machine; one thread keeps timings steady (set before JAX loads it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -76,14 +83,24 @@ def methods(depth: int) -> dict:
     }
 
 
-def reversible_rows(cfg) -> list[tuple[int, int, float]] | None:
-    """(depth, temp bytes, time ratio to its own linear chain) of a reversible chain, if available."""
-    try:
-        from benchmarks import invertible  # issue 5's benchmark; absent until that package lands
-    except ImportError:
-        return None
-    rows = getattr(invertible, "memory_rows", None)
-    return None if rows is None else rows(cfg)
+def reversible(depth: int, width: int, x, key):
+    """A chain of ``depth`` additive couplings with ``memory="constant"`` (``pipejax.invertible``).
+
+    Its own model (each coupling runs a ``width/2 -> width/2`` two-layer net with dropout on half
+    the features), so its time ratio to ``plain`` compares two different networks of equal width,
+    depth and batch. Returns ``(loss, params)``.
+    """
+    import pipejax.invertible as inv
+
+    chain = inv.Chain(
+        [inv.AdditiveCoupling(hidden=width // 2, drop_rate=DROP_RATE)], repeat=depth, memory="constant"
+    )
+    params = jax.jit(chain.init)(jax.random.key(depth), x)
+
+    def loss(p, x, key):
+        return jnp.mean(chain.forward(p, x, key)[0] ** 2)
+
+    return loss, params
 
 
 def make_inputs(depth: int, width: int, batch: int):
@@ -111,8 +128,13 @@ def measure(cfg) -> list[dict]:
         for name, fn in grads.items():  # the methods are interchangeable: bitwise equal gradients
             for a, b in zip(jax.tree.leaves(fn(params, x, key)), jax.tree.leaves(reference), strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} at L={depth}")
-        times = interleaved_times(grads, (params, x, key), cfg["rounds"])
-        for name in grads:
+        calls = {name: functools.partial(fn, params, x, key) for name, fn in grads.items()}
+        rev_loss, rev_params = reversible(depth, cfg["width"], x, key)
+        reports["reversible"] = pj.memory_report(rev_loss, rev_params, x, key)
+        rev_grad = jax.jit(jax.grad(rev_loss)).lower(rev_params, x, key).compile()
+        calls["reversible"] = functools.partial(rev_grad, rev_params, x, key)
+        times = interleaved_times(calls, (), cfg["rounds"])
+        for name in calls:
             med, q1, q3 = ratio_stats(times[name], times["plain"])
             rows.append(
                 {
@@ -191,7 +213,7 @@ def report(rows: list[dict], cfg) -> None:
     )
 
 
-def plot(rows: list[dict], path: Path, reversible: list[tuple[int, int, float]] | None) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     """Memory against depth (log-log) beside the time overhead, in one PNG."""
     import matplotlib
 
@@ -200,10 +222,6 @@ def plot(rows: list[dict], path: Path, reversible: list[tuple[int, int, float]] 
 
     names = list(dict.fromkeys(r["method"] for r in rows))
     series = {n: [r for r in rows if r["method"] == n] for n in names}
-    if reversible:
-        series["reversible"] = [
-            {"depth": d, "temp": t, "ratio": ratio, "method": "reversible"} for d, t, ratio in reversible
-        ]
     styles = {"plain": "o-", "per-layer": "s-", "sqrt(L)": "^-", "reversible": "D-"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, rs in series.items():
@@ -243,14 +261,9 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     rows = measure(cfg)
     report(rows, cfg)
-    reversible = reversible_rows(cfg)
-    if reversible:
-        section("Reversible chain (memory='constant')")
-        rev_rows = [[d, kib(t), f"{r:.2f}"] for d, t, r in reversible]
-        print(table(["L", "temp KiB", "time / linear chain"], rev_rows))
     path = args.plot if args.plot is not None else (None if args.quick else PLOT)
     if path is not None:
-        plot(rows, path, reversible)
+        plot(rows, path)
     print(f"\nTotal {time.perf_counter() - start:.1f} s.")
 
 
