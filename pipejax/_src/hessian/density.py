@@ -89,18 +89,19 @@ def density(
     if num_steps > n:
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {num_steps}.")
     return _density_jit(
-        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, params, args, op.groups, key
-    )
+        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, not tree.is_sharded(params),
+        params, args, op.groups, key,
+    )  # fmt: skip
 
 
-def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, params, args, groups, key):
+def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, flat, params, args, groups, key):
     op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups = groups
+    op.groups, op.flat = groups, flat
     total = num_runs * num_steps
 
     def run(r, out):
         k_start, k_restart = jax.random.split(jax.random.fold_in(key, r))
-        v0 = tree.rademacher(k_start, params, op.dtype)
+        v0 = tree.rademacher(k_start, op.like, op.dtype)
 
         t = lanczos(op.matvec, v0, num_steps, key=k_restart, progress=False)
         theta, s = jnp.linalg.eigh(t.matrix())
@@ -119,7 +120,8 @@ def _print_run(task: str, done: int, total: int) -> None:
 
 
 _density_jit = jax.jit(
-    _density_impl, static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress")
+    _density_impl,
+    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "flat"),
 )
 
 

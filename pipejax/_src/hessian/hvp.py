@@ -126,18 +126,41 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
 
 
 class Operator:
-    """The Hessian of ``loss`` at ``params`` as a traceable matvec on pytrees.
+    """The Hessian of ``loss`` at ``params`` as a traceable matvec.
 
     ``groups`` is ``None`` for one batch (``args``), or stacked batches with weights (see
     :func:`group_batches`); they are arguments of the compiled program, not constants in it.
+
+    With ``flat=True`` the vectors ``matvec`` takes and returns are flat arrays of ``dtype`` (the
+    leaves of ``params`` concatenated): XLA then compiles one instruction per vector operation
+    instead of one per leaf, which made Lanczos compile about twice as fast on a 6-leaf MLP. Leaves
+    sharded over devices need ``flat=False`` (vectors are pytrees like ``params``, each leaf sharded
+    like its parameter, so nothing is gathered onto one device).
     """
 
-    def __init__(self, loss, params, args, groups, mode, dtype):
+    def __init__(self, loss, params, args, groups, mode, dtype, flat=False):
         self.loss, self.params, self.args, self.groups, self.mode = loss, params, args, groups, mode
         self.dtype = dtype  # the dtype of the vectors Lanczos keeps (accumulation)
+        self.flat = flat
+
+    @property
+    def like(self) -> PyTree:
+        """A vector of the operator's space (its shape, dtype and sharding; values unspecified)."""
+        if self.flat:
+            return jnp.zeros(tree.size(self.params), self.dtype)
+        return tree.astype(self.params, self.dtype)
+
+    def unpack(self, v: PyTree) -> PyTree:
+        """A vector of the operator's space as a pytree like ``params`` (leading axes kept)."""
+        if not self.flat:
+            return v
+        unravel = lambda x: tree.unravel(x, self.params)
+        for _ in range(v.ndim - 1):
+            unravel = jax.vmap(unravel)
+        return unravel(v)
 
     def matvec(self, v: PyTree) -> PyTree:
-        v = tree.cast(v, self.params)
+        v = tree.cast(tree.unravel(v, self.params) if self.flat else v, self.params)
         if self.groups is None:
             hv = _hvp_one(self.loss, self.mode, self.params, v, self.args)
         else:
@@ -150,7 +173,7 @@ class Operator:
                     return tree.axpy(w, tree.astype(h, self.dtype), acc), None
 
                 hv, _ = jax.lax.scan(body, hv, (stacked, weights.astype(self.dtype)))
-        return tree.astype(hv, self.dtype)
+        return tree.ravel(hv, self.dtype) if self.flat else tree.astype(hv, self.dtype)
 
 
 def make_operator(loss, params, args, data, mode, dtype=None) -> Operator:

@@ -227,25 +227,26 @@ def eigenvalues(
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
     return _eigenvalues_jit(
         op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress,
-        params, args, op.groups, key,
+        not tree.is_sharded(params), params, args, op.groups, key,
     )  # fmt: skip
 
 
-def _eigenvalues_impl(loss, mode, dtype, k, which, m, vectors, progress, params, args, groups, key):
+def _eigenvalues_impl(loss, mode, dtype, k, which, m, vectors, progress, flat, params, args, groups, key):
     op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups = groups
+    op.groups, op.flat = groups, flat
     k_start, k_restart = jax.random.split(key)
-    v0 = tree.normal(k_start, params, op.dtype)
+    v0 = tree.normal(k_start, op.like, op.dtype)
     t = lanczos(op.matvec, v0, m, key=k_restart, progress=progress, task="eigenvalues")
     theta, s = jnp.linalg.eigh(t.matrix())
     idx = select(theta, k, which)
     if not vectors:
         return theta[idx]
-    return theta[idx], tree.combine_many(s[:, idx], t.basis)
+    return theta[idx], op.unpack(tree.combine(s[:, idx], t.basis))
 
 
 _eigenvalues_jit = jax.jit(
-    _eigenvalues_impl, static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress")
+    _eigenvalues_impl,
+    static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress", "flat"),
 )
 
 __all__ = ["Tridiagonal", "eigenvalues", "lanczos"]

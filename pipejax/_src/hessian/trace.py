@@ -82,14 +82,17 @@ def trace(
             f"`num_probes` // 3 (the Hutch++ sketch size) must be at most the number of parameters "
             f"{tree.size(params)}, got num_probes={num_probes}."
         )
-    return _trace_jit(op.loss, op.mode, op.dtype, method, num_probes, progress, params, args, op.groups, key)
+    return _trace_jit(
+        op.loss, op.mode, op.dtype, method, num_probes, progress, not tree.is_sharded(params),
+        params, args, op.groups, key,
+    )  # fmt: skip
 
 
 def _samples(op, key, basis, count, progress, done, total):
     """``count`` Hutchinson samples ``z^T P H P z`` with ``P`` the projector off ``basis``'s rows."""
 
     def body(j, out):
-        z = tree.rademacher(jax.random.fold_in(key, j), op.params, op.dtype)
+        z = tree.rademacher(jax.random.fold_in(key, j), op.like, op.dtype)
         if basis is not None:
             z, _ = tree.orthogonalise(basis, z)
         out = out.at[j].set(tree.dot(z, op.matvec(z)))
@@ -104,17 +107,17 @@ def _mean_and_error(samples):
     return jnp.mean(samples), jnp.std(samples, ddof=1) / jnp.sqrt(jnp.asarray(n, samples.dtype))
 
 
-def _trace_impl(loss, mode, dtype, method, num_probes, progress, params, args, groups, key):
+def _trace_impl(loss, mode, dtype, method, num_probes, progress, flat, params, args, groups, key):
     op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups = groups
+    op.groups, op.flat = groups, flat
     if method == "hutchinson":
         return _mean_and_error(_samples(op, key, None, num_probes, progress, 0, num_probes))
     s = num_probes // 3
     k_sketch, k_rest = jax.random.split(key)
-    basis = tree.zeros_basis(op.params, s, op.dtype)
+    basis = tree.zeros_basis(op.like, s, op.dtype)
 
     def sketch(j, basis):  # Q: the orthonormalised columns of H S, built one column at a time
-        y = op.matvec(tree.rademacher(jax.random.fold_in(k_sketch, j), op.params, op.dtype))
+        y = op.matvec(tree.rademacher(jax.random.fold_in(k_sketch, j), op.like, op.dtype))
         y, _ = tree.orthogonalise(basis, y)
         report(progress, "trace", j + 1, num_probes)
         return tree.set_row(basis, j, tree.scale(1 / jnp.maximum(tree.norm(y), jnp.finfo(op.dtype).tiny), y))
@@ -132,5 +135,6 @@ def _trace_impl(loss, mode, dtype, method, num_probes, progress, params, args, g
 
 
 _trace_jit = jax.jit(
-    _trace_impl, static_argnames=("loss", "mode", "dtype", "method", "num_probes", "progress")
+    _trace_impl,
+    static_argnames=("loss", "mode", "dtype", "method", "num_probes", "progress", "flat"),
 )

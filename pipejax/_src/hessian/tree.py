@@ -12,6 +12,7 @@ by a sum is well defined.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -29,6 +30,33 @@ def _sharded_axes(a: jax.Array, lead: int) -> set[int]:
     """The axes of ``a`` after its ``lead`` leading ones that its typed sharding splits over a mesh."""
     spec = tuple(getattr(jax.typeof(a).sharding, "spec", None) or ())
     return {d - lead for d, s in enumerate(spec[: a.ndim]) if d >= lead and s is not None}
+
+
+def is_sharded(v: PyTree) -> bool:
+    """Whether a leaf of ``v`` is split over devices: by its typed (Explicit) sharding or, for a
+    concrete array, by a sharding over more than one device that is not a full replica."""
+    for a in jax.tree.leaves(v):
+        if _sharded_axes(a, 0):
+            return True
+        sharding = None if isinstance(a, jax.core.Tracer) else getattr(a, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
+            return True
+    return False
+
+
+def ravel(v: PyTree, dtype: Any) -> jax.Array:
+    """The leaves of ``v`` in one flat array of ``dtype``."""
+    return jnp.concatenate([a.reshape(-1).astype(dtype) for a in jax.tree.leaves(v)])
+
+
+def unravel(flat: jax.Array, like: PyTree) -> PyTree:
+    """The inverse of :func:`ravel`: ``flat`` cut into leaves shaped like ``like``'s (dtype kept)."""
+    leaves, treedef = jax.tree.flatten(like)
+    ends = list(itertools.accumulate(int(leaf.size) for leaf in leaves))
+    starts = [0, *ends[:-1]]
+    return treedef.unflatten(
+        [flat[a:b].reshape(leaf.shape) for a, b, leaf in zip(starts, ends, leaves, strict=True)]
+    )
 
 
 def _contract(q: jax.Array, lead_q: int, a: jax.Array, lead_a: int) -> jax.Array:
@@ -127,11 +155,6 @@ def combine(coefs: jax.Array, basis: PyTree) -> PyTree:
     )
 
 
-def combine_many(coefs: jax.Array, basis: PyTree) -> PyTree:
-    """The basis ``coefs.T @ basis``: column ``j`` of ``coefs`` (shape ``(m, k)``) makes vector ``j``."""
-    return combine(coefs, basis)
-
-
 def orthogonalise(basis: PyTree, v: PyTree) -> tuple[PyTree, jax.Array]:
     """``v`` minus its projection on the (orthonormal or zero) rows of ``basis``, twice.
 
@@ -148,23 +171,21 @@ def orthogonalise(basis: PyTree, v: PyTree) -> tuple[PyTree, jax.Array]:
 
 def rademacher(key: jax.Array, like: PyTree, dtype: Any) -> PyTree:
     """A vector of independent +-1 entries shaped like ``like``."""
-    leaves, treedef = jax.tree.flatten(like)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten(
-        [
-            _like(jax.random.rademacher(k, leaf.shape, dtype), leaf)
-            for k, leaf in zip(keys, leaves, strict=True)
-        ]
-    )
+    return _split(jax.random.rademacher(key, (size(like),), dtype), like)
 
 
 def normal(key: jax.Array, like: PyTree, dtype: Any) -> PyTree:
     """A vector of independent standard normal entries shaped like ``like``."""
-    leaves, treedef = jax.tree.flatten(like)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten(
-        [_like(jax.random.normal(k, leaf.shape, dtype), leaf) for k, leaf in zip(keys, leaves, strict=True)]
-    )
+    return _split(jax.random.normal(key, (size(like),), dtype), like)
+
+
+def _split(flat: jax.Array, like: PyTree) -> PyTree:
+    """``flat`` cut into leaves shaped (and sharded) like ``like``'s.
+
+    One draw for the whole vector, not one per leaf: a draw is hundreds of HLO instructions
+    (threefry, erf_inv), and one per leaf made XLA's compile time grow with the number of leaves.
+    """
+    return jax.tree.map(_like, unravel(flat, like), like)
 
 
 def _like(x: jax.Array, leaf: jax.Array) -> jax.Array:
