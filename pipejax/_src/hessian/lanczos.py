@@ -4,9 +4,11 @@ After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis `
 q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
 ``T = Q^T H Q``. The eigenvalues of ``T`` (Ritz values) converge to the extreme eigenvalues of
 ``H`` first. In floating point the plain three-term recurrence loses orthogonality as Ritz values
-converge, and converged eigenvalues come back as "ghost" copies that hide the next ones; every new
-vector is therefore orthogonalised against all previous ones (twice), at ``O(m n)`` extra work per
-step and ``m + 1`` stored vectors.
+converge, and converged eigenvalues come back as "ghost" copies that hide the next ones. So after
+the recurrence each new vector goes through one classical Gram-Schmidt pass against all previous
+ones (full reorthogonalisation): ``m + 1`` stored vectors, and per step two matrix-vector products
+with the stored basis, ``4 (m + 1) n`` flops that are bound by memory bandwidth (they read
+``(m + 1) n`` numbers twice), next to the HVP's ``O(batch n)``.
 
 The loop is one ``lax.fori_loop`` whose body calls the HVP, so the HVP is traced and compiled
 once, whatever ``m`` is.
@@ -65,10 +67,19 @@ def lanczos(
 ) -> Tridiagonal:
     """``num_steps`` Lanczos steps on a symmetric operator, with full reorthogonalisation.
 
-    Vectors are pytrees (like ``v0``, in ``v0``'s dtypes). If the Krylov space is exhausted (a new
-    vector is numerically zero: ``beta <= eps^(3/4) ||T||``), Lanczos restarts with a random vector
-    orthogonal to the basis and records ``beta = 0``, so ``T`` splits into blocks and stays exact;
-    ``num_steps`` may then reach the dimension.
+    Vectors are pytrees (like ``v0``, in ``v0``'s dtypes). Each step is the three-term recurrence
+    ``w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i`` followed by one classical Gram-Schmidt pass of
+    ``w`` against all previous vectors. The recurrence does the cancellation; what is left of
+    ``w`` along the old vectors is rounding error, small next to ``w``, so one pass removes it to
+    working precision (the basis stays orthonormal to a few ulps, tested in float32 and float64).
+    If the Krylov space is exhausted (a new vector is numerically zero: ``beta <= eps^(3/4)
+    ||T||``), Lanczos restarts with a random vector orthogonalised twice against the basis and
+    records ``beta = 0``, so ``T`` splits into blocks and stays exact; ``num_steps`` may then reach
+    the dimension.
+
+    Cost per step: one ``matvec``, and two products with the ``(num_steps + 1) x n`` basis, which
+    read it twice from memory (bandwidth-bound; on a 2-core CPU with ``m = 90`` and 77k parameters
+    this is about as long as an HVP at batch 256, and a tenth of one at batch 2048).
 
     Args:
       matvec: the symmetric linear map, ``v -> H v``, traceable.
