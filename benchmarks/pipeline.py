@@ -163,6 +163,56 @@ def bench_bubble(cfg) -> None:
             print("  " + p)
     else:
         print("\nEvery (stage, micro-batch) pair ran at least once, and on the device holding that stage.")
+    bench_bubble_circular(cfg, stage, run)
+
+
+def bench_bubble_circular(cfg, stage, run) -> None:
+    """GPipe against the circular schedule on the same n devices, counted as above."""
+    print(
+        "\nCircular schedule (`schedule='circular', repeats=v`): the same model cut into S = v*n\n"
+        "stages, device d holding stages d, d+n, ...; each micro-batch goes round the devices v\n"
+        "times. GPipe runs the same work as n stages of v sub-stages each, so one of its ticks costs\n"
+        "v units (a unit: one sub-stage on one micro-batch) against 1 for a circular tick. Counted\n"
+        "with the callback above, `checkpoint='always'` (bubble ticks skip the stage), one forward.\n"
+        "'exec per device' counts stage calls; 'busy' and 'span' are in units; idle = 1 - busy/span.\n"
+    )
+    rows, problems = [], []
+    b = 2
+    for n, v, m in cfg["circ_cases"]:
+        mesh = stage_mesh(n)
+        x = jnp.repeat(jnp.arange(m, dtype=jnp.float32), b)[:, None] * jnp.ones((1, 3), jnp.float32)
+        for name, num_stages, kw, unit in (
+            ("gpipe", n, {}, v),
+            ("circular", v * n, {"schedule": "circular", "repeats": v}, 1),
+        ):
+            apply = pj.pipeline(stage, num_stages=num_stages, chunks=m, checkpoint="always", mesh=mesh, **kw)
+            raw = {"idx": jnp.arange(num_stages, dtype=jnp.int32), "w": jnp.ones((num_stages,), jnp.float32)}
+            schedule = apply.schedule(x.shape[0])
+            log = run(apply, apply.place(raw), x, grad=False)
+            per_dev = collections.Counter(s % n for s, _ in log)
+            if sorted(log) != sorted((s, i) for s in range(num_stages) for i in range(m)):
+                problems.append(f"{name} n={n} v={v} m={m}: pairs run {sorted(log)}")
+            execs = [per_dev[d] for d in range(n)]
+            busy, span = np.mean(execs) * unit, schedule.num_ticks * unit
+            formula = pj.circular_bubble_fraction(n, m, v) if unit == 1 else pj.gpipe_bubble_fraction(n, m)
+            rows.append(
+                [n, v, m, name, schedule.num_ticks, execs, f"{busy:g}", f"{span:g}", f"{1 - busy / span:.3f}",
+                 f"{formula:.3f}", f"{schedule.bubble_fraction():.3f}"]
+            )
+    print(
+        table(
+            ["n", "v", "m", "schedule", "T", "exec per device", "busy", "span", "idle (counted)",
+             "formula", "table"],
+            rows,
+            align="rrrlrlrrrrr",
+        )
+    )
+    print(
+        "\nformula: GPipe (n-1)/(m+n-1), circular (n-1)/(v*m+n-1) (`pj.circular_bubble_fraction`);\n"
+        "table: `apply.schedule(B).bubble_fraction()`."
+    )
+    if problems:
+        print("\nPROBLEM: " + "; ".join(problems))
 
 
 # --- 2. memory -----------------------------------------------------------------------------------
@@ -713,6 +763,7 @@ def bench_compile(cfg) -> None:
 FULL = {
     "bubble_n": (1, 2, 4),
     "bubble_m": (1, 4, 8, 16),
+    "circ_cases": tuple((n, v, m) for n in (2, 4) for v in (2, 4) for m in (4, 8, 16)),
     "mem_dims": (64, 256, 4, 256),  # input width, hidden width, layers, micro-batch size
     "mem_n": (1, 2, 4),
     "mem_m": (1, 4, 8, 16),
@@ -741,6 +792,7 @@ FULL = {
 QUICK = {
     "bubble_n": (2,),
     "bubble_m": (3,),
+    "circ_cases": ((2, 2, 3),),
     "mem_dims": (16, 64, 3, 32),
     "mem_n": (2,),
     "mem_m": (3, 4),

@@ -32,6 +32,8 @@ from pipejax._src.pipeline import pipeline as pipeline
 from pipejax._src.placement import StageParams as StageParams
 from pipejax._src.random import dropout as dropout
 from pipejax._src.schedule import Schedule as Schedule
+from pipejax._src.schedule import circular as circular_schedule
+from pipejax._src.schedule import circular_bubble_fraction as circular_bubble_fraction
 from pipejax._src.schedule import gpipe as gpipe_schedule
 from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
 
@@ -57,6 +59,8 @@ __all__ = [
     "batch_norm_init",
     "batch_norm_update",
     "checkpoint_sequential",
+    "circular_bubble_fraction",
+    "circular_schedule",
     "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",

@@ -39,7 +39,8 @@ def test_pipeline_across_two_processes():
     output = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, output
     for i in (0, 1):
-        for check in ("outputs", "gradient wrt params", "gradient wrt x", "homogeneous gradients"):
+        checks = ("outputs", "gradient wrt params", "gradient wrt x", "homogeneous gradients")
+        for check in (*checks, "data x pipeline outputs", "data x pipeline gradients"):
             assert f"[{i}] {check}: matches the composition" in proc.stdout, output
         assert f"[{i}] process {i}: all checks passed" in proc.stdout, output
 

@@ -3,8 +3,8 @@
 ``"always"``       every stage computation is checkpointed: a device keeps only the activations
                    that enter its stage (one per tick), and recomputes the stage in backward.
 ``"except_last"``  GPipe/torchgpipe's default. The first ``m - 1`` ticks are checkpointed; the last
-                   ``n`` ticks (the drain, which include the last micro-batch on every stage)
-                   keep their activations, because their backward starts at once.
+                   ``n`` ticks (the drain, which include the last micro-batch on every stage;
+                   ``n`` = devices) keep their activations, because their backward starts at once.
 ``"never"``        no recomputation once the pipeline is full: ticks ``n - 1`` onwards keep the
                    stage's internal activations. The first ``n - 1`` ticks are checkpointed all
                    the same (see :func:`phases` for why).
@@ -62,6 +62,33 @@ def _identity(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+STAGE_PARAMS = "pipejax_stage_params"  # the name of a device's per-tick parameter slice
+
+
+# Primitives that only move or re-type values: cheap to recompute, so never worth a per-tick copy.
+_STRUCTURAL = frozenset(
+    ("slice", "squeeze", "dynamic_slice", "reshape", "broadcast_in_dim", "convert_element_type",
+     "transpose", "gather", "copy", "copy_p", "expand_dims")
+)
+
+
+def _except_stage_params(policy: Callable[..., bool]) -> Callable[..., bool]:
+    """``policy``, except that values named :data:`STAGE_PARAMS` and outputs of data-movement
+    primitives (slices, reshapes, casts: what a stage does to pick its weights out of its
+    parameters) are never saved; the backward pass recomputes them from what is.
+
+    (Written out rather than built on ``jax.checkpoint_policies.save_anything_except_these_names``,
+    which in jax 0.10.2 saves every value, named or not.)
+    """
+
+    def combined(prim, *args, **params):
+        if prim.name in _STRUCTURAL or (prim.name == "name" and params.get("name") == STAGE_PARAMS):
+            return False
+        return policy(prim, *args, **params)
+
+    return combined
+
+
 class Phase(NamedTuple):
     """A range of ticks run as one ``lax.scan``."""
 
@@ -87,15 +114,24 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     ticks are ones the device would idle anyway; with ``mesh=None`` they cost ``n (n - 1) / 2``
     extra stage executions per call.
 
-    Every mode cuts the ticks at the same places -- ``n - 1`` and ``max(m, n) - 1`` -- and differs
-    only in how each phase computes. The backward pass sums each phase's parameter cotangents
-    separately, so equal cuts make those floating-point sums, and hence the gradients, bitwise
-    identical across modes.
+    Every mode cuts the ticks at the same places -- ``n - 1`` and ``max(T - n, n - 1)`` for ``T``
+    ticks on ``n`` devices (GPipe: ``max(m, n) - 1``) -- and differs only in how each phase
+    computes. The backward pass sums each phase's parameter cotangents separately, so equal cuts
+    make those floating-point sums, and hence the gradients, bitwise identical across modes.
+
+    The circular schedule is cut the same way, with ``n`` the devices (not the stages): its
+    last ``n`` ticks are the drain that ``"except_last"`` keeps. A device there picks one of its
+    stages' parameters at every tick, and a slice that changes from tick to tick is not
+    loop-invariant, so phases that keep residuals would store it once per tick; they save
+    everything but the values named :data:`STAGE_PARAMS` (the pipeline names its per-tick
+    parameter slices so), which the backward pass slices again.
     """
-    n, m, ticks = schedule.num_stages, schedule.num_micro, schedule.num_ticks
+    n, ticks = schedule.num_devices, schedule.num_ticks
     fill = min(n - 1, ticks)  # ticks before this one may have unfilled stages
-    drain = max(m, n) - 1  # "except_last" keeps the activations of the ticks from here on
+    drain = max(ticks - n, fill)  # "except_last" keeps the activations of the ticks from here on
     full, plain = _remat(), _identity
+    if schedule.repeats > 1:
+        plain = _remat(_except_stage_params(jax.checkpoint_policies.everything_saveable))
     if checkpoint == "always":
         kinds = [(full, True), (full, True), (full, True)]
     elif checkpoint == "never":
@@ -103,7 +139,7 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     elif checkpoint == "except_last":
         kinds = [(full, True), (full, True), (plain, False)]
     else:
-        policy = _remat(checkpoint)
+        policy = _remat(_except_stage_params(checkpoint) if schedule.repeats > 1 else checkpoint)
         kinds = [(full, True), (policy, False), (policy, False)]
     cuts = [0, fill, drain, ticks]
     bounds = itertools.pairwise(cuts)

@@ -24,17 +24,21 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))  # older spelling
 
 
-def to_varying(tree: Any, axis_name: str) -> Any:
-    """Casts every leaf of ``tree`` to vary along ``axis_name`` (leaves that already do are kept).
+def to_varying(tree: Any, axis_names: str | tuple[str, ...]) -> Any:
+    """Casts every leaf of ``tree`` to vary along ``axis_names`` (one name or several).
 
+    Leaves are cast only along the axes they do not vary along yet. On a mesh with several axes
+    (data x stage) cast along all of them: scan carries and cond branches compare the full set.
     Never call this inside a ``lax.cond``/``lax.switch`` branch: the transpose of the cast is a
     ``psum``, and a collective that only some devices reach deadlocks the backward pass.
     """
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
 
     def cast(x):
-        if axis_name in varying_axes(x):
+        missing = tuple(a for a in names if a not in varying_axes(x))
+        if not missing:
             return x
-        return lax.pcast(x, (axis_name,), to="varying")
+        return lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(cast, tree)
 
@@ -68,11 +72,13 @@ def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str) -> Any
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
-def replicate(tree: Any) -> Any:
+def replicate(tree: Any, keep: PartitionSpec | None = None) -> Any:
     """Reshards leaves typed with Explicit mesh axes to replicated, on their own mesh.
 
     Values typed with Explicit axes refuse reshapes and slices across a sharded dimension, which
-    micro-batching and parameter unpacking need. Other leaves are returned unchanged.
+    micro-batching and parameter unpacking need. Other leaves are returned unchanged, and so are
+    leaves sharded exactly as ``keep`` (e.g. a batch already split over a data axis, which
+    splits into micro-batches in place).
     """
 
     def put(x):
@@ -80,6 +86,8 @@ def replicate(tree: Any) -> Any:
         if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
             return x
         if all(p is None for p in sharding.spec):
+            return x
+        if keep is not None and _padded(sharding.spec, x.ndim) == _padded(keep, x.ndim):
             return x
         return jax.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 

@@ -17,6 +17,20 @@ How a call runs:
    value it was not written for ever reaches it and no ``nan``/``inf`` leaks into gradients.
 5. The last stage's outputs are merged back into the original batch order.
 
+The circular schedule (``repeats = v > 1``) runs ``S = v n`` stages on ``n`` devices with the
+same machinery: the table also names the stage each device runs at each tick (device ``d`` holds
+stages ``d, d + n, ...`` and picks one of its ``v`` parameter slices per tick), the last device
+sends back to the first (``ppermute`` over a ring), and device 0 keeps activations that come
+round early in a "loop" buffer indexed by micro-batch until their next round starts. Without a
+mesh the same table runs on ``n`` virtual devices.
+
+A data axis (``data_axis_name``) adds a second mesh axis to the ``shard_map``: the split batch
+``(m, b, ...)`` is sharded over it on the micro-batch axis, every data shard runs the same
+program on its ``m / p`` micro-batches (with the micro-batch indices of the whole mini-batch
+for the keys), and everything a stage reads is cast to vary along both axes before the loop,
+so the transposes of those casts -- the ``psum`` over the data axis that sums parameter
+gradients -- sit outside every branch.
+
 Stage state (``stateful=True``): a stage also reads its own ``state`` (e.g. BatchNorm running
 statistics, placed on its device like its parameters) and the row mask of its micro-batch, and
 returns ``(y, stats)``: a per-micro-batch contribution without the batch axis. Each device writes
@@ -40,7 +54,9 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
@@ -86,6 +102,9 @@ def pipeline(
     axis_name: str = "stage",
     per_example_keys: bool = False,
     stateful: bool = False,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    data_axis_name: str | None = None,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -102,8 +121,20 @@ def pipeline(
     policy checkpoints every stage with that policy. All modes give bitwise-identical results.
 
     Randomness: when called with a ``key``, stage ``s`` working on micro-batch ``i`` receives
-    ``jax.random.fold_in(jax.random.fold_in(key, i), s)``, independent of the device, the mesh and
-    the checkpoint mode; :func:`pipejax.stage_key` computes it.
+    ``jax.random.fold_in(jax.random.fold_in(key, i), s)``, independent of the device, the mesh,
+    the schedule, the data axis and the checkpoint mode; :func:`pipejax.stage_key` computes it.
+
+    The circular schedule (``schedule="circular"``, ``repeats=v``) runs ``S = v n`` stages on the
+    ``n`` devices of the stage axis: device ``d`` holds stages ``d, d + n, ..., d + (v - 1) n``
+    and every micro-batch goes round the devices ``v`` times, so the bubble shrinks to
+    ``(n - 1) / (v m + n - 1)`` (for ``m >= n``; fewer micro-batches run as ``n`` slots per
+    round). Its results are those of GPipe over the same ``S`` stages.
+
+    A data axis (``data_axis_name=``) splits the micro-batches over the data axis of the mesh:
+    the mini-batch is cut into ``m`` micro-batches as without it, data shard ``q`` of ``p`` runs
+    micro-batches ``q m / p, ..., (q + 1) m / p - 1`` through its own pipeline, and parameter
+    gradients are summed over the data axis by autodiff. Outputs, keys and stats are those of the
+    pipeline without a data axis.
 
     Args:
       stages: a sequence of stage functions ``stage(params, x, key) -> y``, one per stage, which
@@ -116,8 +147,9 @@ def pipeline(
         examples runs as ``ceil(B / ceil(B / chunks))`` micro-batches of ``ceil(B / chunks)``
         examples; the last is padded with copies of the last example, which are dropped again.
       checkpoint: ``"always"``, ``"except_last"``, ``"never"``, or a ``jax.checkpoint`` policy.
-      mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name`` of size ``num_stages``; device ``s``
-        along it runs stage ``s``. ``None`` runs the same schedule on one device.
+      mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name`` of size ``num_stages`` (``num_stages
+        / repeats`` for the circular schedule); device ``s`` along it runs stage ``s``. ``None`` runs
+        the same schedule on one device.
       axis_name: the name of the mesh axis that holds the stages.
       per_example_keys: if True, a stage receives one key per example of its micro-batch (an
         array of ``b`` keys) instead of one key: row ``r`` of micro-batch ``i`` gets
@@ -138,6 +170,13 @@ def pipeline(
         pipeline does not change ``state``; update it from ``stats`` after the call, once per
         mini-batch (e.g. :func:`pipejax.batch_norm_update`). Stats are bitwise identical across
         checkpoint modes and with or without a mesh.
+      schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``).
+      repeats: with ``schedule="circular"``, the number ``v >= 1`` of stages each device holds;
+        ``num_stages`` must be a multiple of it. ``1`` for GPipe.
+      data_axis_name: the name of a second mesh axis to split the micro-batches over (data x
+        pipeline parallelism), or ``None``. The number of micro-batches, ``ceil(B / ceil(B /
+        chunks))``, must be a multiple of its size. Parameters are replicated over it; ``y`` comes
+        back split over it along the batch axis (in contiguous blocks, in the original order).
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -171,10 +210,19 @@ def pipeline(
       >>> stats[0].tolist(), stats[1].tolist()
       ([1.0, 5.0, 4.0], [2.0, 10.0, 8.0])
 
+      The circular schedule: four stages on two devices (``mesh=None`` runs the same table on
+      one device), each micro-batch going round twice:
+
+      >>> apply = pj.pipeline(affine, num_stages=4, chunks=2, schedule="circular", repeats=2)
+      >>> params = {"w": jnp.array([1.0, 2.0, 3.0, 4.0]), "b": jnp.zeros(4)}
+      >>> apply(params, jnp.arange(4.0)).tolist(), apply.schedule(4).bubble_fraction()
+      ([0.0, 24.0, 48.0, 72.0], 0.2)
+
     References:
       Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
       Parallelism", NeurIPS 2019. Kim et al., "torchgpipe: On-the-fly Pipeline Parallelism for
-      Training Giant Models", 2020.
+      Training Giant Models", 2020. Narayanan et al., "Efficient Large-Scale Language Model
+      Training on GPU Clusters Using Megatron-LM", SC 2021 (the interleaved schedule).
     """
     return Pipeline(
         stages,
@@ -185,6 +233,9 @@ def pipeline(
         axis_name=axis_name,
         per_example_keys=per_example_keys,
         stateful=stateful,
+        schedule=schedule,
+        repeats=repeats,
+        data_axis_name=data_axis_name,
     )
 
 
@@ -202,16 +253,25 @@ class Pipeline:
         axis_name: str,
         per_example_keys: bool = False,
         stateful: bool = False,
+        schedule: str = "gpipe",
+        repeats: int = 1,
+        data_axis_name: str | None = None,
     ):
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
+        _check_schedule(schedule, repeats, self.num_stages)
+        self.schedule_name = schedule
+        self.repeats = repeats
+        self.num_devices = self.num_stages // repeats  # devices along the stage axis
         _check_chunks(chunks)
         ckpt.check_mode(checkpoint)
-        _check_mesh(mesh, axis_name, self.num_stages)
+        _check_mesh(mesh, axis_name, self.num_devices, repeats)
+        self.data_size = _check_data_axis(data_axis_name, mesh, axis_name)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.mesh = mesh
         self.axis_name = axis_name
+        self.data_axis_name = data_axis_name
         if not isinstance(per_example_keys, bool):
             raise TypeError(f"`per_example_keys` must be a bool, but got {per_example_keys!r}.")
         self.per_example_keys = per_example_keys
@@ -223,9 +283,12 @@ class Pipeline:
     def __repr__(self) -> str:
         kind = "homogeneous" if self.homogeneous else "heterogeneous"
         where = "no mesh" if self.mesh is None else f"mesh axis {self.axis_name!r}"
+        if self.data_axis_name is not None:
+            where += f", data axis {self.data_axis_name!r}"
+        how = "" if self.schedule_name == "gpipe" else f", schedule='circular', repeats={self.repeats}"
         return (
             f"Pipeline({self.num_stages} {kind} stages, chunks={self.chunks}, "
-            f"checkpoint={self.checkpoint!r}, {where})"
+            f"checkpoint={self.checkpoint!r}{how}, {where})"
         )
 
     # -- public -----------------------------------------------------------------------------
@@ -262,6 +325,11 @@ class Pipeline:
         stages). Pass the result
         to the pipeline, to ``jax.grad`` and to optax in place of ``params``.
 
+        The circular schedule on ``n > 1`` devices stacks the stages as ``(repeats, n, ...)``
+        instead of ``(num_stages, ...)``: entry ``[r, d]`` is stage ``r n + d``, and device ``d``
+        stores column ``d``, its ``repeats`` stages (heterogeneous: buffers of shape
+        ``(repeats, n, size)``). The pipeline accepts both forms.
+
         The ``state`` of a stateful pipeline takes the same forms and may be placed the same way
         (``apply(placed_params, x, state=apply.place(state))``).
         """
@@ -270,20 +338,44 @@ class Pipeline:
             params = pack_params(params)
         if self.mesh is None:
             return params
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
-        return jax.device_put(params, sharding)
+        if self.repeats > 1:
+            params = _device_major(self, params) if self.num_devices > 1 else params
+            spec = PartitionSpec(None, self.axis_name) if self.num_devices > 1 else PartitionSpec()
+        else:
+            spec = PartitionSpec(self.axis_name)
+        return jax.device_put(params, NamedSharding(self.mesh, spec))
 
     def stage_params(self, params: Any, s: int) -> PyTree:
         """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms."""
         if isinstance(params, StageParams):
             return params.stage(s)
         if self.homogeneous:
+            if _is_device_major(self, params):
+                n = self.num_devices
+                return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
             return jax.tree.map(lambda a: a[s], params)
         return params[s]
 
     def schedule(self, batch: int) -> sched.Schedule:
-        """The schedule a batch of ``batch`` examples runs with."""
-        return sched.gpipe(self.num_stages, microbatch.plan(batch, self.chunks).num_micro)
+        """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
+
+        Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedule`).
+        """
+        return sched.circular(self.num_devices, self._micro_per_shard(batch), self.repeats)
+
+    def _micro_per_shard(self, batch: int) -> int:
+        """Micro-batches each data shard runs; raises unless the data axis divides their number."""
+        plan = microbatch.plan(batch, self.chunks)
+        if plan.num_micro % self.data_size:
+            raise ValueError(
+                f"The batch of {batch} examples with `chunks={self.chunks}` is cut into "
+                f"{plan.num_micro} micro-batches of {plan.micro_size}, which the data axis "
+                f"{self.data_axis_name!r} of size {self.data_size} does not divide; every data "
+                "shard runs the same number of whole micro-batches. Use a `chunks` that is a "
+                f"multiple of {self.data_size} and a batch of at least `chunks` examples (e.g. "
+                f"`chunks={self.data_size * max(1, plan.num_micro // self.data_size)}`)."
+            )
+        return plan.num_micro // self.data_size
 
     # -- input placement (eager calls) ------------------------------------------------------
 
@@ -310,25 +402,41 @@ class Pipeline:
             return jax.tree.map(move, tree)
 
         def per_stage(tree):
-            stacked = self.homogeneous or isinstance(tree, StageParams)
-            return put(tree, PartitionSpec(self.axis_name) if stacked else PartitionSpec())
+            if not (self.homogeneous or isinstance(tree, StageParams)):
+                return put(tree, PartitionSpec())
+            if _is_device_major(self, tree):
+                return put(tree, PartitionSpec(None, self.axis_name))
+            return put(tree, PartitionSpec(self.axis_name))
 
         return per_stage(params), put(x, PartitionSpec()), put(key, PartitionSpec()), per_stage(state)
 
     # -- traced -----------------------------------------------------------------------------
 
     def _apply(self, params, x, key, state):
-        x = compat.replicate(x)  # a batch sharded with Explicit axes cannot be cut up in place
+        plan = microbatch.plan(microbatch.batch_size(x), self.chunks)
+        num_micro = self._micro_per_shard(plan.batch)
+        # A batch sharded with Explicit axes cannot be cut up in place, except one split over the
+        # data axis into whole micro-batches.
+        keep = PartitionSpec(self.data_axis_name) if self.data_axis_name and not plan.padding else None
+        x = compat.replicate(x, keep=keep)
         xs, mask, plan = microbatch.split(x, self.chunks)
         if not self.stateful:
             mask = None  # stateless stages take no mask
         if state is None and not self.homogeneous:
             state = [None] * self.num_stages
-        schedule = sched.gpipe(self.num_stages, plan.num_micro)
+        schedule = sched.circular(self.num_devices, num_micro, self.repeats)
         key_struct = None
         if key is not None:
             lead = (plan.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
+        # Stacked stages in the runner's form: (S, ...) without a mesh, (n, ...) on a GPipe mesh,
+        # (v, n, ...) on a circular one.
+        if self.mesh is None:
+            params, state = (_stage_major(self, t) for t in (params, state))
+        elif self.repeats > 1:
+            if not self.homogeneous:
+                params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in (params, state))
+            params, state = (_device_major(self, t) for t in (params, state))
         if self.homogeneous:
             boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct)
             run = _run_homogeneous_mesh if self.mesh is not None else _run_homogeneous_local
@@ -338,6 +446,8 @@ class Pipeline:
             if self.mesh is None and isinstance(state, StageParams):
                 state = state.unpack()
             boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct)
+            if self.mesh is not None:
+                params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in (params, state))
             run = _run_heterogeneous_mesh if self.mesh is not None else _run_heterogeneous_local
         inputs = _Inputs(params, state, xs, mask, key)
         ys, stats = run(self, inputs, schedule, boundaries, stats)
@@ -391,7 +501,33 @@ def _check_chunks(chunks) -> None:
         )
 
 
-def _check_mesh(mesh, axis_name, num_stages) -> None:
+def _check_schedule(schedule, repeats, num_stages) -> None:
+    kinds = ", ".join(repr(k) for k in sched.KINDS)
+    if not isinstance(schedule, str):
+        raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
+    if schedule not in sched.KINDS:
+        raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise TypeError(f"`repeats` must be an int >= 1, but got {type(repeats).__name__} {repeats!r}.")
+    if repeats < 1:
+        raise ValueError(
+            f"`repeats` must be >= 1 (the number of stages each device holds), but got {repeats}."
+        )
+    if schedule == "gpipe" and repeats != 1:
+        raise ValueError(
+            f"`repeats={repeats}` needs `schedule='circular'`: the GPipe schedule runs one stage "
+            "per device. Pass `schedule='circular'` or drop `repeats`."
+        )
+    if num_stages % repeats:
+        raise ValueError(
+            f"The circular schedule with `repeats={repeats}` needs a number of stages that is a "
+            f"multiple of {repeats} (each device holds {repeats} stages), but the pipeline has "
+            f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
+            "change `repeats`."
+        )
+
+
+def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
     if not isinstance(axis_name, str):
         raise TypeError(f"`axis_name` must be a str, but got {type(axis_name).__name__} {axis_name!r}.")
     if mesh is None:
@@ -399,21 +535,64 @@ def _check_mesh(mesh, axis_name, num_stages) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
-            f"with `jax.make_mesh(({num_stages},), ({axis_name!r},))`."
+            f"with `jax.make_mesh(({num_devices},), ({axis_name!r},))`."
         )
     if axis_name not in mesh.axis_names:
         raise ValueError(
             f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}). "
-            f"Add a stage axis of size {num_stages}, e.g. "
-            f"`jax.make_mesh(({num_stages},), ({axis_name!r},))`, or pass `axis_name=`."
+            f"Add a stage axis of size {num_devices}, e.g. "
+            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))`, or pass `axis_name=`."
         )
     size = mesh.shape[axis_name]
-    if size != num_stages:
+    if size != num_devices and repeats > 1:
         raise ValueError(
-            f"`mesh` axis {axis_name!r} has size {size}, but the pipeline has {num_stages} stages; "
-            "each device along the stage axis runs one stage, so the sizes must be equal. Use "
-            f"`jax.make_mesh(({num_stages},), ({axis_name!r},))` or change the number of stages."
+            f"`mesh` axis {axis_name!r} has size {size}, but the circular pipeline has "
+            f"{num_devices * repeats} stages with `repeats={repeats}`, which need {num_devices} "
+            f"devices ({repeats} stages each). Use `jax.make_mesh(({num_devices},), "
+            f"({axis_name!r},))` or change `repeats`."
         )
+    if size != num_devices:
+        raise ValueError(
+            f"`mesh` axis {axis_name!r} has size {size}, but the pipeline has {num_devices} stages; "
+            "each device along the stage axis runs one stage, so the sizes must be equal. Use "
+            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))` or change the number of stages "
+            "(or hold several stages per device with `schedule='circular', repeats=...`)."
+        )
+
+
+def _check_data_axis(data_axis_name, mesh, axis_name) -> int:
+    """Validates the data axis; returns its size (1 without one)."""
+    if data_axis_name is None:
+        return 1
+    if not isinstance(data_axis_name, str):
+        raise TypeError(
+            f"`data_axis_name` must be a str or None, but got {type(data_axis_name).__name__} "
+            f"{data_axis_name!r}."
+        )
+    if mesh is None:
+        raise ValueError(
+            f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
+            f"Pass e.g. `mesh=jax.make_mesh((2, n), ({data_axis_name!r}, {axis_name!r}))`, or drop "
+            "`data_axis_name`."
+        )
+    if data_axis_name == axis_name:
+        raise ValueError(
+            f"`data_axis_name` and `axis_name` are both {axis_name!r}; the data axis must be another "
+            "axis of the mesh than the stage axis."
+        )
+    if data_axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`mesh` has no axis named {data_axis_name!r} for `data_axis_name` (its axes are "
+            f"{tuple(mesh.axis_names)}). Add a data axis, e.g. `jax.make_mesh((2, "
+            f"{mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))`, or pass its name."
+        )
+    if compat.is_explicit(mesh, data_axis_name) != compat.is_explicit(mesh, axis_name):
+        raise ValueError(
+            f"The data axis {data_axis_name!r} and the stage axis {axis_name!r} of `mesh` have "
+            "different axis types (one Explicit, one Auto); give both the same type in "
+            "`jax.make_mesh(..., axis_types=...)`."
+        )
+    return mesh.shape[data_axis_name]
 
 
 def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
@@ -430,14 +609,19 @@ def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
         return
     if pipe.homogeneous:
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+        major = _is_device_major(pipe, params)
+        lead = (pipe.repeats, pipe.num_devices) if major else (n,)
+        placed = ""
+        if pipe.repeats > 1 and pipe.num_devices > 1:
+            placed = f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
         for path, leaf in leaves:
             shape = jnp.shape(leaf)
-            if len(shape) == 0 or shape[0] != n:
+            if tuple(shape[: len(lead)]) != lead:
                 raise ValueError(
                     f"Homogeneous stages take `{name}` stacked on a leading stage axis of size "
-                    f"{n}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-                    f"{shape}. Stack the per-stage values, e.g. "
-                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`."
+                    f"{n}{placed}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has "
+                    f"shape {shape}. Stack the per-stage values, e.g. "
+                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`; every leaf alike."
                 )
         return
     what = "parameter" if name == "params" else name
@@ -456,6 +640,51 @@ def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
 
 def _is_concrete(a) -> bool:
     return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
+# --- stacked stage layouts ------------------------------------------------------------------------
+# Stacked stages (homogeneous pytrees, StageParams buffers) come stage-major, ``(S, ...)``, or, for
+# the circular schedule on n > 1 devices, device-major as ``place`` lays them out: ``(v, n, ...)``,
+# entry [r, d] = stage r n + d, so that sharding axis 1 gives device d its v stages.
+
+
+def _is_device_major(pipe, tree) -> bool:
+    """Whether stacked stages come as ``(repeats, n, ...)`` (never ambiguous: needs n > 1)."""
+    if pipe.repeats == 1 or pipe.num_devices == 1 or tree is None:
+        return False
+    if isinstance(tree, StageParams):
+        return bool(tree.buffers) and tree.buffers[0].ndim == 3
+    if not pipe.homogeneous:
+        return False
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == pipe.repeats
+
+
+def _reshape_stacked(tree, lead, drop):
+    """Every stacked leaf with its ``drop`` leading stage axes reshaped to ``lead``."""
+
+    def fix(a):
+        a = compat.replicate(jnp.asarray(a))  # Explicit sharding refuses reshapes of sharded axes
+        return a.reshape((*lead, *a.shape[drop:]))
+
+    if isinstance(tree, StageParams):
+        return StageParams(tuple(fix(b) for b in tree.buffers), tree.container, tree.layouts)
+    return jax.tree.map(fix, tree)
+
+
+def _device_major(pipe, tree):
+    """Stacked stages as ``(repeats, n, ...)``; other trees (per-stage lists, None) unchanged."""
+    stacked = pipe.homogeneous or isinstance(tree, StageParams)
+    if tree is None or not stacked or _is_device_major(pipe, tree):
+        return tree
+    return _reshape_stacked(tree, (pipe.repeats, pipe.num_devices), 1)
+
+
+def _stage_major(pipe, tree):
+    """Stacked stages as ``(S, ...)``; other trees unchanged."""
+    if not _is_device_major(pipe, tree):
+        return tree
+    return _reshape_stacked(tree, (pipe.num_stages,), 2)
 
 
 # --- boundary shapes ---------------------------------------------------------------------------
@@ -558,8 +787,10 @@ def _heterogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list
 
 def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[Layout], Layout]:
     in_struct = _micro_struct(xs)
+    lead = 2 if pipe.mesh is not None and pipe.repeats > 1 else 1  # (v, n, ...) on a circular mesh
+
     def unstacked(tree):  # one stage's slice of a stacked pytree
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), tree)
 
     layout_in = Layout.of(in_struct)
     layout_out, stats = _stage_output(
@@ -576,6 +807,12 @@ def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[L
 
 
 # --- shared pieces of the tick loop ---------------------------------------------------------------
+# A schedule runs over D devices (the stage axis; D = S stages for GPipe, S / repeats for the
+# circular schedule). Each tick, device d reads (micro-batch i, stage s) from the tables; i < 0 is
+# a bubble. With repeats > 1, device 0 starts every round after the first on an activation that
+# left the last device some ticks earlier: it keeps those in a buffer indexed by micro-batch (the
+# "loop" buffer, m activations), written when they arrive over the ring and read when their
+# round starts.
 
 
 class _Inputs(NamedTuple):
@@ -608,15 +845,38 @@ def _write(acc, y, i, enabled):
     return jax.tree.map(one, acc, y)
 
 
+def _write_at(acc, y, r, i, enabled):
+    """``acc[r, i] = y`` where ``enabled`` (``acc`` has two leading axes)."""
+
+    def one(a, v):
+        start = tuple(jnp.asarray(j, jnp.int32) for j in (r, i, *(0,) * v.ndim))
+        old = lax.dynamic_slice(a, start, (1, 1, *v.shape))[0, 0]
+        return lax.dynamic_update_slice(a, jnp.where(enabled, v, old)[None, None], start)
+
+    return jax.tree.map(one, acc, y)
+
+
 def _zeros(layout: Layout, leading=()):
     return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
 
 
-def _stage_keys(pipe, key, ic, s, xs):
-    """The key(s) stage ``s`` receives for micro-batch ``ic`` (see :mod:`pipejax._src.keys`)."""
+def _stage_keys(pipe, key, i, s, xs):
+    """The key(s) stage ``s`` receives for micro-batch ``i`` (see :mod:`pipejax._src.keys`)."""
     if pipe.per_example_keys:
-        return keys.example_keys_for(key, ic, jax.tree.leaves(xs)[0].shape[1], s)
-    return keys.key_for(key, ic, s)
+        return keys.example_keys_for(key, i, jax.tree.leaves(xs)[0].shape[1], s)
+    return keys.key_for(key, i, s)
+
+
+def _named(tree):
+    """Marks a per-tick slice of stage parameters: saved by no phase (see ``checkpoint.phases``)."""
+    return jax.tree.map(lambda a: checkpoint_name(a, ckpt.STAGE_PARAMS), tree)
+
+
+def _slice_stage(tree, r, repeats):
+    """Row ``r`` of a device's ``(repeats, ...)`` stages: static for one repeat, named otherwise."""
+    if repeats == 1:
+        return jax.tree.map(lambda a: a[0], tree)
+    return _named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), tree))
 
 
 def _guard(skip_bubbles, i, run, prev):
@@ -632,21 +892,40 @@ def _guard(skip_bubbles, i, run, prev):
     return run()
 
 
+def _rows(schedule):
+    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T])``.
+
+    ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
+    ring at this tick.
+    """
+    micro, stage = schedule.table, schedule.stages()
+    back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
+    back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
+    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage))
+
+
 def _scan_phases(pipe, schedule, make_step, carry):
     """Runs the schedule's ticks, one ``lax.scan`` per phase (see ``checkpoint.phases``)."""
-    table = jnp.asarray(schedule.table)
+    rows = _rows(schedule)
     for phase in ckpt.phases(pipe.checkpoint, schedule):
-        carry, _ = lax.scan(make_step(phase), carry, table[phase.start : phase.stop])
+        carry, _ = lax.scan(make_step(phase), carry, tuple(r[phase.start : phase.stop] for r in rows))
     return carry
 
 
+def _arrived(back_i, back_s, num_stages):
+    """Whether what reaches device 0 at this tick is an activation to keep for a later round."""
+    return (back_i >= 0) & (back_s < num_stages - 1)
+
+
 # --- without a mesh ------------------------------------------------------------------------------
-# The same table runs on one device. The carry holds every stage's previous (output, stats), which
-# is what the next stage reads at this tick, the output accumulator and every stage's stats
-# accumulator (leading axis m; a stage writes slot i only on a tick where it works on i).
+# The same tables run on one device. The carry holds every device's previous (output, stats),
+# which is what the next device reads at this tick, the output accumulator, the stats
+# accumulators (a stage writes slot i only on a tick where it works on i) and the loop buffer.
 
 
 def _run_heterogeneous_local(pipe, inputs, schedule, boundaries, stats_layouts):
+    if schedule.repeats > 1:
+        return _run_heterogeneous_local_circular(pipe, inputs, schedule, boundaries, stats_layouts)
     n, m = pipe.num_stages, schedule.num_micro
     params, state, xs, mask, key = inputs
 
@@ -664,7 +943,8 @@ def _run_heterogeneous_local(pipe, inputs, schedule, boundaries, stats_layouts):
     def make_step(phase):
         fns = [phase.remat(compute(s, phase.skip_bubbles)) for s in range(n)]
 
-        def step(carry, row):
+        def step(carry, rows):
+            row = rows[0]
             prev, acc, stats = carry  # prev[s]: stage s's (output, stats) at the previous tick
             outs = tuple(
                 fns[s](params[s], state[s], xs, mask, prev[s - 1][0] if s else None, prev[s], row[s], key)
@@ -683,8 +963,71 @@ def _run_heterogeneous_local(pipe, inputs, schedule, boundaries, stats_layouts):
     return acc, list(stats)
 
 
+def _run_heterogeneous_local_circular(pipe, inputs, schedule, boundaries, stats_layouts):
+    """Heterogeneous stages on the circular tables, one device: ``D`` virtual devices, each picking
+    one of its ``v`` stages with ``lax.switch``; activations travel in a flat container."""
+    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
+    params, state, xs, mask, key = inputs
+    box = Container.for_layouts(boundaries[1:])
+    statbox = Container.for_layouts(stats_layouts)
+
+    def branch(s, j):  # stage s = j * D + d, the j-th of its device
+        call = _stage_call(pipe, s)
+
+        def f(ps, sts, xs, mask, inbox, ic, k):
+            p, st = _named((ps[j], sts[j]))
+            x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
+            y, stats = call(p, x_in, k, st, _take(mask, ic))
+            return box.pack(y), statbox.pack(stats)
+
+        return f
+
+    def compute(d, skip):
+        branches = [branch(j * D + d, j) for j in range(v)]
+
+        def f(ps, sts, xs, mask, inbox, prev, i, s, key):
+            ic = _clip(i, m)
+            args = (ps, sts, xs, mask, inbox, ic, _stage_keys(pipe, key, ic, s, xs))
+            return _guard(skip, i, lambda: lax.switch(s // D, branches, *args), prev)
+
+        return f
+
+    own = [tuple(range(d, S, D)) for d in range(D)]  # the stages of device d
+    dev_params = [tuple(params[s] for s in own[d]) for d in range(D)]
+    dev_state = [tuple(state[s] for s in own[d]) for d in range(D)]
+
+    def make_step(phase):
+        fns = [phase.remat(compute(d, phase.skip_bubbles)) for d in range(D)]
+
+        def step(carry, rows):
+            micro, stage, back_i, back_s = rows
+            prev, acc, stats, loop = carry  # prev[d]: device d's (message, stats) at the previous tick
+            loop = _write(loop, prev[D - 1][0], _clip(back_i, m), _arrived(back_i, back_s, S))
+            outs = []
+            for d in range(D):
+                i, s = micro[d], stage[d]
+                inbox = _take(loop, _clip(i, m)) if d == 0 else prev[d - 1][0]
+                outs.append(fns[d](dev_params[d], dev_state[d], xs, mask, inbox, prev[d], i, s, key))
+            i, s = micro[D - 1], stage[D - 1]
+            acc = _write(acc, box.unpack(outs[-1][0], boundaries[S]), _clip(i, m), (i >= 0) & (s == S - 1))
+            stats = tuple(
+                _write_at(stats[d], outs[d][1], stage[d] // D, _clip(micro[d], m), micro[d] >= 0)
+                for d in range(D)
+            )
+            return (tuple(outs), acc, stats, loop), None
+
+        return step
+
+    prev = tuple((box.zeros(), statbox.zeros()) for _ in range(D))
+    acc = _zeros(boundaries[S], (m,))
+    stats = tuple(statbox.zeros((v, m)) for _ in range(D))
+    _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, (prev, acc, stats, box.zeros((m,))))
+    rows = [tuple(b[s // D] for b in stats[s % D]) for s in range(S)]  # stage s = r D + d: row r of device d
+    return acc, [_unpack_rows(statbox, rows[s], stats_layouts[s]) for s in range(S)]
+
+
 def _run_homogeneous_local(pipe, inputs, schedule, boundaries, stats_layout):
-    n, m = pipe.num_stages, schedule.num_micro
+    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
     params, state, xs, mask, key = inputs
     call = _stage_call(pipe, 0)
     layout = boundaries[0]
@@ -693,6 +1036,8 @@ def _run_homogeneous_local(pipe, inputs, schedule, boundaries, stats_layout):
         def f(params, state, mask, x_in, prev, i, s, key):
             ic = _clip(i, m)
             p, st = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
+            if v > 1:
+                p, st = _named((p, st))
             k = _stage_keys(pipe, key, ic, s, xs)
             return _guard(skip, i, lambda: call(p, x_in, k, st, _take(mask, ic)), prev)
 
@@ -701,76 +1046,124 @@ def _run_homogeneous_local(pipe, inputs, schedule, boundaries, stats_layout):
     def make_step(phase):
         f = phase.remat(compute(phase.skip_bubbles))
 
-        def step(carry, row):
-            prev, acc, stats = carry  # stacked (outputs, stats) of every stage at the previous tick
-            x0 = _take(xs, _clip(row[0], m))
-            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: n - 1]]), x0, prev[0])
+        def step(carry, rows):
+            micro, stage, back_i, back_s = rows
+            prev, acc, stats, loop = carry  # stacked (outputs, stats) of every device at the previous tick
+            x0 = _take(xs, _clip(micro[0], m))
+            if v > 1:
+                last = jax.tree.map(lambda a: a[D - 1], prev[0])
+                loop = _write(loop, last, _clip(back_i, m), _arrived(back_i, back_s, S))
+                again = _take(loop, _clip(micro[0], m))
+                x0 = jax.tree.map(lambda a, b: jnp.where(stage[0] >= D, a, b), again, x0)
+            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: D - 1]]), x0, prev[0])
 
             def one_stage(_, args):
                 x_in, prev_s, i, s = args
                 return None, f(params, state, mask, x_in, prev_s, i, s, key)
 
-            _, outs = lax.scan(one_stage, None, (inputs, prev, row, jnp.arange(n)))
-            last = jax.tree.map(lambda a: a[n - 1], outs[0])
-            acc = _write(acc, last, _clip(row[n - 1], m), row[n - 1] >= 0)
+            _, outs = lax.scan(one_stage, None, (inputs, prev, micro, stage))
+            last = jax.tree.map(lambda a: a[D - 1], outs[0])
+            done = (micro[D - 1] >= 0) & (stage[D - 1] == S - 1)
+            acc = _write(acc, last, _clip(micro[D - 1], m), done)
             if jax.tree.leaves(stats):
-                stats = jax.vmap(_write)(stats, outs[1], _clip(row, m), row >= 0)
-            return (outs, acc, stats), None
+                if v == 1:
+                    stats = jax.vmap(_write)(stats, outs[1], _clip(micro, m), micro >= 0)
+                else:
+                    for d in range(D):
+                        out = jax.tree.map(lambda a, d=d: a[d], outs[1])
+                        stats = _write_at(stats, out, stage[d], _clip(micro[d], m), micro[d] >= 0)
+            return (outs, acc, stats, loop), None
 
         return step
 
-    prev = (_zeros(layout, (n,)), _zeros(stats_layout, (n,)))
+    prev = (_zeros(layout, (D,)), _zeros(stats_layout, (D,)))
     acc = _zeros(layout, (m,))
-    stats = _zeros(stats_layout, (n, m))
-    _, acc, stats = _scan_phases(pipe, schedule, make_step, (prev, acc, stats))
+    stats = _zeros(stats_layout, (S, m))
+    loop = _zeros(layout, (m,)) if v > 1 else ()
+    _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, (prev, acc, stats, loop))
     return acc, stats
 
 
 # --- on a mesh -----------------------------------------------------------------------------------
-# Device s runs stage s. The carry holds the activation received from device s - 1 (the inbox),
-# the device's own previous (output, stats), the output accumulator (written on the last device
-# only) and the device's stats accumulator.
+# Device d runs the stages d, d + D, ... (one of them for GPipe). The carry holds the activation
+# received from device d - 1 (the inbox), the device's own previous (output, stats), the output
+# accumulator (written on the last device only), the device's stats accumulator (one row per
+# stage it holds) and, for repeats > 1, the loop buffer (read on device 0 only). With a data axis
+# every data shard runs the same program on its own micro-batches.
 
 
-def _shift(tree, axis_name, n):
-    """Sends every device's value to the next device along the stage axis."""
+def _axes(pipe):
+    """The mesh axes a value inside the shard_map varies along."""
+    if pipe.data_axis_name is None:
+        return (pipe.axis_name,)
+    return (pipe.axis_name, pipe.data_axis_name)
+
+
+def _global_micro(pipe, i, num_micro):
+    """The mini-batch's index of a data shard's micro-batch ``i`` (shard ``q`` runs ``q m`` on)."""
+    if pipe.data_axis_name is None:
+        return i
+    return lax.axis_index(pipe.data_axis_name) * num_micro + i
+
+
+def _shift(tree, axis_name, n, ring=False):
+    """Sends every device's value to the next device along the stage axis (last to first: ``ring``)."""
     if n == 1:
         return tree
-    return lax.ppermute(tree, axis_name, [(s, s + 1) for s in range(n - 1)])
+    perm = [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
+    return lax.ppermute(tree, axis_name, perm)
+
+
+def _local_stages(tree, repeats):
+    """A device's block of stacked stages, ``(repeats, ...)``.
+
+    GPipe blocks come as ``(1, ...)`` (``P(stage)`` on ``(n, ...)``), circular ones as
+    ``(repeats, 1, ...)`` (``P(None, stage)`` on ``(repeats, n, ...)``).
+    """
+    if repeats == 1:
+        return tree
+    return jax.tree.map(lambda a: a[:, 0], tree)
 
 
 def _spmd(pipe, body, inputs):
-    """Runs ``body(params, state, xs, mask, key)`` under shard_map; its output comes back replicated.
+    """Runs ``body(params, state, xs, mask, key)`` under shard_map.
 
-    Every leaf of ``params`` and ``state`` has a leading stage axis, sharded over the mesh's stage
-    axis; ``xs``, ``mask`` and ``key`` are replicated.
+    Every leaf of ``params`` and ``state`` is stacked on the stage axis (``(n, ...)``, or
+    ``(repeats, n, ...)`` for the circular schedule) and sharded over the mesh's stage axis;
+    ``xs`` and ``mask`` are replicated over it (split over the data axis, if any); ``key`` is
+    replicated. ``body`` returns the output accumulator ``(m, ...)`` and the stats ``(n, v, m,
+    ...)``, replicated over the stage axis.
     """
-    axis, mesh = pipe.axis_name, pipe.mesh
+    axis, data, mesh = pipe.axis_name, pipe.data_axis_name, pipe.mesh
     rep = PartitionSpec()
-    stage_spec = PartitionSpec(axis)
+    stage_spec = PartitionSpec(axis) if pipe.repeats == 1 else PartitionSpec(None, axis)
+    batch_spec = rep if data is None else PartitionSpec(data)
+    stats_spec = rep if data is None else PartitionSpec(None, None, data)
     params, state, xs, mask, key = inputs
     params = compat.constrain(params, mesh, stage_spec, axis)
     state = compat.constrain(state, mesh, stage_spec, axis)
-    xs, mask, key = (compat.constrain(t, mesh, rep, axis) for t in (xs, mask, key))
+    xs, mask = (compat.constrain(t, mesh, batch_spec, axis) for t in (xs, mask))
+    key = compat.constrain(key, mesh, rep, axis)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(stage_spec, stage_spec, rep, rep, None if key is None else rep),
-        out_specs=rep,
+        in_specs=(stage_spec, stage_spec, batch_spec, batch_spec, None if key is None else rep),
+        out_specs=(batch_spec, stats_spec),
     )
     return fn(params, state, xs, mask, key)
 
 
-def _as_varying(tree, template, axis_name):
+def _as_varying(tree, template, axes):
     """``tree`` with the sharding type of ``template`` (varying), values unchanged.
 
     Used inside cond branches, where ``pcast`` must not appear (see :mod:`pipejax._src.compat`).
     A stage output that depends on no device-varying value is written into a varying buffer;
-    ``dynamic_update_slice`` is exact and its transpose has no collective.
+    ``dynamic_update_slice`` is exact and its transpose has no collective. (Everything a stage
+    reads is cast to vary along every axis before the loop, so only constants get here.)
     """
 
     def fix(v, t):
-        if axis_name in compat.varying_axes(v):
+        if set(axes) <= compat.varying_axes(v):
             return v
         return lax.dynamic_update_slice(t, v.astype(t.dtype), (0,) * t.ndim)
 
@@ -793,64 +1186,79 @@ def _gather_stages(tree, s, n, axis_name):
     return jax.tree.map(gather, tree)
 
 
-def _mesh_loop(pipe, schedule, s, compute, init, out_of):
+def _mesh_loop(pipe, schedule, d, compute, init, out_of):
     """The per-device tick loop shared by both stage kinds on a mesh.
 
-    ``compute(phase)`` returns ``f(inbox, prev, i) -> (message, stats)``; ``out_of(message)``
+    ``compute(phase)`` returns ``f(inbox, prev, i, s) -> (message, stats)``; ``out_of(message)``
     reads the last stage's output from a message. Returns the replicated output accumulator and
-    every device's stats accumulator stacked on a leading stage axis.
+    every device's stats accumulator stacked on a leading device axis.
     """
-    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
+    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
+    axis = pipe.axis_name
 
     def make_step(phase):
         f = compute(phase)
 
-        def step(carry, row):
-            inbox, prev, acc, stats = carry
-            i = row[s]
-            out = f(inbox, prev, i)
-            acc = _write(acc, out_of(out[0]), _clip(i, m), (i >= 0) & (s == n - 1))
-            stats = _write(stats, out[1], _clip(i, m), i >= 0)
-            return (_shift(out[0], axis, n), out, acc, stats), None
+        def step(carry, rows):
+            micro, stage, back_i, back_s = rows
+            inbox, prev, acc, stats, loop = carry
+            i, s = micro[d], stage[d]
+            if v > 1:
+                loop = _write(loop, inbox, _clip(back_i, m), (d == 0) & _arrived(back_i, back_s, S))
+                again = (d == 0) & (s >= D)  # device 0 starts a later round: its input waited in the loop
+                inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), _take(loop, _clip(i, m)), inbox)
+            out = f(inbox, prev, i, s)
+            acc = _write(acc, out_of(out[0]), _clip(i, m), (i >= 0) & (s == S - 1))
+            stats = _write_at(stats, out[1], s // D, _clip(i, m), i >= 0)
+            return (_shift(out[0], axis, D, ring=v > 1), out, acc, stats, loop), None
 
         return step
 
-    message, stat, acc, stats = init
-    carry = (message, (message, stat), acc, stats)
-    _, _, acc, stats = _scan_phases(pipe, schedule, make_step, carry)
+    message, stat, acc, stats, loop = init
+    carry = (message, (message, stat), acc, stats, loop)
+    _, _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, carry)
     # Only the last device wrote its accumulator; the others hold zeros, and adding exact zeros
     # is exact, so the sum is bitwise the last device's outputs.
-    return lax.psum(acc, axis), _gather_stages(stats, s, n, axis)
+    return lax.psum(acc, axis), _gather_stages(stats, d, D, axis)
+
+
+def _by_stage(stats, repeats):
+    """``(n, v, m, ...)`` stats of every device -> ``(S, m, ...)`` in stage order (``s = r n + d``)."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:])), stats)
 
 
 def _run_homogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layout):
-    m, axis = schedule.num_micro, pipe.axis_name
+    D, v, m, axes = schedule.num_devices, schedule.repeats, schedule.num_micro, _axes(pipe)
     call = _stage_call(pipe, 0)
     layout = boundaries[0]
 
     def body(params, state, xs, mask, key):
-        s = lax.axis_index(axis)
-        params, state = jax.tree.map(lambda a: a[0], (params, state))
-        xs, mask, key = compat.to_varying((xs, mask, key), axis)
+        d = lax.axis_index(pipe.axis_name)
+        params, state = _local_stages((params, state), v)
+        params, state, xs, mask, key = compat.to_varying((params, state, xs, mask, key), axes)
 
         def compute(phase):
-            def f(params, state, xs, mask, inbox, prev, i, key):
+            def f(params, state, xs, mask, inbox, prev, i, s, key):
                 ic = _clip(i, m)
                 x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
 
                 def run():
-                    k = _stage_keys(pipe, key, ic, s, xs)
-                    return _as_varying(call(params, x_in, k, state, _take(mask, ic)), prev, axis)
+                    p, st = _slice_stage((params, state), s // D, v)
+                    k = _stage_keys(pipe, key, _global_micro(pipe, ic, m), s, xs)
+                    return _as_varying(call(p, x_in, k, st, _take(mask, ic)), prev, axes)
 
                 return _guard(phase.skip_bubbles, i, run, prev)
 
             f = phase.remat(f)
-            return lambda inbox, prev, i: f(params, state, xs, mask, inbox, prev, i, key)
+            return lambda inbox, prev, i, s: f(params, state, xs, mask, inbox, prev, i, s, key)
 
-        init = (_zeros(layout), _zeros(stats_layout), _zeros(layout, (m,)), _zeros(stats_layout, (m,)))
-        return _mesh_loop(pipe, schedule, s, compute, compat.to_varying(init, axis), lambda out: out)
+        loop = _zeros(layout, (m,)) if v > 1 else ()
+        acc, stats = _zeros(layout, (m,)), _zeros(stats_layout, (v, m))
+        init = (_zeros(layout), _zeros(stats_layout), acc, stats, loop)
+        return _mesh_loop(pipe, schedule, d, compute, compat.to_varying(init, axes), lambda out: out)
 
-    return _spmd(pipe, body, inputs)
+    acc, stats = _spmd(pipe, body, inputs)
+    return acc, _by_stage(stats, v)
 
 
 def _unpack_rows(box, buffers, layout):
@@ -861,8 +1269,9 @@ def _unpack_rows(box, buffers, layout):
 
 
 def _run_heterogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layouts):
-    n, m, axis = pipe.num_stages, schedule.num_micro, pipe.axis_name
-    params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in inputs[:2])
+    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
+    axes = _axes(pipe)
+    params, state = inputs[:2]
     pbox, playouts = params.container, params.layouts
     sbox, slayouts = state.container, state.layouts
     box = Container.for_layouts(boundaries[1:])
@@ -871,34 +1280,40 @@ def _run_heterogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layouts):
     def branch(s):
         call = _stage_call(pipe, s)
 
-        def f(pbufs, sbufs, xs, mask, inbox, prev, ic, k):
-            p, st = pbox.unpack(pbufs, playouts[s]), sbox.unpack(sbufs, slayouts[s])
+        def f(prow, srow, xs, mask, inbox, prev, ic, k):
+            p, st = pbox.unpack(prow, playouts[s]), sbox.unpack(srow, slayouts[s])
+            if v > 1:
+                p, st = _named((p, st))
             x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
             y, stats = call(p, x_in, k, st, _take(mask, ic))
-            return _as_varying((box.pack(y), statbox.pack(stats)), prev, axis)
+            return _as_varying((box.pack(y), statbox.pack(stats)), prev, axes)
 
         return f
 
-    branches = [branch(s) for s in range(n)]
+    branches = [branch(s) for s in range(S)]
 
     def body(pbufs, sbufs, xs, mask, key):
-        s = lax.axis_index(axis)
-        pbufs, sbufs = (tuple(b[0] for b in bufs) for bufs in (pbufs, sbufs))
-        xs, mask, key = compat.to_varying((xs, mask, key), axis)
+        d = lax.axis_index(pipe.axis_name)
+        pbufs, sbufs = _local_stages((pbufs, sbufs), v)
+        pbufs, sbufs, xs, mask, key = compat.to_varying((pbufs, sbufs, xs, mask, key), axes)
 
         def compute(phase):
-            def f(pbufs, sbufs, xs, mask, inbox, prev, i, key):
+            def f(pbufs, sbufs, xs, mask, inbox, prev, i, s, key):
                 ic = _clip(i, m)
-                args = (pbufs, sbufs, xs, mask, inbox, prev, ic, _stage_keys(pipe, key, ic, s, xs))
+                prow, srow = _slice_stage((pbufs, sbufs), s // D, v)
+                k = _stage_keys(pipe, key, _global_micro(pipe, ic, m), s, xs)
+                args = (prow, srow, xs, mask, inbox, prev, ic, k)
                 return _guard(phase.skip_bubbles, i, lambda: lax.switch(s, branches, *args), prev)
 
             f = phase.remat(f)
-            return lambda inbox, prev, i: f(pbufs, sbufs, xs, mask, inbox, prev, i, key)
+            return lambda inbox, prev, i, s: f(pbufs, sbufs, xs, mask, inbox, prev, i, s, key)
 
-        init = (box.zeros(), statbox.zeros(), _zeros(boundaries[n], (m,)), statbox.zeros((m,)))
-        out_of = lambda message: box.unpack(message, boundaries[n])
-        return _mesh_loop(pipe, schedule, s, compute, compat.to_varying(init, axis), out_of)
+        loop = box.zeros((m,)) if v > 1 else ()
+        init = (box.zeros(), statbox.zeros(), _zeros(boundaries[S], (m,)), statbox.zeros((v, m)), loop)
+        out_of = lambda message: box.unpack(message, boundaries[S])
+        return _mesh_loop(pipe, schedule, d, compute, compat.to_varying(init, axes), out_of)
 
     acc, stats = _spmd(pipe, body, inputs._replace(params=params.buffers, state=state.buffers))
-    # stats: one (n, m, size) buffer per dtype; stage s's stats are row s, laid out by its layout.
-    return acc, [_unpack_rows(statbox, tuple(b[s] for b in stats), stats_layouts[s]) for s in range(n)]
+    # stats: one (n, v, m, size) buffer per dtype; stage s = r n + d is row (d, r), laid out by its layout.
+    rows = [tuple(b[s % D, s // D] for b in stats) for s in range(S)]
+    return acc, [_unpack_rows(statbox, rows[s], stats_layouts[s]) for s in range(S)]

@@ -32,6 +32,7 @@ class StageParams:
 
     def __init__(self, buffers: tuple[jax.Array, ...], container: Container, layouts: tuple[Layout, ...]):
         self.buffers = tuple(buffers)  # one (num_stages, size_k) array per dtype of `container`
+        # (or (repeats, n, size_k), stage r n + d at [r, d], as a circular pipeline places them)
         self.container = container
         self.layouts = layouts  # one Layout per stage
 
@@ -47,8 +48,13 @@ class StageParams:
         return len(self.layouts)
 
     def stage(self, s: int) -> Any:
-        """The parameter pytree of stage ``s``."""
-        rows = tuple(b[s] for b in compat.replicate(self.buffers))
+        """The parameter pytree of stage ``s``.
+
+        Buffers laid out for the circular schedule, ``(repeats, n, size)``, hold stage ``s`` at
+        ``[s // n, s % n]``.
+        """
+        buffers = compat.replicate(self.buffers)
+        rows = tuple(b[s] if b.ndim == 2 else b[s // b.shape[1], s % b.shape[1]] for b in buffers)
         return self.container.unpack(rows, self.layouts[s])
 
     def unpack(self) -> list[Any]:
