@@ -23,3 +23,7 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# A script that the multi-host test starts in launched processes, not a test module: importing it
+# (pytest's --doctest-modules imports every module) would call pipejax.launch.initialize().
+collect_ignore = ["multihost_worker.py"]
