@@ -149,6 +149,22 @@ def memory_rows(cfg: dict, memory: str = "constant", block: str = "additive") ->
     return measure(cfg, block=block)[memory]
 
 
+def time_table(rows: dict, depths) -> str:
+    """The sqrt and constant chains' step times as ratios to the linear chain, one row per depth."""
+    return table(
+        ["depth K", "sqrt / linear time", "constant / linear time", f"constant <= {TIME_TARGET}x"],
+        [
+            [
+                d,
+                f"{rows['sqrt'][i][2]:.2f}",
+                f"{rows['constant'][i][2]:.2f}",
+                rows["constant"][i][2] <= TIME_TARGET,
+            ]
+            for i, d in enumerate(depths)
+        ],
+    )
+
+
 def memory_section(cfg: dict) -> None:
     section(
         f"Memory and time against depth (Glow steps, batch {cfg['batch']}, width {cfg['width']}, "
@@ -167,20 +183,7 @@ def memory_section(cfg: dict) -> None:
         )
     )
     print()
-    print(
-        table(
-            ["depth K", "sqrt / linear time", "constant / linear time", f"constant <= {TIME_TARGET}x"],
-            [
-                [
-                    d,
-                    f"{rows['sqrt'][i][2]:.2f}",
-                    f"{rows['constant'][i][2]:.2f}",
-                    rows["constant"][i][2] <= TIME_TARGET,
-                ]
-                for i, d in enumerate(cfg["depths"])
-            ],
-        )
-    )
+    print(time_table(rows, cfg["depths"]))
     print(
         f"\nTimes: median of per-round ratios over {cfg['rounds']} interleaved rounds of one "
         "jit(grad(loss)) step each."
@@ -193,20 +196,7 @@ def time_section(cfg: dict) -> None:
         f"hidden {cfg['hidden']}, float32)"
     )
     rows = measure(cfg)
-    print(
-        table(
-            ["depth K", "sqrt / linear time", "constant / linear time", f"constant <= {TIME_TARGET}x"],
-            [
-                [
-                    d,
-                    f"{rows['sqrt'][i][2]:.2f}",
-                    f"{rows['constant'][i][2]:.2f}",
-                    rows["constant"][i][2] <= TIME_TARGET,
-                ]
-                for i, d in enumerate(cfg["depths"])
-            ],
-        )
-    )
+    print(time_table(rows, cfg["depths"]))
     print(
         "\nWith small activations the step is compute-bound, and the constant-memory backward pass "
         "pays for its extra inverse; with large ones (the memory section) plain autodiff's stored "
