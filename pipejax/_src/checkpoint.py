@@ -2,24 +2,22 @@
 
 ``"always"``       every stage computation is checkpointed: a device keeps only the activations
                    that enter its stage (one per tick), and recomputes the stage in backward.
-``"except_last"``  GPipe/torchgpipe's default. The first ``m - 1`` ticks are checkpointed; the last
-                   ``n`` ticks (the drain, which include the last micro-batch on every stage;
+``"except_last"``  GPipe/torchgpipe's default. Every tick but the last ``n`` is checkpointed; the
+                   last ``n`` ticks (the drain, which include the last micro-batch on every stage;
                    ``n`` = devices) keep their activations, because their backward starts at once.
-``"never"``        no recomputation once the pipeline is full: ticks ``n - 1`` onwards keep the
-                   stage's internal activations. The first ``n - 1`` ticks are checkpointed all
-                   the same (see :func:`phases` for why).
+``"never"``        no recomputation: every tick keeps the stage's internal activations.
 a policy           a ``jax.checkpoint`` policy (e.g. ``jax.checkpoint_policies.dots_saveable``)
-                   applied to every stage computation from tick ``n - 1`` on; the first ``n - 1``
-                   ticks are fully checkpointed.
+                   applied to every stage computation.
 
 All modes compute bitwise-identical results: recomputation replays the same operations on the
-same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`).
+same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`). Gradients are bitwise
+identical across modes too, except that ``"except_last"`` (two scans) sums the parameter
+cotangents in another order (see :func:`phases`).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -94,57 +92,43 @@ class Phase(NamedTuple):
 
     start: int
     stop: int
-    remat: Remat  # how each stage computation is wrapped
-    skip_bubbles: bool  # True: bubble ticks run no stage (lax.cond); False: every tick computes
+    remat: Remat  # how each stage computation (bubble guard included) is wrapped
 
 
 def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
-    """Splits the schedule's ticks into phases, each run as a separate ``lax.scan``.
+    """Splits the schedule's ticks into the scans that run them: one, or two for ``"except_last"``.
 
-    Two facts of JAX shape this. (1) A stage that has not yet received its first micro-batch
-    (ticks ``t < s``) has no valid input, so those ticks must skip the stage with ``lax.cond``.
-    (2) Reverse-mode autodiff of a ``lax.cond`` saves the cond's operands that the backward pass
-    needs -- the stage parameters among them -- as per-tick outputs, so an un-checkpointed cond in
-    a scan stores the parameters once per tick. So the first ``n - 1`` ticks (the only ones where a
-    stage can be unfilled) always run the cond under full checkpointing, whose saved inputs are
-    loop-invariant and hoisted out of the scan; later ticks that are not fully checkpointed run
-    every stage without a cond. There a stage with no micro-batch recomputes on a real input (stage
-    0 re-reads micro-batch 0; a later stage reads what its predecessor last produced, itself real),
-    so it still sees only values it was written for, and its output is discarded. On a mesh those
-    ticks are ones the device would idle anyway; with ``mesh=None`` they cost ``n (n - 1) / 2``
-    extra stage executions per call.
+    Every tick guards its stage with ``lax.cond`` (a bubble runs nothing), and every mode wraps
+    that guarded computation in ``jax.checkpoint``; the modes differ only in the policy, i.e. in
+    what the backward pass may reuse instead of recomputing:
 
-    Every mode cuts the ticks at the same places -- ``n - 1`` and ``max(T - n, n - 1)`` for ``T``
-    ticks on ``n`` devices (GPipe: ``max(m, n) - 1``) -- and differs only in how each phase
-    computes. The backward pass sums each phase's parameter cotangents separately, so equal cuts
-    make those floating-point sums, and hence the gradients, bitwise identical across modes.
+    * ``"always"``: nothing; a device keeps the inputs of its stage, one per tick.
+    * ``"never"``: everything but values that only move parameters around. Reverse-mode
+      autodiff of a bare ``lax.cond`` inside a scan saves the cond's operands that the backward
+      pass needs -- the stage parameters among them -- as per-tick outputs, i.e. a copy of the
+      parameters per tick. Under a policy the parameters stay inputs of the checkpoint, which
+      are loop-invariant and hoisted out of the scan, and the policy refuses to save the
+      slices and reshapes that pick a stage's weights out of them (:data:`STAGE_PARAMS`).
+    * a policy: the user's policy, with the same exception.
+    * ``"except_last"``: ``"always"`` until the last ``n`` ticks (the drain, which includes the
+      last micro-batch on every device; ``n`` = devices), ``"never"`` from there on. Memory per
+      tick is a static property of a scan, so this is the one mode with two scans. The backward
+      pass then sums the parameter cotangents of each scan separately, so its gradients equal the
+      other modes' to rounding, while every other pair of modes is bitwise equal.
 
-    The circular schedule is cut the same way, with ``n`` the devices (not the stages): its
-    last ``n`` ticks are the drain that ``"except_last"`` keeps. A device there picks one of its
-    stages' parameters at every tick, and a slice that changes from tick to tick is not
-    loop-invariant, so phases that keep residuals would store it once per tick; they save
-    everything but the values named :data:`STAGE_PARAMS` (the pipeline names its per-tick
-    parameter slices so), which the backward pass slices again.
+    With one scan every stage function appears once in the forward program.
     """
     n, ticks = schedule.num_devices, schedule.num_ticks
-    fill = min(n - 1, ticks)  # ticks before this one may have unfilled stages
-    drain = max(ticks - n, fill)  # "except_last" keeps the activations of the ticks from here on
-    full, plain = _remat(), _identity
-    if schedule.repeats > 1:
-        plain = _remat(_except_stage_params(jax.checkpoint_policies.everything_saveable))
+    keep = _remat(_except_stage_params(jax.checkpoint_policies.everything_saveable))
     if checkpoint == "always":
-        kinds = [(full, True), (full, True), (full, True)]
-    elif checkpoint == "never":
-        kinds = [(full, True), (plain, False), (plain, False)]
-    elif checkpoint == "except_last":
-        kinds = [(full, True), (full, True), (plain, False)]
-    else:
-        policy = _remat(_except_stage_params(checkpoint) if schedule.repeats > 1 else checkpoint)
-        kinds = [(full, True), (policy, False), (policy, False)]
-    cuts = [0, fill, drain, ticks]
-    bounds = itertools.pairwise(cuts)
-    ranges = [Phase(a, b, remat, skip) for (a, b), (remat, skip) in zip(bounds, kinds, strict=True)]
-    return [p for p in ranges if p.stop > p.start]
+        return [Phase(0, ticks, _remat())]
+    if checkpoint == "never":
+        return [Phase(0, ticks, keep)]
+    if checkpoint == "except_last":
+        drain = max(ticks - n, 0)
+        cuts = [Phase(0, drain, _remat()), Phase(drain, ticks, keep)]
+        return [p for p in cuts if p.stop > p.start]
+    return [Phase(0, ticks, _remat(_except_stage_params(checkpoint)))]
 
 
 # --- checkpoint_sequential ------------------------------------------------------------------------

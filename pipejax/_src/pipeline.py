@@ -50,19 +50,16 @@ and a collective that not every device reaches deadlocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, keys, microbatch
+from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
-from pipejax._src.layout import Container, Layout
+from pipejax._src.layout import Layout
 from pipejax._src.placement import StageParams
 from pipejax._src.placement import pack as pack_params
 
@@ -422,35 +419,36 @@ class Pipeline:
         xs, mask, plan = microbatch.split(x, self.chunks)
         if not self.stateful:
             mask = None  # stateless stages take no mask
-        if state is None and not self.homogeneous:
-            state = [None] * self.num_stages
         schedule = sched.circular(self.num_devices, num_micro, self.repeats)
         key_struct = None
         if key is not None:
             lead = (plan.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
-        # Stacked stages in the runner's form: (S, ...) without a mesh, (n, ...) on a GPipe mesh,
-        # (v, n, ...) on a circular one.
-        if self.mesh is None:
-            params, state = (_stage_major(self, t) for t in (params, state))
-        elif self.repeats > 1:
-            if not self.homogeneous:
-                params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in (params, state))
-            params, state = (_device_major(self, t) for t in (params, state))
+        params, state = _runner_form(self, params), _runner_form(self, state)
+        cfg = engine.Config(
+            self.stages,
+            self.stateful,
+            self.per_example_keys,
+            self.checkpoint,
+            self.axis_name,
+            self.data_axis_name,
+        )
+        local = self.mesh is None
         if self.homogeneous:
             boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct)
-            run = _run_homogeneous_mesh if self.mesh is not None else _run_homogeneous_local
+            stages = engine.Homogeneous(cfg, boundaries, stats, self.num_devices, local)
         else:
-            if self.mesh is None and isinstance(params, StageParams):
-                params = params.unpack()
-            if self.mesh is None and isinstance(state, StageParams):
-                state = state.unpack()
             boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct)
-            if self.mesh is not None:
-                params, state = (t if isinstance(t, StageParams) else pack_params(t) for t in (params, state))
-            run = _run_heterogeneous_mesh if self.mesh is not None else _run_heterogeneous_local
-        inputs = _Inputs(params, state, xs, mask, key)
-        ys, stats = run(self, inputs, schedule, boundaries, stats)
+            layouts = (None, None)
+            if not local:
+                layouts = (params.layouts, state.layouts)
+                params, state = params.buffers, state.buffers
+            stages = engine.Heterogeneous(cfg, boundaries, stats, *layouts, self.num_devices, not local)
+        if local:
+            devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
+        else:
+            devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size)
+        ys, stats = engine.run(cfg, devices, stages, schedule, engine.Inputs(params, state, xs, mask, key))
         y = microbatch.merge(ys, plan)
         return (y, stats) if self.stateful else y
 
@@ -687,6 +685,25 @@ def _stage_major(pipe, tree):
     return _reshape_stacked(tree, (pipe.num_stages,), 2)
 
 
+def _runner_form(pipe, tree):
+    """``params``/``state`` in the one form the engine reads, converted once at the entry.
+
+    Homogeneous stages: leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a
+    circular mesh). Heterogeneous stages: a :class:`StageParams` on a mesh (laid out the same
+    way), a list of per-stage pytrees without one (each virtual device calls its own stages).
+    """
+    if pipe.homogeneous:
+        if pipe.mesh is None:
+            return _stage_major(pipe, tree)
+        return _device_major(pipe, tree) if pipe.repeats > 1 else tree
+    if tree is None:
+        tree = [None] * pipe.num_stages
+    if pipe.mesh is None:
+        return _stage_major(pipe, tree).unpack() if isinstance(tree, StageParams) else list(tree)
+    tree = tree if isinstance(tree, StageParams) else pack_params(tree)
+    return _device_major(pipe, tree) if pipe.repeats > 1 else tree
+
+
 # --- boundary shapes ---------------------------------------------------------------------------
 
 
@@ -804,516 +821,3 @@ def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[L
             "for stages that change the activation type."
         )
     return [layout_in] * (pipe.num_stages + 1), stats
-
-
-# --- shared pieces of the tick loop ---------------------------------------------------------------
-# A schedule runs over D devices (the stage axis; D = S stages for GPipe, S / repeats for the
-# circular schedule). Each tick, device d reads (micro-batch i, stage s) from the tables; i < 0 is
-# a bubble. With repeats > 1, device 0 starts every round after the first on an activation that
-# left the last device some ticks earlier: it keeps those in a buffer indexed by micro-batch (the
-# "loop" buffer, m activations), written when they arrive over the ring and read when their
-# round starts.
-
-
-class _Inputs(NamedTuple):
-    """What a run reads. ``params`` and ``state`` come in the runner's per-stage form; ``xs`` has
-    leaves ``(m, b, ...)``; ``mask`` is ``bool[m, b]`` (real rows), ``None`` when stateless."""
-
-    params: Any
-    state: Any
-    xs: Any
-    mask: Any
-    key: Any
-
-
-def _take(xs, i):
-    """Micro-batch ``i`` (a traced index) of the split batch."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
-
-
-def _clip(i, num_micro):
-    return jnp.clip(i, 0, num_micro - 1)
-
-
-def _write(acc, y, i, enabled):
-    """``acc[i] = y`` where ``enabled``; ``acc`` unchanged otherwise."""
-
-    def one(a, v):
-        old = lax.dynamic_index_in_dim(a, i, keepdims=False)
-        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), i, 0)
-
-    return jax.tree.map(one, acc, y)
-
-
-def _write_at(acc, y, r, i, enabled):
-    """``acc[r, i] = y`` where ``enabled`` (``acc`` has two leading axes)."""
-
-    def one(a, v):
-        start = tuple(jnp.asarray(j, jnp.int32) for j in (r, i, *(0,) * v.ndim))
-        old = lax.dynamic_slice(a, start, (1, 1, *v.shape))[0, 0]
-        return lax.dynamic_update_slice(a, jnp.where(enabled, v, old)[None, None], start)
-
-    return jax.tree.map(one, acc, y)
-
-
-def _zeros(layout: Layout, leading=()):
-    return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
-
-
-def _stage_keys(pipe, key, i, s, xs):
-    """The key(s) stage ``s`` receives for micro-batch ``i`` (see :mod:`pipejax._src.keys`)."""
-    if pipe.per_example_keys:
-        return keys.example_keys_for(key, i, jax.tree.leaves(xs)[0].shape[1], s)
-    return keys.key_for(key, i, s)
-
-
-def _named(tree):
-    """Marks a per-tick slice of stage parameters: saved by no phase (see ``checkpoint.phases``)."""
-    return jax.tree.map(lambda a: checkpoint_name(a, ckpt.STAGE_PARAMS), tree)
-
-
-def _slice_stage(tree, r, repeats):
-    """Row ``r`` of a device's ``(repeats, ...)`` stages: static for one repeat, named otherwise."""
-    if repeats == 1:
-        return jax.tree.map(lambda a: a[0], tree)
-    return _named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), tree))
-
-
-def _guard(skip_bubbles, i, run, prev):
-    """Runs the stage, or on a bubble tick (``i < 0``) returns the stage's previous output.
-
-    With ``skip_bubbles`` the stage does not run on bubble ticks at all (``lax.cond``). Without,
-    it always runs: the caller guarantees that its input is then a real (stale) activation.
-    Returning the previous output on a skipped tick keeps every activation in flight real, so a
-    later un-guarded tick never sees a value a stage was not written for.
-    """
-    if skip_bubbles:
-        return lax.cond(i >= 0, run, lambda: prev)
-    return run()
-
-
-def _rows(schedule):
-    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T])``.
-
-    ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
-    ring at this tick.
-    """
-    micro, stage = schedule.table, schedule.stages()
-    back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
-    back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
-    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage))
-
-
-def _scan_phases(pipe, schedule, make_step, carry):
-    """Runs the schedule's ticks, one ``lax.scan`` per phase (see ``checkpoint.phases``)."""
-    rows = _rows(schedule)
-    for phase in ckpt.phases(pipe.checkpoint, schedule):
-        carry, _ = lax.scan(make_step(phase), carry, tuple(r[phase.start : phase.stop] for r in rows))
-    return carry
-
-
-def _arrived(back_i, back_s, num_stages):
-    """Whether what reaches device 0 at this tick is an activation to keep for a later round."""
-    return (back_i >= 0) & (back_s < num_stages - 1)
-
-
-# --- without a mesh ------------------------------------------------------------------------------
-# The same tables run on one device. The carry holds every device's previous (output, stats),
-# which is what the next device reads at this tick, the output accumulator, the stats
-# accumulators (a stage writes slot i only on a tick where it works on i) and the loop buffer.
-
-
-def _run_heterogeneous_local(pipe, inputs, schedule, boundaries, stats_layouts):
-    if schedule.repeats > 1:
-        return _run_heterogeneous_local_circular(pipe, inputs, schedule, boundaries, stats_layouts)
-    n, m = pipe.num_stages, schedule.num_micro
-    params, state, xs, mask, key = inputs
-
-    def compute(s, skip):
-        call = _stage_call(pipe, s)
-
-        def f(p, st, xs, mask, inbox, prev, i, key):
-            ic = _clip(i, m)
-            x_in = _take(xs, ic) if s == 0 else inbox
-            k = _stage_keys(pipe, key, ic, s, xs)
-            return _guard(skip, i, lambda: call(p, x_in, k, st, _take(mask, ic)), prev)
-
-        return f
-
-    def make_step(phase):
-        fns = [phase.remat(compute(s, phase.skip_bubbles)) for s in range(n)]
-
-        def step(carry, rows):
-            row = rows[0]
-            prev, acc, stats = carry  # prev[s]: stage s's (output, stats) at the previous tick
-            outs = tuple(
-                fns[s](params[s], state[s], xs, mask, prev[s - 1][0] if s else None, prev[s], row[s], key)
-                for s in range(n)
-            )
-            acc = _write(acc, outs[-1][0], _clip(row[n - 1], m), row[n - 1] >= 0)
-            stats = tuple(_write(stats[s], outs[s][1], _clip(row[s], m), row[s] >= 0) for s in range(n))
-            return (outs, acc, stats), None
-
-        return step
-
-    prev = tuple((_zeros(boundaries[s + 1]), _zeros(stats_layouts[s])) for s in range(n))
-    acc = _zeros(boundaries[n], (m,))
-    stats = tuple(_zeros(layout, (m,)) for layout in stats_layouts)
-    _, acc, stats = _scan_phases(pipe, schedule, make_step, (prev, acc, stats))
-    return acc, list(stats)
-
-
-def _run_heterogeneous_local_circular(pipe, inputs, schedule, boundaries, stats_layouts):
-    """Heterogeneous stages on the circular tables, one device: ``D`` virtual devices, each picking
-    one of its ``v`` stages with ``lax.switch``; activations travel in a flat container."""
-    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
-    params, state, xs, mask, key = inputs
-    box = Container.for_layouts(boundaries[1:])
-    statbox = Container.for_layouts(stats_layouts)
-
-    def branch(s, j):  # stage s = j * D + d, the j-th of its device
-        call = _stage_call(pipe, s)
-
-        def f(ps, sts, xs, mask, inbox, ic, k):
-            p, st = _named((ps[j], sts[j]))
-            x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
-            y, stats = call(p, x_in, k, st, _take(mask, ic))
-            return box.pack(y), statbox.pack(stats)
-
-        return f
-
-    def compute(d, skip):
-        branches = [branch(j * D + d, j) for j in range(v)]
-
-        def f(ps, sts, xs, mask, inbox, prev, i, s, key):
-            ic = _clip(i, m)
-            args = (ps, sts, xs, mask, inbox, ic, _stage_keys(pipe, key, ic, s, xs))
-            return _guard(skip, i, lambda: lax.switch(s // D, branches, *args), prev)
-
-        return f
-
-    own = [tuple(range(d, S, D)) for d in range(D)]  # the stages of device d
-    dev_params = [tuple(params[s] for s in own[d]) for d in range(D)]
-    dev_state = [tuple(state[s] for s in own[d]) for d in range(D)]
-
-    def make_step(phase):
-        fns = [phase.remat(compute(d, phase.skip_bubbles)) for d in range(D)]
-
-        def step(carry, rows):
-            micro, stage, back_i, back_s = rows
-            prev, acc, stats, loop = carry  # prev[d]: device d's (message, stats) at the previous tick
-            loop = _write(loop, prev[D - 1][0], _clip(back_i, m), _arrived(back_i, back_s, S))
-            outs = []
-            for d in range(D):
-                i, s = micro[d], stage[d]
-                inbox = _take(loop, _clip(i, m)) if d == 0 else prev[d - 1][0]
-                outs.append(fns[d](dev_params[d], dev_state[d], xs, mask, inbox, prev[d], i, s, key))
-            i, s = micro[D - 1], stage[D - 1]
-            acc = _write(acc, box.unpack(outs[-1][0], boundaries[S]), _clip(i, m), (i >= 0) & (s == S - 1))
-            stats = tuple(
-                _write_at(stats[d], outs[d][1], stage[d] // D, _clip(micro[d], m), micro[d] >= 0)
-                for d in range(D)
-            )
-            return (tuple(outs), acc, stats, loop), None
-
-        return step
-
-    prev = tuple((box.zeros(), statbox.zeros()) for _ in range(D))
-    acc = _zeros(boundaries[S], (m,))
-    stats = tuple(statbox.zeros((v, m)) for _ in range(D))
-    _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, (prev, acc, stats, box.zeros((m,))))
-    rows = [tuple(b[s // D] for b in stats[s % D]) for s in range(S)]  # stage s = r D + d: row r of device d
-    return acc, [_unpack_rows(statbox, rows[s], stats_layouts[s]) for s in range(S)]
-
-
-def _run_homogeneous_local(pipe, inputs, schedule, boundaries, stats_layout):
-    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
-    params, state, xs, mask, key = inputs
-    call = _stage_call(pipe, 0)
-    layout = boundaries[0]
-
-    def compute(skip):
-        def f(params, state, mask, x_in, prev, i, s, key):
-            ic = _clip(i, m)
-            p, st = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
-            if v > 1:
-                p, st = _named((p, st))
-            k = _stage_keys(pipe, key, ic, s, xs)
-            return _guard(skip, i, lambda: call(p, x_in, k, st, _take(mask, ic)), prev)
-
-        return f
-
-    def make_step(phase):
-        f = phase.remat(compute(phase.skip_bubbles))
-
-        def step(carry, rows):
-            micro, stage, back_i, back_s = rows
-            prev, acc, stats, loop = carry  # stacked (outputs, stats) of every device at the previous tick
-            x0 = _take(xs, _clip(micro[0], m))
-            if v > 1:
-                last = jax.tree.map(lambda a: a[D - 1], prev[0])
-                loop = _write(loop, last, _clip(back_i, m), _arrived(back_i, back_s, S))
-                again = _take(loop, _clip(micro[0], m))
-                x0 = jax.tree.map(lambda a, b: jnp.where(stage[0] >= D, a, b), again, x0)
-            inputs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b[: D - 1]]), x0, prev[0])
-
-            def one_stage(_, args):
-                x_in, prev_s, i, s = args
-                return None, f(params, state, mask, x_in, prev_s, i, s, key)
-
-            _, outs = lax.scan(one_stage, None, (inputs, prev, micro, stage))
-            last = jax.tree.map(lambda a: a[D - 1], outs[0])
-            done = (micro[D - 1] >= 0) & (stage[D - 1] == S - 1)
-            acc = _write(acc, last, _clip(micro[D - 1], m), done)
-            if jax.tree.leaves(stats):
-                if v == 1:
-                    stats = jax.vmap(_write)(stats, outs[1], _clip(micro, m), micro >= 0)
-                else:
-                    for d in range(D):
-                        out = jax.tree.map(lambda a, d=d: a[d], outs[1])
-                        stats = _write_at(stats, out, stage[d], _clip(micro[d], m), micro[d] >= 0)
-            return (outs, acc, stats, loop), None
-
-        return step
-
-    prev = (_zeros(layout, (D,)), _zeros(stats_layout, (D,)))
-    acc = _zeros(layout, (m,))
-    stats = _zeros(stats_layout, (S, m))
-    loop = _zeros(layout, (m,)) if v > 1 else ()
-    _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, (prev, acc, stats, loop))
-    return acc, stats
-
-
-# --- on a mesh -----------------------------------------------------------------------------------
-# Device d runs the stages d, d + D, ... (one of them for GPipe). The carry holds the activation
-# received from device d - 1 (the inbox), the device's own previous (output, stats), the output
-# accumulator (written on the last device only), the device's stats accumulator (one row per
-# stage it holds) and, for repeats > 1, the loop buffer (read on device 0 only). With a data axis
-# every data shard runs the same program on its own micro-batches.
-
-
-def _axes(pipe):
-    """The mesh axes a value inside the shard_map varies along."""
-    if pipe.data_axis_name is None:
-        return (pipe.axis_name,)
-    return (pipe.axis_name, pipe.data_axis_name)
-
-
-def _global_micro(pipe, i, num_micro):
-    """The mini-batch's index of a data shard's micro-batch ``i`` (shard ``q`` runs ``q m`` on)."""
-    if pipe.data_axis_name is None:
-        return i
-    return lax.axis_index(pipe.data_axis_name) * num_micro + i
-
-
-def _shift(tree, axis_name, n, ring=False):
-    """Sends every device's value to the next device along the stage axis (last to first: ``ring``)."""
-    if n == 1:
-        return tree
-    perm = [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
-    return lax.ppermute(tree, axis_name, perm)
-
-
-def _local_stages(tree, repeats):
-    """A device's block of stacked stages, ``(repeats, ...)``.
-
-    GPipe blocks come as ``(1, ...)`` (``P(stage)`` on ``(n, ...)``), circular ones as
-    ``(repeats, 1, ...)`` (``P(None, stage)`` on ``(repeats, n, ...)``).
-    """
-    if repeats == 1:
-        return tree
-    return jax.tree.map(lambda a: a[:, 0], tree)
-
-
-def _spmd(pipe, body, inputs):
-    """Runs ``body(params, state, xs, mask, key)`` under shard_map.
-
-    Every leaf of ``params`` and ``state`` is stacked on the stage axis (``(n, ...)``, or
-    ``(repeats, n, ...)`` for the circular schedule) and sharded over the mesh's stage axis;
-    ``xs`` and ``mask`` are replicated over it (split over the data axis, if any); ``key`` is
-    replicated. ``body`` returns the output accumulator ``(m, ...)`` and the stats ``(n, v, m,
-    ...)``, replicated over the stage axis.
-    """
-    axis, data, mesh = pipe.axis_name, pipe.data_axis_name, pipe.mesh
-    rep = PartitionSpec()
-    stage_spec = PartitionSpec(axis) if pipe.repeats == 1 else PartitionSpec(None, axis)
-    batch_spec = rep if data is None else PartitionSpec(data)
-    stats_spec = rep if data is None else PartitionSpec(None, None, data)
-    params, state, xs, mask, key = inputs
-    params = compat.constrain(params, mesh, stage_spec, axis)
-    state = compat.constrain(state, mesh, stage_spec, axis)
-    xs, mask = (compat.constrain(t, mesh, batch_spec, axis) for t in (xs, mask))
-    key = compat.constrain(key, mesh, rep, axis)
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(stage_spec, stage_spec, batch_spec, batch_spec, None if key is None else rep),
-        out_specs=(batch_spec, stats_spec),
-    )
-    return fn(params, state, xs, mask, key)
-
-
-def _as_varying(tree, template, axes):
-    """``tree`` with the sharding type of ``template`` (varying), values unchanged.
-
-    Used inside cond branches, where ``pcast`` must not appear (see :mod:`pipejax._src.compat`).
-    A stage output that depends on no device-varying value is written into a varying buffer;
-    ``dynamic_update_slice`` is exact and its transpose has no collective. (Everything a stage
-    reads is cast to vary along every axis before the loop, so only constants get here.)
-    """
-
-    def fix(v, t):
-        if set(axes) <= compat.varying_axes(v):
-            return v
-        return lax.dynamic_update_slice(t, v.astype(t.dtype), (0,) * t.ndim)
-
-    return jax.tree.map(fix, tree, template)
-
-
-def _gather_stages(tree, s, n, axis_name):
-    """Every device's ``tree`` stacked on a new leading stage axis, replicated on every device.
-
-    Device ``s`` writes its value into row ``s`` of zeros and a ``psum`` adds the rows: every
-    other term is an exact zero, so each row is bitwise its device's value.
-    """
-
-    def gather(a):
-        rows = lax.dynamic_update_index_in_dim(jnp.zeros((n, *a.shape), a.dtype), a, s, 0)
-        if a.dtype == jnp.bool_:
-            return lax.psum(rows.astype(jnp.int32), axis_name) > 0
-        return lax.psum(rows, axis_name)
-
-    return jax.tree.map(gather, tree)
-
-
-def _mesh_loop(pipe, schedule, d, compute, init, out_of):
-    """The per-device tick loop shared by both stage kinds on a mesh.
-
-    ``compute(phase)`` returns ``f(inbox, prev, i, s) -> (message, stats)``; ``out_of(message)``
-    reads the last stage's output from a message. Returns the replicated output accumulator and
-    every device's stats accumulator stacked on a leading device axis.
-    """
-    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
-    axis = pipe.axis_name
-
-    def make_step(phase):
-        f = compute(phase)
-
-        def step(carry, rows):
-            micro, stage, back_i, back_s = rows
-            inbox, prev, acc, stats, loop = carry
-            i, s = micro[d], stage[d]
-            if v > 1:
-                loop = _write(loop, inbox, _clip(back_i, m), (d == 0) & _arrived(back_i, back_s, S))
-                again = (d == 0) & (s >= D)  # device 0 starts a later round: its input waited in the loop
-                inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), _take(loop, _clip(i, m)), inbox)
-            out = f(inbox, prev, i, s)
-            acc = _write(acc, out_of(out[0]), _clip(i, m), (i >= 0) & (s == S - 1))
-            stats = _write_at(stats, out[1], s // D, _clip(i, m), i >= 0)
-            return (_shift(out[0], axis, D, ring=v > 1), out, acc, stats, loop), None
-
-        return step
-
-    message, stat, acc, stats, loop = init
-    carry = (message, (message, stat), acc, stats, loop)
-    _, _, acc, stats, _ = _scan_phases(pipe, schedule, make_step, carry)
-    # Only the last device wrote its accumulator; the others hold zeros, and adding exact zeros
-    # is exact, so the sum is bitwise the last device's outputs.
-    return lax.psum(acc, axis), _gather_stages(stats, d, D, axis)
-
-
-def _by_stage(stats, repeats):
-    """``(n, v, m, ...)`` stats of every device -> ``(S, m, ...)`` in stage order (``s = r n + d``)."""
-    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:])), stats)
-
-
-def _run_homogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layout):
-    D, v, m, axes = schedule.num_devices, schedule.repeats, schedule.num_micro, _axes(pipe)
-    call = _stage_call(pipe, 0)
-    layout = boundaries[0]
-
-    def body(params, state, xs, mask, key):
-        d = lax.axis_index(pipe.axis_name)
-        params, state = _local_stages((params, state), v)
-        params, state, xs, mask, key = compat.to_varying((params, state, xs, mask, key), axes)
-
-        def compute(phase):
-            def f(params, state, xs, mask, inbox, prev, i, s, key):
-                ic = _clip(i, m)
-                x_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(xs, ic), inbox)
-
-                def run():
-                    p, st = _slice_stage((params, state), s // D, v)
-                    k = _stage_keys(pipe, key, _global_micro(pipe, ic, m), s, xs)
-                    return _as_varying(call(p, x_in, k, st, _take(mask, ic)), prev, axes)
-
-                return _guard(phase.skip_bubbles, i, run, prev)
-
-            f = phase.remat(f)
-            return lambda inbox, prev, i, s: f(params, state, xs, mask, inbox, prev, i, s, key)
-
-        loop = _zeros(layout, (m,)) if v > 1 else ()
-        acc, stats = _zeros(layout, (m,)), _zeros(stats_layout, (v, m))
-        init = (_zeros(layout), _zeros(stats_layout), acc, stats, loop)
-        return _mesh_loop(pipe, schedule, d, compute, compat.to_varying(init, axes), lambda out: out)
-
-    acc, stats = _spmd(pipe, body, inputs)
-    return acc, _by_stage(stats, v)
-
-
-def _unpack_rows(box, buffers, layout):
-    """``box.unpack`` for buffers with a leading axis: the values of ``layout`` stacked on it."""
-    if not layout.shapes:
-        return layout.structs()  # no leaves: the empty pytree itself (e.g. None)
-    return jax.vmap(lambda bufs: box.unpack(bufs, layout))(buffers)
-
-
-def _run_heterogeneous_mesh(pipe, inputs, schedule, boundaries, stats_layouts):
-    S, D, v, m = pipe.num_stages, schedule.num_devices, schedule.repeats, schedule.num_micro
-    axes = _axes(pipe)
-    params, state = inputs[:2]
-    pbox, playouts = params.container, params.layouts
-    sbox, slayouts = state.container, state.layouts
-    box = Container.for_layouts(boundaries[1:])
-    statbox = Container.for_layouts(stats_layouts)
-
-    def branch(s):
-        call = _stage_call(pipe, s)
-
-        def f(prow, srow, xs, mask, inbox, prev, ic, k):
-            p, st = pbox.unpack(prow, playouts[s]), sbox.unpack(srow, slayouts[s])
-            if v > 1:
-                p, st = _named((p, st))
-            x_in = _take(xs, ic) if s == 0 else box.unpack(inbox, boundaries[s])
-            y, stats = call(p, x_in, k, st, _take(mask, ic))
-            return _as_varying((box.pack(y), statbox.pack(stats)), prev, axes)
-
-        return f
-
-    branches = [branch(s) for s in range(S)]
-
-    def body(pbufs, sbufs, xs, mask, key):
-        d = lax.axis_index(pipe.axis_name)
-        pbufs, sbufs = _local_stages((pbufs, sbufs), v)
-        pbufs, sbufs, xs, mask, key = compat.to_varying((pbufs, sbufs, xs, mask, key), axes)
-
-        def compute(phase):
-            def f(pbufs, sbufs, xs, mask, inbox, prev, i, s, key):
-                ic = _clip(i, m)
-                prow, srow = _slice_stage((pbufs, sbufs), s // D, v)
-                k = _stage_keys(pipe, key, _global_micro(pipe, ic, m), s, xs)
-                args = (prow, srow, xs, mask, inbox, prev, ic, k)
-                return _guard(phase.skip_bubbles, i, lambda: lax.switch(s, branches, *args), prev)
-
-            f = phase.remat(f)
-            return lambda inbox, prev, i, s: f(pbufs, sbufs, xs, mask, inbox, prev, i, s, key)
-
-        loop = box.zeros((m,)) if v > 1 else ()
-        init = (box.zeros(), statbox.zeros(), _zeros(boundaries[S], (m,)), statbox.zeros((v, m)), loop)
-        out_of = lambda message: box.unpack(message, boundaries[S])
-        return _mesh_loop(pipe, schedule, d, compute, compat.to_varying(init, axes), out_of)
-
-    acc, stats = _spmd(pipe, body, inputs._replace(params=params.buffers, state=state.buffers))
-    # stats: one (n, v, m, size) buffer per dtype; stage s = r n + d is row (d, r), laid out by its layout.
-    rows = [tuple(b[s % D, s // D] for b in stats) for s in range(S)]
-    return acc, [_unpack_rows(statbox, rows[s], stats_layouts[s]) for s in range(S)]

@@ -1,0 +1,551 @@
+"""The tick loop: one ``lax.scan`` that runs a schedule table on the devices of the stage axis.
+
+Everything that differs between pipelines is a small object the loop is given:
+
+* the **devices** (:class:`MeshDevices`, :class:`LocalDevices`): where the ``D`` devices of the
+  table live and how a device's output reaches the next device. On a mesh the loop runs inside
+  ``jax.shard_map``, once per device, and outputs move with ``lax.ppermute``. Without a mesh the
+  ``D`` devices are virtual: each tick runs them one after the other on one device and the
+  "send" is a local shift. Heterogeneous stages take one Python iteration per virtual device
+  (each stage function appears once); homogeneous stages an inner ``lax.scan`` over the
+  devices (the one stage function appears once).
+* the **stages** (:class:`Heterogeneous`, :class:`Homogeneous`): how a device runs the stage
+  the table names at this tick. Heterogeneous stages on a mesh pick their function with
+  ``lax.switch`` on the stage index, and their activations travel in a flat
+  :class:`~pipejax._src.layout.Container` so every device sends one type; homogeneous stages
+  slice their row out of parameters stacked on a stage axis.
+
+A tick of a device (:func:`device_tick`): read the micro-batch ``i`` and stage ``s`` the table
+gives it; take its input (a micro-batch of ``x`` for stage 0, the activation the previous device
+sent, or, for a later round of the circular schedule on device 0, the activation that waited in
+the "loop" buffer); run the stage unless ``i < 0`` (a bubble: ``lax.cond`` skips it, so a stage
+never sees a value it was not written for and no ``nan`` reaches a gradient); write the last
+stage's output and the stage's stats into their accumulators; send the output on.
+
+Each checkpoint mode is one wrapper around the device's stage computation, and every mode but
+``"except_last"`` is a single scan over all ticks (see :func:`pipejax._src.checkpoint.phases`),
+so every stage function appears once in the forward program. There is no ``custom_vjp``:
+forward- and reverse-mode autodiff of every order compose with the loop. Collectives
+(``ppermute``, ``psum``, ``pcast``) are never placed inside a ``cond``/``switch`` branch: a
+collective that only some devices reach deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from pipejax._src import checkpoint as ckpt
+from pipejax._src import compat, keys
+from pipejax._src.layout import Container, Layout
+from pipejax._src.schedule import Schedule
+
+PyTree = Any
+
+
+class Config(NamedTuple):
+    """What the loop needs to know of the pipeline (all static)."""
+
+    stages: tuple[Callable[..., Any], ...]  # one function per stage (homogeneous: the same one)
+    stateful: bool
+    per_example_keys: bool
+    checkpoint: Any
+    axis_name: str
+    data_axis_name: str | None
+
+
+class Inputs(NamedTuple):
+    """What a run reads. ``params``/``state`` in the stage object's form; ``xs`` leaves
+    ``(m, b, ...)``; ``mask`` ``bool[m, b]`` (real rows), ``None`` when stateless."""
+
+    params: Any
+    state: Any
+    xs: Any
+    mask: Any
+    key: Any
+
+
+# --- small exact helpers ---------------------------------------------------------------------------
+
+
+def take(xs, i):
+    """Micro-batch ``i`` (a traced index) of the split batch."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+
+
+def clip(i, num_micro):
+    return jnp.clip(i, 0, num_micro - 1)
+
+
+def write(acc, y, r, i, enabled):
+    """``acc[r, i] = y`` where ``enabled`` (``acc`` has two leading axes); unchanged otherwise."""
+
+    def one(a, v):
+        start = tuple(jnp.asarray(j, jnp.int32) for j in (r, i, *(0,) * v.ndim))
+        old = lax.dynamic_slice(a, start, (1, 1, *v.shape))[0, 0]
+        return lax.dynamic_update_slice(a, jnp.where(enabled, v, old)[None, None], start)
+
+    return jax.tree.map(one, acc, y)
+
+
+def zeros(layout: Layout, leading=()):
+    return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
+
+
+def named(tree):
+    """Marks a per-tick slice of stage parameters: saved by no phase (see ``checkpoint.phases``)."""
+    return jax.tree.map(lambda a: checkpoint_name(a, ckpt.STAGE_PARAMS), tree)
+
+
+def stage_call(cfg: Config, s: int):
+    """Stage ``s`` as ``f(params, x, key, state, mask) -> (y, stats)``; stats ``None`` when stateless."""
+    stage = cfg.stages[s]
+    if not cfg.stateful:
+        return lambda p, x, key, state, mask: (stage(p, x, key), None)
+    return lambda p, x, key, state, mask: tuple(stage(p, x, key, state, mask))
+
+
+def stage_keys(cfg: Config, key, i, s, micro_size):
+    """The key(s) stage ``s`` receives for (mini-batch-wide) micro-batch ``i`` (:mod:`keys`)."""
+    if cfg.per_example_keys:
+        return keys.example_keys_for(key, i, micro_size, s)
+    return keys.key_for(key, i, s)
+
+
+def rows(schedule: Schedule):
+    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T])``.
+
+    ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
+    ring at this tick (the circular schedule's next round).
+    """
+    micro, stage = schedule.table, schedule.stages()
+    back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
+    back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
+    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage))
+
+
+# --- the stages: what a device computes at a tick ------------------------------------------------
+
+
+class Heterogeneous:
+    """Different stage functions, parameters and activation types per stage.
+
+    ``params``/``state`` come as one packed buffer per dtype with the device's stages on a
+    leading axis (``(v, size)``: a :class:`~pipejax._src.placement.StageParams`' buffers) when
+    ``switch`` is True (a mesh: one SPMD program picks the stage with ``lax.switch``), and as a
+    tuple of per-stage pytrees otherwise (virtual devices: each calls its own stages).
+    """
+
+    def __init__(self, cfg, boundaries, stats_layouts, param_layouts, state_layouts, num_devices, switch):
+        self.cfg, self.boundaries, self.stats_layouts = cfg, boundaries, stats_layouts
+        self.param_layouts, self.state_layouts = param_layouts, state_layouts
+        self.D, self.switch = num_devices, switch
+        self.S = len(cfg.stages)
+        self.v = self.S // num_devices
+        self.box = Container.for_layouts(boundaries[1:])
+        self.statbox = Container.for_layouts(stats_layouts)
+        if switch:  # the containers the packed parameters and state were built with
+            self.pbox = Container.for_layouts(param_layouts)
+            self.sbox = Container.for_layouts(state_layouts)
+
+    def packed(self, d) -> bool:
+        """Whether device ``d``'s messages travel in containers (it runs several stage types)."""
+        return self.switch or self.v > 1
+
+    def message_zeros(self, d, leading=()):
+        if self.packed(d):
+            return self.box.zeros(leading), self.statbox.zeros(leading)
+        return zeros(self.boundaries[d + 1], leading), zeros(self.stats_layouts[d], leading)
+
+    def acc_zeros(self, m):
+        return zeros(self.boundaries[self.S], (m,))
+
+    def output(self, d, message):
+        """The last stage's output, read from the message of the last device ``d``."""
+        return self.box.unpack(message, self.boundaries[self.S]) if self.packed(d) else message
+
+    def stage_input(self, d, inbox, xs, ic, s):  # only the stage function knows; see `compute`
+        return inbox
+
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary):
+        """Runs stage ``s`` (traced) of device ``d`` on ``x_in``; returns the (message, stats)."""
+        if self.switch:
+            r = s // self.D
+            prow, srow = _row((params, state), r, self.v)
+
+            def branch(t):
+                call = stage_call(self.cfg, t)
+
+                def f(prow, srow, x_in, xs, mask, ic, k):
+                    p, st = (
+                        self.pbox.unpack(prow, self.param_layouts[t]),
+                        self.sbox.unpack(srow, self.state_layouts[t]),
+                    )
+                    x = take(xs, ic) if t == 0 else self.box.unpack(x_in, self.boundaries[t])
+                    y, stats = call(p, x, k, st, take(mask, ic))
+                    return vary((self.box.pack(y), self.statbox.pack(stats)))
+
+                return f
+
+            branches = [branch(t) for t in range(self.S)]
+            return lax.switch(s, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
+        own = range(d, self.S, self.D)  # the stages of virtual device d
+
+        def branch(j, t):
+            call = stage_call(self.cfg, t)
+
+            def f(ps, sts, x_in, xs, mask, ic, k):
+                p, st = (ps[j], sts[j]) if self.v == 1 else named((ps[j], sts[j]))
+                if t == 0:
+                    x = take(xs, ic)
+                elif self.v > 1:
+                    x = self.box.unpack(x_in, self.boundaries[t])
+                else:
+                    x = x_in
+                y, stats = call(p, x, k, st, take(mask, ic))
+                return (self.box.pack(y), self.statbox.pack(stats)) if self.v > 1 else (y, stats)
+
+            return f
+
+        branches = [branch(j, t) for j, t in enumerate(own)]
+        ps, sts = tuple(params[t] for t in own), tuple(state[t] for t in own)
+        if self.v == 1:
+            return branches[0](ps, sts, x_in, xs, mask, ic, key_for(d))
+        return lax.switch(s // self.D, branches, ps, sts, x_in, xs, mask, ic, key_for(s))
+
+    def stats_rows(self, stats_by_device):
+        """Per-device stats accumulators ``[d] -> (v, m, ...)`` -> a list with one pytree per stage."""
+        out = []
+        for s in range(self.S):
+            d, r = s % self.D, s // self.D
+            rows = jax.tree.map(lambda a, r=r: a[r], stats_by_device[d])
+            if self.packed(d):
+                layout = self.stats_layouts[s]
+                if not layout.shapes:
+                    rows = layout.structs()
+                else:
+                    rows = jax.vmap(lambda b, layout=layout: self.statbox.unpack(b, layout))(rows)
+            out.append(rows)
+        return out
+
+
+class Homogeneous:
+    """One stage function for every stage; parameters stacked on a leading stage axis.
+
+    ``params``/``state`` leaves are ``(rows, ...)``: the device's ``v`` stages on a mesh (row
+    ``s // D``), every stage without one (row ``s``); ``local`` says which.
+    """
+
+    def __init__(self, cfg, boundaries, stats_layout, num_devices, local):
+        self.cfg, self.layout, self.stats_layout = cfg, boundaries[0], stats_layout
+        self.D, self.local = num_devices, local
+        self.S = len(cfg.stages)
+        self.v = self.S // num_devices
+        self.call = stage_call(cfg, 0)
+
+    def message_zeros(self, d, leading=()):
+        return zeros(self.layout, leading), zeros(self.stats_layout, leading)
+
+    def acc_zeros(self, m):
+        return zeros(self.layout, (m,))
+
+    def output(self, d, message):
+        return message
+
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary):
+        x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
+        if self.local:
+            p, st = named(
+                jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
+            )
+        else:
+            p, st = _row((params, state), s // self.D, self.v)
+        return vary(self.call(p, x, key_for(s), st, take(mask, ic)))
+
+    def stats_rows(self, stats_by_device):
+        """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""
+        return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:])), stats_by_device)
+
+
+def _row(tree, r, repeats):
+    """Row ``r`` of a device's ``(repeats, ...)`` stages: static for one repeat, named otherwise."""
+    if repeats == 1:
+        return jax.tree.map(lambda a: a[0], tree)
+    return named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), tree))
+
+
+# --- one tick of one device ----------------------------------------------------------------------
+
+
+class Carry(NamedTuple):
+    """A device's part of the loop state."""
+
+    inbox: Any  # the message the previous device sent at the last tick
+    prev: Any  # this device's (message, stats) at the last tick (returned again on a bubble)
+    acc: Any  # the last stage's outputs, (m, ...): written on the last device only
+    stats: Any  # this device's stats, (v, m, ...)
+    loop: Any  # circular schedule: activations waiting for their next round (device 0)
+
+
+def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step):
+    """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
+    without the inbox (the devices object delivers the message) and its (message, stats)."""
+    S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
+    micro, stage, back_i, back_s = tick_rows
+    i, s = micro[d], stage[d]
+    inbox, loop, acc = carry.inbox, carry.loop, carry.acc
+    if v > 1 and _may_be(d, 0):
+        first = d == 0
+        arrived = first & (back_i >= 0) & (back_s < S - 1)  # a micro-batch back for another round
+        loop = write(loop, inbox, 0, clip(back_i, m), arrived)
+        again = first & (s >= D)  # device 0 starts a later round: its input waited in the loop
+        waiting = take(jax.tree.map(lambda a: a[0], loop), clip(i, m))
+        inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
+    out = step(d, params, state, inbox, carry.prev, i, s)
+    if _may_be(d, D - 1):
+        acc = write(acc, ctx.stages.output(d, out[0]), 0, clip(i, m), (i >= 0) & (s == S - 1))
+    stats = write(carry.stats, out[1], s // D, clip(i, m), i >= 0)
+    return Carry(None, out, acc, stats, loop), out
+
+
+def _may_be(d, target) -> bool:
+    """False only when ``d`` is a Python int (a virtual device) other than ``target``."""
+    return not isinstance(d, int) or d == target
+
+
+class _Ctx(NamedTuple):
+    S: int
+    D: int
+    v: int
+    m: int
+    stages: Any
+
+
+def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro):
+    """The device's stage computation at a tick, guarded and wrapped by the phase's remat."""
+    xs, mask, key = inputs.xs, inputs.mask, inputs.key
+    micro_size = jax.tree.leaves(xs)[0].shape[1]
+
+    def f(d, params, state, xs, mask, key, inbox, prev, i, s):
+        ic = clip(i, ctx.m)
+        key_for = lambda t: stage_keys(cfg, key, global_micro(ic), t, micro_size)
+        like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
+        run = lambda: ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev)
+        return lax.cond(i >= 0, run, lambda: prev)
+
+    def step(d, params, state, inbox, prev, i, s):
+        g = phase.remat(lambda *a: f(d, *a))
+        return g(params, state, xs, mask, key, inbox, prev, i, s)
+
+    return step
+
+
+# --- the devices: where the table's columns run ---------------------------------------------------
+
+
+def _scan(cfg, schedule, carry, tick):
+    """Runs the ticks, one ``lax.scan`` per phase (one phase unless ``"except_last"``)."""
+    all_rows = rows(schedule)
+    for phase in ckpt.phases(cfg.checkpoint, schedule):
+        carry, _ = lax.scan(tick(phase), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
+    return carry
+
+
+class LocalDevices:
+    """The table's ``D`` devices as virtual devices on the default device (``mesh=None``)."""
+
+    def __init__(self, cfg: Config, stacked: bool):
+        self.cfg, self.stacked = cfg, stacked
+
+    def run(self, ctx: _Ctx, schedule: Schedule, inputs: Inputs):
+        cfg, D, m = self.cfg, ctx.D, ctx.m
+        ident = lambda t: t
+        untyped = lambda tree, template: tree
+        params, state = inputs.params, inputs.state
+
+        def tick(phase):
+            step = make_step(cfg, ctx, inputs, phase, untyped, ident)
+            if self.stacked:
+                return self._stacked_tick(ctx, step, params, state)
+
+            def body(c, tick_rows):
+                prevs, acc, stats, loop = c
+                outs, new_stats = [], []
+                for d in range(D):
+                    inbox = prevs[(d - 1) % D][0]  # device 0: what the last device sent (the ring)
+                    carry = Carry(inbox, prevs[d], acc, stats[d], loop)
+                    carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step)
+                    acc, loop = carry.acc, carry.loop
+                    outs.append(out)
+                    new_stats.append(carry.stats)
+                return (tuple(outs), acc, tuple(new_stats), loop), None
+
+            return body
+
+        stages = ctx.stages
+        prevs = tuple(stages.message_zeros(d) for d in range(D))
+        stats = tuple(stages.message_zeros(d, (ctx.v, m))[1] for d in range(D))
+        loop = self._loop_zeros(ctx)
+        if self.stacked:
+            prevs = jax.tree.map(lambda *a: jnp.stack(a), *prevs)
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
+        init = (prevs, stages.acc_zeros(m)[None], stats, loop)
+        _, acc, stats, _ = _scan(cfg, schedule, init, tick)
+        by_device = stats if self.stacked else list(stats)
+        return acc[0], stages.stats_rows(by_device)
+
+    def _loop_zeros(self, ctx):
+        if ctx.v == 1:
+            return ()
+        return jax.tree.map(lambda a: a[None], ctx.stages.message_zeros(0, (ctx.m,))[0])
+
+    def _stacked_tick(self, ctx, step, params, state):
+        """Homogeneous stages: an inner scan over the virtual devices (the stage appears once)."""
+        D = ctx.D
+
+        def body(c, tick_rows):
+            prevs, acc, stats, loop = c
+            inboxes = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), prevs[0])  # device d-1's message
+
+            def one(inner, per_device):
+                acc, loop = inner
+                d, inbox, prev, st = per_device
+                carry = Carry(inbox, prev, acc, st, loop)
+                carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step)
+                return (carry.acc, carry.loop), (out, carry.stats)
+
+            (acc, loop), (outs, stats) = lax.scan(one, (acc, loop), (jnp.arange(D), inboxes, prevs, stats))
+            return (outs, acc, stats, loop), None
+
+        return body
+
+
+class MeshDevices:
+    """The table's devices as the devices of the mesh's stage axis, under ``jax.shard_map``."""
+
+    def __init__(self, cfg: Config, mesh, repeats: int, data_size: int):
+        self.cfg, self.mesh, self.repeats, self.data_size = cfg, mesh, repeats, data_size
+        self.axes = (cfg.axis_name,) if cfg.data_axis_name is None else (cfg.axis_name, cfg.data_axis_name)
+
+    def run(self, ctx: _Ctx, schedule: Schedule, inputs: Inputs):
+        axis, data = self.cfg.axis_name, self.cfg.data_axis_name
+        rep = PartitionSpec()
+        stage_spec = PartitionSpec(axis) if self.repeats == 1 else PartitionSpec(None, axis)
+        batch_spec = rep if data is None else PartitionSpec(data)
+        stats_spec = rep if data is None else PartitionSpec(None, None, data)
+        params, state, xs, mask, key = inputs
+        params = compat.constrain(params, self.mesh, stage_spec, axis)
+        state = compat.constrain(state, self.mesh, stage_spec, axis)
+        xs, mask = (compat.constrain(t, self.mesh, batch_spec, axis) for t in (xs, mask))
+        key = compat.constrain(key, self.mesh, rep, axis)
+
+        def body(params, state, xs, mask, key):
+            return self._body(ctx, schedule, Inputs(params, state, xs, mask, key))
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(stage_spec, stage_spec, batch_spec, batch_spec, None if key is None else rep),
+            out_specs=(batch_spec, stats_spec),
+        )
+        acc, stats = fn(params, state, xs, mask, key)
+        return acc, ctx.stages.stats_rows(
+            stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
+        )
+
+    def _body(self, ctx, schedule, inputs):
+        cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
+        d = lax.axis_index(axis)
+        params, state = inputs.params, inputs.state
+        if self.repeats > 1:  # (repeats, 1, ...) blocks -> the device's (repeats, ...) stages
+            params, state = jax.tree.map(lambda a: a[:, 0], (params, state))
+        inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)
+        stages = ctx.stages
+
+        def vary(tree, template):  # inside a branch: give outputs the sharding type of the carry
+            return _as_varying(tree, template, axes)
+
+        def global_micro(i):
+            if cfg.data_axis_name is None:
+                return i
+            return lax.axis_index(cfg.data_axis_name) * m + i
+
+        def tick(phase):
+            step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
+
+            def body(c, tick_rows):
+                carry, out = device_tick(ctx, d, inputs.params, inputs.state, c, tick_rows, step)
+                return carry._replace(inbox=_shift(out[0], axis, D, ring=ctx.v > 1)), None
+
+            return body
+
+        message, stat = stages.message_zeros(0)
+        loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
+        init = Carry(
+            message, (message, stat), stages.acc_zeros(m)[None], stages.message_zeros(0, (ctx.v, m))[1], loop
+        )
+        carry = _scan(cfg, schedule, compat.to_varying(init, axes), tick)
+        # Only the last device wrote its accumulator; the others hold zeros, and adding exact
+        # zeros is exact, so the sum is bitwise the last device's outputs.
+        return lax.psum(carry.acc[0], axis), _gather_stages(carry.stats, d, D, axis)
+
+
+def _unstack(tree, n):
+    return [jax.tree.map(lambda a, d=d: a[d], tree) for d in range(n)]
+
+
+def _shift(tree, axis_name, n, ring=False):
+    """Sends every device's value to the next device along the stage axis (last to first: ``ring``)."""
+    if n == 1:
+        return tree
+    perm = [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
+    return lax.ppermute(tree, axis_name, perm)
+
+
+def _as_varying(tree, template, axes):
+    """``tree`` with the sharding type of ``template`` (varying), values unchanged.
+
+    Used inside branches, where ``pcast`` must not appear. A stage output that depends on no
+    device-varying value is written into a varying buffer; ``dynamic_update_slice`` is exact and
+    its transpose has no collective. (Everything a stage reads is cast to vary along every axis
+    before the loop, so only constants get here.)
+    """
+
+    def fix(v, t):
+        if set(axes) <= compat.varying_axes(v):
+            return v
+        return lax.dynamic_update_slice(t, v.astype(t.dtype), (0,) * t.ndim)
+
+    return jax.tree.map(fix, tree, template)
+
+
+def _gather_stages(tree, s, n, axis_name):
+    """Every device's ``tree`` stacked on a new leading device axis, replicated on every device.
+
+    Device ``s`` writes its value into row ``s`` of zeros and a ``psum`` adds the rows: every
+    other term is an exact zero, so each row is bitwise its device's value.
+    """
+
+    def gather(a):
+        rows = lax.dynamic_update_index_in_dim(jnp.zeros((n, *a.shape), a.dtype), a, s, 0)
+        if a.dtype == jnp.bool_:
+            return lax.psum(rows.astype(jnp.int32), axis_name) > 0
+        return lax.psum(rows, axis_name)
+
+    return jax.tree.map(gather, tree)
+
+
+def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):
+    """Runs ``schedule`` on ``devices`` with ``stages``: ``(outputs (m, ...), stats per stage)``."""
+    ctx = _Ctx(len(cfg.stages), schedule.num_devices, schedule.repeats, schedule.num_micro, stages)
+    return devices.run(ctx, schedule, inputs)
+
+
+__all__: Sequence[str] = ()
