@@ -19,8 +19,10 @@ Sections (each prints markdown tables):
    against a memory model; fitted per-micro-batch slopes; per-device parameter bytes of
    heterogeneous stages placed on a mesh.
 3. ``overhead``: a one-stage pipeline without a mesh against plain ``jax.jit`` of the stage.
-4. ``compile``: trace + lower + compile time of an 8-stage heterogeneous pipeline against the
-   un-pipelined composed model.
+4. ``compile``: trace + lower + compile time of an 8-stage heterogeneous pipeline (every
+   checkpoint mode, a mesh and ``mesh=None``, few and many chunks) and of a homogeneous 32-layer
+   stack against the un-pipelined composed model, with jaxpr equation counts.
+5. ``local``: ``mesh=None`` run time against the same stages run as a micro-batched ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ from jax.extend import core as jex_core
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 import pipejax as pj
 from benchmarks._common import header as print_header
-from benchmarks._common import kib, nbytes, normal, section, table, temp_bytes
+from benchmarks._common import interleaved_times, kib, nbytes, normal, ratio_stats, section, table, temp_bytes
 
 MODES = ("always", "except_last", "never")
 OVERHEAD_TARGETS = {"never": 1.05, "always": 1.4}
-COMPILE_TARGET = 3.0
+COMPILE_TARGET = 2.0  # trace + lower + compile of jit(grad) over the composed model
+EQNS_TARGET = 3.0  # jaxpr equations over the composed model's
+CHUNKS_TARGET = 1.25  # compile time at many chunks over few, same batch
+HOMO_TARGET = 1.5  # a homogeneous stack
+LOCAL_TARGETS = {"always": 1.5, "except_last": 1.15, "never": 1.15}  # mesh=None over the micro-batched scan
 
 
 def stage_mesh(n: int):
@@ -196,13 +202,35 @@ def bench_bubble_circular(cfg, stage, run) -> None:
             busy, span = np.mean(execs) * unit, schedule.num_ticks * unit
             formula = pj.circular_bubble_fraction(n, m, v) if unit == 1 else pj.gpipe_bubble_fraction(n, m)
             rows.append(
-                [n, v, m, name, schedule.num_ticks, execs, f"{busy:g}", f"{span:g}", f"{1 - busy / span:.3f}",
-                 f"{formula:.3f}", f"{schedule.bubble_fraction():.3f}"]
+                [
+                    n,
+                    v,
+                    m,
+                    name,
+                    schedule.num_ticks,
+                    execs,
+                    f"{busy:g}",
+                    f"{span:g}",
+                    f"{1 - busy / span:.3f}",
+                    f"{formula:.3f}",
+                    f"{schedule.bubble_fraction():.3f}",
+                ]
             )
     print(
         table(
-            ["n", "v", "m", "schedule", "T", "exec per device", "busy", "span", "idle (counted)",
-             "formula", "table"],
+            [
+                "n",
+                "v",
+                "m",
+                "schedule",
+                "T",
+                "exec per device",
+                "busy",
+                "span",
+                "idle (counted)",
+                "formula",
+                "table",
+            ],
             rows,
             align="rrrlrlrrrrr",
         )
@@ -630,9 +658,71 @@ def count_primitives(jaxpr) -> collections.Counter:
     return counts
 
 
+def compile_times(build, reps_results, sizes, name) -> None:
+    """Trace, lower and XLA-compile ``build()``'s jitted function once, after clearing caches."""
+    jax.clear_caches()
+    fn, args = build()
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    reps_results.setdefault(name, []).append(np.array([t1 - t0, t2 - t1, t3 - t2]))
+    sizes[name] = count_primitives(traced.jaxpr.jaxpr)
+
+
+def compile_table(results, sizes, base_name, counted, targets) -> None:
+    """One row per program: median times, ratio to ``base_name``, equations and ``counted``."""
+    base = np.median(results[base_name], axis=0).sum()
+    base_eqns = sum(sizes[base_name].values())
+    base_count = max(sizes[base_name][counted], 1)
+    rows = []
+    for name, ts in results.items():
+        med = np.median(ts, axis=0)
+        ratio = med.sum() / base
+        eqns, count = sum(sizes[name].values()), sizes[name][counted]
+        target = targets.get(name)
+        verdict = "" if target is None else ("met" if ratio <= target else "MISSED")
+        eqn_verdict = "" if name == base_name else ("met" if eqns <= EQNS_TARGET * base_eqns else "MISSED")
+        rows.append(
+            [
+                name,
+                f"{med[0]:.2f}",
+                f"{med[1]:.2f}",
+                f"{med[2]:.2f}",
+                f"{med.sum():.2f}",
+                f"{ratio:.2f}",
+                "" if target is None else f"<= {target}",
+                verdict,
+                f"{eqns} ({eqns / base_eqns:.1f}x) {eqn_verdict}",
+                f"{count} ({count / base_count:.1f}x)",
+            ]
+        )
+    print(
+        table(
+            [
+                "program",
+                "trace s",
+                "lower s",
+                "compile s",
+                "total s",
+                "ratio",
+                "target",
+                "",
+                f"eqns (<= {EQNS_TARGET}x)",
+                counted,
+            ],
+            rows,
+            align="lrrrrrrlrr",
+        )
+    )
+
+
 def bench_compile(cfg) -> None:
     n, depth, batch, chunks, reps = cfg["comp"]
-    section(f"4. Compile time: {n}-stage heterogeneous pipeline against the composed model")
+    section(f"4. Compile time: {n}-stage pipelines against the composed model")
     widths = [64 if s % 2 == 0 else 128 for s in range(n + 1)]
 
     def make_stages():  # fresh functions for every measurement: no tracing cache can be hit
@@ -675,7 +765,7 @@ def bench_compile(cfg) -> None:
 
         return jax.jit(jax.grad(loss)), (params, x)
 
-    def piped(mode, where):
+    def piped(mode, where, chunks=chunks):
         def build():
             apply = pj.pipeline(
                 make_stages(), chunks=chunks, checkpoint=mode, mesh=mesh if where == "mesh" else None
@@ -684,63 +774,49 @@ def bench_compile(cfg) -> None:
 
         return build
 
+    label = lambda mode, where, c=chunks: (
+        f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}, chunks={c}"
+    )
     configs = {"composed (no pipeline)": composed}
     for where, mode in cfg["comp_configs"]:
-        configs[f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}"] = piped(mode, where)
-    results: dict[str, list[np.ndarray]] = {k: [] for k in configs}
-    sizes = {}
+        configs[label(mode, where)] = piped(mode, where)
+    for where, mode in cfg["comp_chunks_configs"]:  # flat in chunks: same batch, more micro-batches
+        configs[label(mode, where, cfg["comp_many_chunks"])] = piped(mode, where, cfg["comp_many_chunks"])
+    results: dict[str, list[np.ndarray]] = {}
+    sizes: dict[str, collections.Counter] = {}
     for _ in range(reps):
         for name, build in configs.items():
-            jax.clear_caches()
-            fn, args = build()
-            t0 = time.perf_counter()
-            traced = fn.trace(*args)
-            t1 = time.perf_counter()
-            lowered = traced.lower()
-            t2 = time.perf_counter()
-            lowered.compile()
-            t3 = time.perf_counter()
-            results[name].append(np.array([t1 - t0, t2 - t1, t3 - t2]))
-            sizes[name] = count_primitives(traced.jaxpr.jaxpr)
+            compile_times(build, results, sizes, name)
     print(
-        f"Stage s: `tanh(x @ W_in + b)`, {depth} residual layers `h + tanh(h @ W)`, `tanh(h @ W_out)`;\n"
-        f"widths alternate 64 / 128 (so the stage functions and activation shapes differ), batch\n"
-        f"{batch}, chunks={chunks}. Time of `jax.jit(jax.grad(loss))`: trace (`.trace`), lower, compile\n"
+        f"(a) Heterogeneous stages. Stage s: `tanh(x @ W_in + b)`, {depth} residual layers\n"
+        "`h + tanh(h @ W)`, "
+        f"`tanh(h @ W_out)`; widths alternate 64 / 128 (so the stage functions and activation shapes\n"
+        f"differ), batch {batch}. Time of `jax.jit(jax.grad(loss))`: trace (`.trace`), lower, compile\n"
         f"(XLA), after `jax.clear_caches()` and with freshly made stage functions; median of {reps}\n"
         "interleaved repetitions. 'eqns' and 'tanh' count jaxpr equations of the traced jit(grad),\n"
         "recursively (the composed model has one tanh per layer forward; backward reuses them).\n"
     )
-    base = np.median(results["composed (no pipeline)"], axis=0).sum()
-    rows = []
-    base_eqns = sum(sizes["composed (no pipeline)"].values())
-    base_tanh = sizes["composed (no pipeline)"]["tanh"]
-    for name, ts in results.items():
-        med = np.median(ts, axis=0)
-        ratio = med.sum() / base
-        piped_row = name != "composed (no pipeline)"
-        verdict = ("met" if ratio <= COMPILE_TARGET else "MISSED") if piped_row else ""
-        eqns, tanh = sum(sizes[name].values()), sizes[name]["tanh"]
-        rows.append(
+    targets = {k: COMPILE_TARGET for k in configs if k != "composed (no pipeline)"}
+    compile_table(results, sizes, "composed (no pipeline)", "tanh", targets)
+    flat = []
+    for where, mode in cfg["comp_chunks_configs"]:
+        few = np.median(results[label(mode, where)], axis=0).sum()
+        many = np.median(results[label(mode, where, cfg["comp_many_chunks"])], axis=0).sum()
+        verdict = "met" if many / few <= CHUNKS_TARGET else "MISSED"
+        flat.append(
             [
-                name,
-                f"{med[0]:.2f}",
-                f"{med[1]:.2f}",
-                f"{med[2]:.2f}",
-                f"{med.sum():.2f}",
-                f"{ratio:.2f}",
-                f"{eqns} ({eqns / base_eqns:.1f}x)",
-                f"{tanh} ({tanh / base_tanh:.1f}x)",
-                f"<= {COMPILE_TARGET}" if piped_row else "",
+                f"{mode}, mesh={'yes' if where == 'mesh' else 'None'}",
+                f"{many / few:.2f}",
+                f"<= {CHUNKS_TARGET}",
                 verdict,
             ]
         )
-    print(
-        table(
-            ["program", "trace s", "lower s", "compile s", "total s", "ratio", "eqns", "tanh", "target", ""],
-            rows,
-            align="lrrrrrrrrl",
+    if flat:
+        print(
+            f"\nFlat in chunks: total compile time at chunks={cfg['comp_many_chunks']} over "
+            f"chunks={chunks}, batch {batch}.\n"
         )
-    )
+        print(table(["program", "ratio", "target", ""], flat, align="lrrl"))
     names = list(sizes)
     top = sorted(set().union(*sizes.values()), key=lambda k: -max(c[k] for c in sizes.values()))
     top = top[: cfg["comp_top_primitives"]]
@@ -756,6 +832,150 @@ def bench_compile(cfg) -> None:
             align="l" + "r" * len(names),
         )
     )
+    bench_compile_homogeneous(cfg, mesh)
+
+
+def bench_compile_homogeneous(cfg, mesh) -> None:
+    n, per_stage, width, batch, chunks, reps = cfg["comp_homo"]
+
+    def make_stage():
+        def stage(p, h, key):
+            for j in range(per_stage):
+                h = h + jnp.tanh(h @ p["w"][j])
+            return h
+
+        return stage
+
+    stacked = {"w": normal((n, per_stage, width, width), 7, 1 / np.sqrt(width))}
+    x = jnp.ones((batch, width), jnp.float32)
+
+    def composed():
+        stage = make_stage()
+
+        def loss(p, x):
+            h = x
+            for s in range(n):
+                h = stage(jax.tree.map(lambda a, s=s: a[s], p), h, None)
+            return jnp.sum(h**2)
+
+        return jax.jit(jax.grad(loss)), (stacked, x)
+
+    def scanned():
+        stage = make_stage()
+
+        def loss(p, x):
+            return jnp.sum(jax.lax.scan(lambda h, ps: (stage(ps, h, None), None), x, p)[0] ** 2)
+
+        return jax.jit(jax.grad(loss)), (stacked, x)
+
+    def piped(mode, where):
+        def build():
+            apply = pj.pipeline(
+                make_stage(),
+                num_stages=n,
+                chunks=chunks,
+                checkpoint=mode,
+                mesh=mesh if where == "mesh" else None,
+            )
+            return jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x) ** 2))), (apply.place(stacked), x)
+
+        return build
+
+    configs = {"composed (no pipeline)": composed, "lax.scan over the stages": scanned}
+    for where, mode in cfg["comp_homo_configs"]:
+        configs[f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}"] = piped(mode, where)
+    results: dict[str, list[np.ndarray]] = {}
+    sizes: dict[str, collections.Counter] = {}
+    for _ in range(reps):
+        for name, build in configs.items():
+            compile_times(build, results, sizes, name)
+    print(
+        f"\n(b) A homogeneous stack of {n * per_stage} layers `h + tanh(h @ W)` (width {width}): {n} stages\n"
+        f"of {per_stage} layers, batch {batch}, chunks={chunks}. 'composed' applies the stage {n} times in\n"
+        "Python (as a "
+        "model is usually written); 'lax.scan over the stages' is the scan-over-layers idiom, shown for\n"
+        "context without a target.\n"
+    )
+    targets = {
+        k: HOMO_TARGET for k in configs if k not in ("composed (no pipeline)", "lax.scan over the stages")
+    }
+    compile_table(results, sizes, "composed (no pipeline)", "tanh", targets)
+
+
+# --- 5. mesh=None against a micro-batched scan ---------------------------------------------------
+
+
+def bench_local(cfg) -> None:
+    n, width, batch, chunks, rounds = cfg["local"]
+    section(f"5. mesh=None: {n} heterogeneous stages against the same stages in a micro-batched lax.scan")
+    widths = [width if s % 2 == 0 else 2 * width for s in range(n + 1)]
+
+    def one(s):
+        def stage(p, x, key):
+            return jnp.tanh(jnp.tanh(x @ p["w_in"]) @ p["w_out"])
+
+        return stage
+
+    stages = [one(s) for s in range(n)]
+    params = [
+        {
+            "w_in": normal((widths[s], 2 * widths[s + 1]), s, 1 / np.sqrt(widths[s])),
+            "w_out": normal((2 * widths[s + 1], widths[s + 1]), 10 + s, 1 / np.sqrt(2 * widths[s + 1])),
+        }
+        for s in range(n)
+    ]
+    x = normal((batch, widths[0]), 99)
+
+    def composed(ps, x):
+        for stage, p in zip(stages, ps, strict=True):
+            x = stage(p, x, None)
+        return jnp.sum(x**2)
+
+    def scanned(ps, x):  # the stages over the micro-batches, as a plain lax.scan
+        xs = x.reshape((chunks, batch // chunks, -1))
+
+        def body(total, xi):
+            for stage, p in zip(stages, ps, strict=True):
+                xi = stage(p, xi, None)
+            return total + jnp.sum(xi**2), None
+
+        return jax.lax.scan(body, jnp.zeros((), x.dtype), xs)[0]
+
+    variants = {"composed (whole batch)": composed, "micro-batched lax.scan": scanned}
+    for mode in MODES:
+        apply = pj.pipeline(stages, chunks=chunks, checkpoint=mode, mesh=None)
+        variants[mode] = lambda p, x, apply=apply: jnp.sum(apply(p, x) ** 2)
+    fns = {k: jax.jit(jax.grad(v)).lower(params, x).compile() for k, v in variants.items()}
+    ref = fns["composed (whole batch)"](params, x)
+    for f in fns.values():
+        for a, r in zip(jax.tree.leaves(f(params, x)), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(r), rtol=2e-3, atol=1e-4 * float(np.abs(r).max())
+            )
+    times = interleaved_times(fns, (params, x), rounds)
+    scan_t = times["micro-batched lax.scan"]
+    print(
+        f"Stage s: `tanh(tanh(x @ W_in) @ W_out)`, widths alternating {width} / {2 * width}, batch {batch},\n"
+        f"chunks={chunks}; `jit(grad(loss))` run time, {rounds} interleaved rounds. 'ratio' is the\n"
+        "median of "
+        "per-round ratios to the micro-batched scan (IQR beside it).\n"
+    )
+    rows = []
+    for k, t in times.items():
+        med, q1, q3 = ratio_stats(t, scan_t)
+        target = LOCAL_TARGETS.get(k)
+        verdict = "" if target is None else ("met" if med <= target else "MISSED")
+        rows.append(
+            [
+                k,
+                f"{np.median(t) * 1e3:.2f}",
+                f"{med:.3f}",
+                f"{q1:.3f}-{q3:.3f}",
+                "" if target is None else f"<= {target}",
+                verdict,
+            ]
+        )
+    print(table(["variant", "median ms", "ratio", "IQR", "target", ""], rows, align="lrrrrl"))
 
 
 # --- driver --------------------------------------------------------------------------------------
@@ -787,6 +1007,13 @@ FULL = {
     "ovh_context_chunks": (2,),
     "comp": (8, 4, 64, 8, 3),  # stages, residual layers per stage, batch, chunks, repetitions
     "comp_configs": tuple((where, mode) for where in ("mesh", "none") for mode in MODES),
+    "comp_many_chunks": 64,
+    "comp_chunks_configs": (("mesh", "always"), ("none", "always")),
+    "comp_homo": (8, 4, 128, 64, 8, 3),  # stages, layers per stage, width, batch, chunks, repetitions
+    "comp_homo_configs": tuple(
+        (where, mode) for where in ("mesh", "none") for mode in ("always", "except_last")
+    ),
+    "local": (4, 256, 256, 4, 30),  # stages, width, batch, chunks, rounds
     "comp_top_primitives": 16,
 }
 QUICK = {
@@ -805,6 +1032,11 @@ QUICK = {
     "ovh_context_chunks": (),
     "comp": (2, 0, 16, 2, 1),
     "comp_configs": (("mesh", "always"),),
+    "comp_many_chunks": 4,
+    "comp_chunks_configs": (("mesh", "always"),),
+    "comp_homo": (2, 2, 16, 8, 2, 1),
+    "comp_homo_configs": (("none", "always"),),
+    "local": (2, 16, 8, 2, 3),
     "comp_top_primitives": 6,
 }
 SECTIONS = {
@@ -812,6 +1044,7 @@ SECTIONS = {
     "memory": bench_memory,
     "overhead": bench_overhead,
     "compile": bench_compile,
+    "local": bench_local,
 }
 
 

@@ -267,3 +267,102 @@ def test_stage_that_returns_none():
     apply = pj.pipeline([affine, forgot_return], chunks=2)
     with pytest.raises(ValueError, match=r"Stage 1 returned None, which holds no arrays.*missing `return`"):
         apply([{"w": 2.0}, {}], X)
+
+
+# --- unusual input found by trying the API (issue 12) --------------------------------------------
+
+
+class StageFailure(Exception):
+    """A user's own exception type."""
+
+
+def test_a_users_exception_keeps_its_type_with_pipejax_context_as_a_note():
+    def failing(p, x, key):
+        raise StageFailure("my stage failed")
+
+    apply = pj.pipeline([affine, failing], chunks=2)
+    with pytest.raises(StageFailure, match="my stage failed") as info:
+        apply([{"w": 2.0}, {}], X)
+    assert "Stage 1 failed while pipejax inferred its output type on the output of stage 0" in str(
+        info.value.__notes__
+    )
+
+
+def test_wrong_parameter_structure_keeps_the_key_error():
+    with pytest.raises(KeyError, match="'w'") as info:
+        pj.pipeline([affine], chunks=2)([{"v": 1.0}], X)
+    assert "Stage 0 failed" in info.value.__notes__[0]
+
+
+def test_a_collective_inside_a_stage_states_the_rule():
+    def collective(p, x, key):
+        return x * jax.lax.axis_index("stage")
+
+    apply = pj.pipeline([collective, affine], chunks=2, mesh=models.make_mesh("explicit", 2))
+    with pytest.raises(NameError) as info:
+        apply(apply.place([{}, {"w": 1.0}]), X)
+    assert "must not call collectives over the pipeline's mesh axes" in info.value.__notes__[0]
+
+
+def test_python_control_flow_on_a_traced_value_says_so():
+    def branchy(p, x, key):
+        return x if jnp.sum(x) > 0 else -x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        pj.pipeline([branchy], chunks=2)([{}], X)
+    assert "use `jnp.where`, `lax.cond` or `lax.select`" in info.value.__notes__[0]
+
+
+def test_numpy_integers_are_accepted_for_counts():
+    apply = pj.pipeline(affine, num_stages=np.int64(2), chunks=np.int64(2))
+    assert apply.num_stages == 2 and apply.chunks == 2 and type(apply.chunks) is int
+    y = apply({"w": jnp.array([2.0, 3.0])}, X)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(X * 6.0))
+    circular = pj.pipeline(affine, num_stages=4, schedule="circular", repeats=np.int32(2))
+    assert circular.repeats == 2
+
+
+@pytest.mark.parametrize("s", [7, -3, 2])
+def test_stage_index_out_of_range_is_an_error(s):
+    apply, params = pair()
+    with pytest.raises(IndexError, match=rf"`s` is {s}, but there are 2 stages"):
+        apply.stage_params(params, s)
+    with pytest.raises(IndexError, match=rf"`s` is {s}, but there are 2 stages"):
+        apply.place(params).stage(s)
+    models.assert_trees_equal(apply.stage_params(params, -1), params[1])  # from the end, as in Python
+
+
+def test_partition_without_a_balance_points_to_pj_balance():
+    layers = [affine] * 3
+    with pytest.raises(TypeError, match=r"`pj.partition` needs `balance`.*pj.balance\(layers"):
+        pj.partition(layers)
+    with pytest.raises(ValueError, match=r"sums to 2 layers.*pj.balance\("):
+        pj.partition(layers, [1, 1])
+
+
+@pytest.mark.parametrize("placement", ["none", "explicit"])
+def test_typed_prng_keys_travel_in_x_and_params(placement):
+    """Keys are ordinary data: in ``x``, across a stage boundary, and in (packed) parameters."""
+
+    def first(p, x, key):
+        noise = jax.vmap(lambda k: jax.random.normal(k, (3,)))(x["k"])
+        return {"h": x["h"] * p["w"] + noise, "k": x["k"]}
+
+    def second(p, x, key):
+        return x["h"] * p["w"] + jax.random.normal(p["k"], (1, 3))
+
+    x = {"h": X, "k": jax.random.split(jax.random.key(0), 4)}
+    params = [{"w": 2.0}, {"w": 3.0, "k": jax.random.key(1)}]
+    apply = pj.pipeline([first, second], chunks=2, mesh=models.make_mesh(placement, 2))
+    expected = second(params[1], first(params[0], x, None), None)
+    np.testing.assert_allclose(np.asarray(apply(apply.place(params), x)), np.asarray(expected), rtol=1e-12)
+
+
+def test_eager_autodiff_on_an_explicit_mesh_says_to_jit():
+    apply, params = pair()
+    apply = pj.pipeline([affine, affine], chunks=2, mesh=models.make_mesh("explicit", 2))
+    placed = apply.place(params)
+    with pytest.raises(ValueError, match=r"differentiated outside `jax.jit`.*jax.set_mesh"):
+        jax.grad(lambda p: jnp.sum(apply(p, X)))(placed)
+    jitted = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, X))))(placed)  # the fix the message gives
+    np.testing.assert_allclose(np.asarray(apply.stage_params(jitted, 0)["w"]), 3.0 * 12)

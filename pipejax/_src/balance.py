@@ -131,7 +131,7 @@ class Partition(NamedTuple):
 
 def partition(
     layers: Sequence[Layer],
-    balance: Sequence[int],
+    balance: Sequence[int] | None = None,
     *,
     devices: int | Sequence[Any] | None = None,
 ) -> Partition:
@@ -230,7 +230,18 @@ def _check_layers(layers) -> tuple[Layer, ...]:
     return tuple(layers)
 
 
+_AUTO = (
+    "To balance automatically, let `pj.balance(layers, layer_params, sample_x, num_stages)` compute "
+    "one from measured costs (flops, time or memory) and pass the result as `balance`."
+)
+
+
 def _check_balance(balance, num_layers) -> tuple[int, ...]:
+    if balance is None:
+        raise TypeError(
+            f"`pj.partition` needs `balance`, the number of layers in each stage (e.g. [2, 3, 1] for "
+            f"{num_layers} layers in 3 stages). " + _AUTO
+        )
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(
             "`balance` must be a sequence of positive ints, the number of layers in each stage "
@@ -247,13 +258,13 @@ def _check_balance(balance, num_layers) -> tuple[int, ...]:
         if b < 1:
             raise ValueError(
                 f"`balance[{s}]` is {b}; every entry must be a positive int (a stage needs at least "
-                f"one layer). Got balance {list(balance)}: merge the empty stage into a neighbour."
+                f"one layer). Got balance {list(balance)}: merge the empty stage into a neighbour. " + _AUTO
             )
     total = sum(int(b) for b in balance)
     if total != num_layers:
         raise ValueError(
             f"`balance` {list(balance)} sums to {total} layers, but `layers` has {num_layers}; the "
-            "entries must add up to the number of layers."
+            "entries must add up to the number of layers. " + _AUTO
         )
     return tuple(int(b) for b in balance)
 
@@ -655,6 +666,7 @@ def _structs(tree: PyTree) -> PyTree:
 
 def _materialise(tree: PyTree) -> PyTree:
     """Concrete arrays for timing: abstract leaves become zeros."""
+
     def zeros(a):
         return jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pipejax._src.layout import Layout
 from pipejax._src.schedule import Schedule
@@ -65,8 +66,19 @@ STAGE_PARAMS = "pipejax_stage_params"  # the name of a device's per-tick paramet
 
 # Primitives that only move or re-type values: cheap to recompute, so never worth a per-tick copy.
 _STRUCTURAL = frozenset(
-    ("slice", "squeeze", "dynamic_slice", "reshape", "broadcast_in_dim", "convert_element_type",
-     "transpose", "gather", "copy", "copy_p", "expand_dims")
+    (
+        "slice",
+        "squeeze",
+        "dynamic_slice",
+        "reshape",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "transpose",
+        "gather",
+        "copy",
+        "copy_p",
+        "expand_dims",
+    )
 )
 
 
@@ -93,6 +105,8 @@ class Phase(NamedTuple):
     start: int
     stop: int
     remat: Remat  # how each stage computation (bubble guard included) is wrapped
+    stage: int | None = None  # the stage every tick of the phase runs, when it is one (static)
+    guard: bool = True  # whether a tick of the phase may be a bubble (then ``lax.cond`` guards it)
 
 
 def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
@@ -119,16 +133,48 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     With one scan every stage function appears once in the forward program.
     """
     n, ticks = schedule.num_devices, schedule.num_ticks
-    keep = _remat(_except_stage_params(jax.checkpoint_policies.everything_saveable))
-    if checkpoint == "always":
-        return [Phase(0, ticks, _remat())]
-    if checkpoint == "never":
-        return [Phase(0, ticks, keep)]
     if checkpoint == "except_last":
         drain = max(ticks - n, 0)
-        cuts = [Phase(0, drain, _remat()), Phase(drain, ticks, keep)]
+        cuts = [Phase(0, drain, remat_for("always")), Phase(drain, ticks, remat_for("never"))]
         return [p for p in cuts if p.stop > p.start]
-    return [Phase(0, ticks, _remat(_except_stage_params(checkpoint)))]
+    return [Phase(0, ticks, remat_for(checkpoint))]
+
+
+def remat_for(checkpoint: Any) -> Remat:
+    """The wrapper of one tick's stage computation in a mode other than ``"except_last"``."""
+    if checkpoint == "always":
+        return _remat()
+    if checkpoint == "never":
+        return _remat(_except_stage_params(jax.checkpoint_policies.everything_saveable))
+    return _remat(_except_stage_params(checkpoint))
+
+
+def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
+    """Phases for running ``schedule``'s work on one device, one stage after the other.
+
+    Without a mesh, a device can run stage 0 on every micro-batch, then stage 1, and so on: the
+    table :func:`pipejax._src.schedule.sequential` has no bubble, so no tick needs a guard, and
+    each stage's ticks form a phase of its own whose stage is static (no ``lax.switch``): every
+    stage function appears once in the program, called directly. ``"except_last"`` keeps the
+    activations of exactly the (stage, micro-batch) pairs it keeps when ``schedule`` runs on its
+    devices (those of the drain), so each stage's ticks are cut in two where those begin; the
+    backward pass then sums every stage's parameter cotangents in the order a mesh does, and the
+    gradients are bitwise those of the mesh.
+    """
+    m, S = schedule.num_micro, schedule.num_stages
+    out = []
+    drain = max(schedule.num_ticks - schedule.num_devices, 0)
+    for s in range(S):
+        first = s * m
+        if checkpoint != "except_last":
+            out.append(Phase(first, first + m, remat_for(checkpoint), stage=s, guard=False))
+            continue
+        # the first micro-batch that stage s works on in the drain of `schedule`
+        ticks = [int(np.argwhere((schedule.table == i) & (schedule.stages() == s))[0, 0]) for i in range(m)]
+        cut = next((i for i, t in enumerate(ticks) if t >= drain), m)
+        parts = [(first, first + cut, remat_for("always")), (first + cut, first + m, remat_for("never"))]
+        out.extend(Phase(a, b, r, stage=s, guard=False) for a, b, r in parts if b > a)
+    return out
 
 
 # --- checkpoint_sequential ------------------------------------------------------------------------

@@ -98,6 +98,23 @@ def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
+def eager_autodiff(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is being differentiated outside ``jit`` (a JVP/linearize
+    tracer whose primal is a concrete array)."""
+    for leaf in jax.tree.leaves(tree):
+        depth = 0
+        while isinstance(leaf, jax.core.Tracer) and hasattr(leaf, "primal"):
+            leaf, depth = leaf.primal, depth + 1
+        if depth and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return True
+    return False
+
+
+def mesh_context_set() -> bool:
+    """Whether a mesh context (``jax.set_mesh``) is active."""
+    return not jax.sharding.get_abstract_mesh().empty
+
+
 def saved_residuals(fn: Any, *args: Any) -> list[tuple[Any, str]]:
     """``(aval, description)`` of every value reverse-mode autodiff of ``fn`` saves for backward.
 

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, keys
+from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
 from pipejax._src.schedule import Schedule
 
@@ -174,8 +175,13 @@ class Heterogeneous:
     def stage_input(self, d, inbox, xs, ic, s):  # only the stage function knows; see `compute`
         return inbox
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary):
-        """Runs stage ``s`` (traced) of device ``d`` on ``x_in``; returns the (message, stats)."""
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
+        """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
+
+        ``guard``: ``(working, prev)``; where ``working`` is False (a bubble) nothing runs and
+        ``prev`` is returned. On a mesh the bubble is one more branch of the stage switch (one
+        level of control flow, not a ``cond`` around a ``switch``).
+        """
         if self.switch:
             r = s // self.D
             prow, srow = _row((params, state), r, self.v)
@@ -195,14 +201,19 @@ class Heterogeneous:
                 return f
 
             branches = [branch(t) for t in range(self.S)]
-            return lax.switch(s, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
+            index = s
+            if guard is not None:
+                working, prev = guard
+                index = jnp.where(working, s, self.S)
+                branches.append(lambda *args: prev)
+            return lax.switch(index, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
         own = range(d, self.S, self.D)  # the stages of virtual device d
 
         def branch(j, t):
             call = stage_call(self.cfg, t)
 
             def f(ps, sts, x_in, xs, mask, ic, k):
-                p, st = (ps[j], sts[j]) if self.v == 1 else named((ps[j], sts[j]))
+                p, st = ps[j], sts[j]
                 if t == 0:
                     x = take(xs, ic)
                 elif self.v > 1:
@@ -216,8 +227,14 @@ class Heterogeneous:
 
         branches = [branch(j, t) for j, t in enumerate(own)]
         ps, sts = tuple(params[t] for t in own), tuple(state[t] for t in own)
+        if guard is not None:
+            working, prev = guard
+            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
+            return lax.cond(working, run, lambda: prev)
         if self.v == 1:
             return branches[0](ps, sts, x_in, xs, mask, ic, key_for(d))
+        if isinstance(s, int):  # a phase of one stage: call it directly
+            return branches[s // self.D](ps, sts, x_in, xs, mask, ic, key_for(s))
         return lax.switch(s // self.D, branches, ps, sts, x_in, xs, mask, ic, key_for(s))
 
     def stats_rows(self, stats_by_device):
@@ -259,7 +276,13 @@ class Homogeneous:
     def output(self, d, message):
         return message
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary):
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
+        """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0); ``guard``
+        as for :meth:`Heterogeneous.compute`, with a ``lax.cond``."""
+        if guard is not None:
+            working, prev = guard
+            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
+            return lax.cond(working, run, lambda: prev)
         x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
         if self.local:
             p, st = named(
@@ -294,12 +317,13 @@ class Carry(NamedTuple):
     loop: Any  # circular schedule: activations waiting for their next round (device 0)
 
 
-def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step):
+def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None):
     """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
-    without the inbox (the devices object delivers the message) and its (message, stats)."""
+    without the inbox (the devices object delivers the message) and its (message, stats).
+    ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
     micro, stage, back_i, back_s = tick_rows
-    i, s = micro[d], stage[d]
+    i, s = micro[d], (stage[d] if static_stage is None else static_stage)
     inbox, loop, acc = carry.inbox, carry.loop, carry.acc
     if v > 1 and _may_be(d, 0):
         first = d == 0
@@ -337,8 +361,9 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         ic = clip(i, ctx.m)
         key_for = lambda t: stage_keys(cfg, key, global_micro(ic), t, micro_size)
         like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
-        run = lambda: ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev)
-        return lax.cond(i >= 0, run, lambda: prev)
+        # guard: on a bubble (i < 0) the stage does not run and the device keeps its last output
+        guard = (i >= 0, prev) if phase.guard else None
+        return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard)
 
     def step(d, params, state, inbox, prev, i, s):
         g = phase.remat(lambda *a: f(d, *a))
@@ -350,10 +375,10 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
 # --- the devices: where the table's columns run ---------------------------------------------------
 
 
-def _scan(cfg, schedule, carry, tick):
-    """Runs the ticks, one ``lax.scan`` per phase (one phase unless ``"except_last"``)."""
+def _scan(schedule, phases, carry, tick):
+    """Runs the ticks, one ``lax.scan`` per phase (see :mod:`pipejax._src.checkpoint`)."""
     all_rows = rows(schedule)
-    for phase in ckpt.phases(cfg.checkpoint, schedule):
+    for phase in phases:
         carry, _ = lax.scan(tick(phase), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
     return carry
 
@@ -364,7 +389,7 @@ class LocalDevices:
     def __init__(self, cfg: Config, stacked: bool):
         self.cfg, self.stacked = cfg, stacked
 
-    def run(self, ctx: _Ctx, schedule: Schedule, inputs: Inputs):
+    def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         cfg, D, m = self.cfg, ctx.D, ctx.m
         ident = lambda t: t
         untyped = lambda tree, template: tree
@@ -381,7 +406,7 @@ class LocalDevices:
                 for d in range(D):
                     inbox = prevs[(d - 1) % D][0]  # device 0: what the last device sent (the ring)
                     carry = Carry(inbox, prevs[d], acc, stats[d], loop)
-                    carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step)
+                    carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step, phase.stage)
                     acc, loop = carry.acc, carry.loop
                     outs.append(out)
                     new_stats.append(carry.stats)
@@ -397,7 +422,7 @@ class LocalDevices:
             prevs = jax.tree.map(lambda *a: jnp.stack(a), *prevs)
             stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
         init = (prevs, stages.acc_zeros(m)[None], stats, loop)
-        _, acc, stats, _ = _scan(cfg, schedule, init, tick)
+        _, acc, stats, _ = _scan(schedule, phases, init, tick)
         by_device = stats if self.stacked else list(stats)
         return acc[0], stages.stats_rows(by_device)
 
@@ -434,7 +459,7 @@ class MeshDevices:
         self.cfg, self.mesh, self.repeats, self.data_size = cfg, mesh, repeats, data_size
         self.axes = (cfg.axis_name,) if cfg.data_axis_name is None else (cfg.axis_name, cfg.data_axis_name)
 
-    def run(self, ctx: _Ctx, schedule: Schedule, inputs: Inputs):
+    def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         axis, data = self.cfg.axis_name, self.cfg.data_axis_name
         rep = PartitionSpec()
         stage_spec = PartitionSpec(axis) if self.repeats == 1 else PartitionSpec(None, axis)
@@ -447,7 +472,7 @@ class MeshDevices:
         key = compat.constrain(key, self.mesh, rep, axis)
 
         def body(params, state, xs, mask, key):
-            return self._body(ctx, schedule, Inputs(params, state, xs, mask, key))
+            return self._body(ctx, schedule, phases, Inputs(params, state, xs, mask, key))
 
         fn = jax.shard_map(
             body,
@@ -460,7 +485,7 @@ class MeshDevices:
             stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
         )
 
-    def _body(self, ctx, schedule, inputs):
+    def _body(self, ctx, schedule, phases, inputs):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
         params, state = inputs.params, inputs.state
@@ -491,7 +516,7 @@ class MeshDevices:
         init = Carry(
             message, (message, stat), stages.acc_zeros(m)[None], stages.message_zeros(0, (ctx.v, m))[1], loop
         )
-        carry = _scan(cfg, schedule, compat.to_varying(init, axes), tick)
+        carry = _scan(schedule, phases, compat.to_varying(init, axes), tick)
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
         return lax.psum(carry.acc[0], axis), _gather_stages(carry.stats, d, D, axis)
@@ -543,9 +568,18 @@ def _gather_stages(tree, s, n, axis_name):
 
 
 def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):
-    """Runs ``schedule`` on ``devices`` with ``stages``: ``(outputs (m, ...), stats per stage)``."""
+    """Runs ``schedule`` on ``devices`` with ``stages``: ``(outputs (m, ...), stats per stage)``.
+
+    Heterogeneous stages without a mesh run the same work on one device, stage after stage
+    (:func:`pipejax._src.schedule.sequential`): no bubble, no guard, no switch.
+    """
+    if isinstance(devices, LocalDevices) and not devices.stacked:
+        phases = ckpt.sequential_phases(cfg.checkpoint, schedule)
+        schedule = sched.sequential(len(cfg.stages), schedule.num_micro)
+    else:
+        phases = ckpt.phases(cfg.checkpoint, schedule)
     ctx = _Ctx(len(cfg.stages), schedule.num_devices, schedule.repeats, schedule.num_micro, stages)
-    return devices.run(ctx, schedule, inputs)
+    return devices.run(ctx, schedule, phases, inputs)
 
 
 __all__: Sequence[str] = ()

@@ -35,7 +35,7 @@ class Layout(NamedTuple):
         return cls(
             treedef,
             tuple(tuple(jnp.shape(x)) for x in leaves),
-            tuple(np.dtype(jax.dtypes.canonicalize_dtype(jnp.result_type(x))) for x in leaves),
+            tuple(_dtype_of(x) for x in leaves),
         )
 
     def structs(self) -> Any:
@@ -44,9 +44,10 @@ class Layout(NamedTuple):
         return jax.tree.unflatten(self.treedef, leaves)
 
     def demand(self) -> dict[np.dtype, int]:
-        """Elements needed per dtype."""
+        """Elements needed per (storage) dtype; typed PRNG keys are stored as their key data."""
         need: dict[np.dtype, int] = {}
         for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            shape, dtype = _stored(shape, dtype)
             need[dtype] = need.get(dtype, 0) + math.prod(shape)
         return need
 
@@ -85,6 +86,8 @@ class Container(NamedTuple):
         parts: list[list[jax.Array]] = [[] for _ in self.dtypes]
         for leaf in jax.tree.leaves(tree):
             leaf = jnp.asarray(leaf)
+            if _is_key(leaf.dtype):
+                leaf = jax.random.key_data(leaf)
             parts[self.dtypes.index(np.dtype(leaf.dtype))].append(leaf.reshape(-1))
         buffers = []
         for dtype, size, chunk in zip(self.dtypes, self.sizes, parts, strict=True):
@@ -100,8 +103,32 @@ class Container(NamedTuple):
         offsets = [0] * len(self.dtypes)
         leaves = []
         for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
-            k = self.dtypes.index(dtype)
-            n = math.prod(shape)
-            leaves.append(lax.slice_in_dim(buffers[k], offsets[k], offsets[k] + n).reshape(shape))
+            stored_shape, stored = _stored(shape, dtype)
+            k = self.dtypes.index(stored)
+            n = math.prod(stored_shape)
+            leaf = lax.slice_in_dim(buffers[k], offsets[k], offsets[k] + n).reshape(stored_shape)
+            if _is_key(dtype):
+                leaf = jax.random.wrap_key_data(leaf, impl=dtype._impl)
+            leaves.append(leaf)
             offsets[k] += n
         return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _dtype_of(x) -> Any:
+    """The dtype of a leaf: canonical for numbers, the key type itself for typed PRNG keys."""
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    if _is_key(dtype):
+        return dtype
+    return np.dtype(jax.dtypes.canonicalize_dtype(jnp.result_type(x)))
+
+
+def _stored(shape, dtype) -> tuple[tuple[int, ...], np.dtype]:
+    """How a leaf is stored in a container: typed PRNG keys as their ``uint32`` key data."""
+    if not _is_key(dtype):
+        return shape, dtype
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+    return tuple(data.shape), np.dtype(data.dtype)

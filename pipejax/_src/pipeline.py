@@ -49,6 +49,7 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -60,7 +61,7 @@ from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Layout
-from pipejax._src.placement import StageParams
+from pipejax._src.placement import StageParams, stage_index
 from pipejax._src.placement import pack as pack_params
 
 PyTree = Any
@@ -257,10 +258,11 @@ class Pipeline:
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
         _check_schedule(schedule, repeats, self.num_stages)
+        repeats = _integer(repeats)
         self.schedule_name = schedule
         self.repeats = repeats
         self.num_devices = self.num_stages // repeats  # devices along the stage axis
-        _check_chunks(chunks)
+        chunks = _check_chunks(chunks)
         ckpt.check_mode(checkpoint)
         _check_mesh(mesh, axis_name, self.num_devices, repeats)
         self.data_size = _check_data_axis(data_axis_name, mesh, axis_name)
@@ -299,6 +301,21 @@ class Pipeline:
         """
         keys.check_key(key)
         _check_params_shape(params, self)
+        if (
+            self.mesh is not None
+            and compat.is_explicit(self.mesh, self.axis_name)
+            and not compat.mesh_context_set()
+            and compat.eager_autodiff((params, x, state))
+        ):
+            raise ValueError(
+                "The pipeline is being differentiated outside `jax.jit` on a mesh with Explicit "
+                f"axes ({dict(self.mesh.shape)}), and no mesh context is set. JAX needs one for "
+                "eager autodiff of arrays typed with an Explicit mesh (its own error would be "
+                "'Length of device assignment 1 is not equal to the size of the mesh'). Jit the "
+                "function you differentiate (`jax.jit(jax.grad(loss))`), or run it inside "
+                "`with jax.set_mesh(mesh):`, or build the mesh with Auto axes "
+                "(`jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))`)."
+            )
         if state is not None:
             if not self.stateful:
                 raise TypeError(
@@ -343,7 +360,12 @@ class Pipeline:
         return jax.device_put(params, NamedSharding(self.mesh, spec))
 
     def stage_params(self, params: Any, s: int) -> PyTree:
-        """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms."""
+        """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms.
+
+        Raises:
+          IndexError: if ``s`` is not a stage of this pipeline.
+        """
+        s = stage_index(s, self.num_stages)
         if isinstance(params, StageParams):
             return params.stage(s)
         if self.homogeneous:
@@ -443,7 +465,10 @@ class Pipeline:
             if not local:
                 layouts = (params.layouts, state.layouts)
                 params, state = params.buffers, state.buffers
-            stages = engine.Heterogeneous(cfg, boundaries, stats, *layouts, self.num_devices, not local)
+            # without a mesh, one device runs the stages in turn (see `engine.run`)
+            stages = engine.Heterogeneous(
+                cfg, boundaries, stats, *layouts, 1 if local else self.num_devices, not local
+            )
         if local:
             devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
         else:
@@ -464,9 +489,10 @@ def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
                 "`num_stages` (e.g. `pipeline(stage, num_stages=4)`). For different stages pass "
                 "a sequence of functions instead."
             )
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        count = _integer(num_stages)
+        if count is None or count < 1:
             raise ValueError(f"`num_stages` must be an int >= 1, but got {num_stages!r}.")
-        return True, (stages,) * num_stages
+        return True, (stages,) * count
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
         raise TypeError(
             "`stages` must be a sequence of stage functions `stage(params, x, key) -> y`, or one "
@@ -490,13 +516,25 @@ def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
     return False, tuple(stages)
 
 
-def _check_chunks(chunks) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int):
+def _integer(value) -> int | None:
+    """``value`` as a Python int if it is an integer of any integral type (``np.int64`` too), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_chunks(chunks) -> int:
+    count = _integer(chunks)
+    if count is None:
         raise TypeError(f"`chunks` must be an int >= 1, but got {type(chunks).__name__} {chunks!r}.")
-    if chunks < 1:
+    if count < 1:
         raise ValueError(
             f"`chunks` must be >= 1 (the number of micro-batches per mini-batch), but got {chunks}."
         )
+    return count
 
 
 def _check_schedule(schedule, repeats, num_stages) -> None:
@@ -505,8 +543,9 @@ def _check_schedule(schedule, repeats, num_stages) -> None:
         raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
     if schedule not in sched.KINDS:
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
-    if isinstance(repeats, bool) or not isinstance(repeats, int):
+    if _integer(repeats) is None:
         raise TypeError(f"`repeats` must be an int >= 1, but got {type(repeats).__name__} {repeats!r}.")
+    repeats = _integer(repeats)
     if repeats < 1:
         raise ValueError(
             f"`repeats` must be >= 1 (the number of stages each device holds), but got {repeats}."
@@ -743,13 +782,7 @@ def _stage_output(s, pipe, p_struct, st_struct, in_struct, key_struct, mask_stru
     try:
         out = jax.eval_shape(stage, *args)
     except Exception as err:
-        source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
-        raise ValueError(
-            f"Stage {s} could not be applied to {source}, whose type is "
-            f"{Layout.of(in_struct).describe()}: {type(err).__name__}: {err}\n"
-            f"Make stage {s} accept what {('`x`' if s == 0 else f'stage {s - 1}')} produces "
-            "(shapes include the micro-batch axis first)."
-        ) from err
+        raise _stage_error(err, s, in_struct) from err
     stats = None
     if pipe.stateful:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -775,6 +808,54 @@ def _stage_output(s, pipe, p_struct, st_struct, in_struct, key_struct, mask_stru
                 "Stages may change every axis but the leading batch axis."
             )
     return Layout.of(out), Layout.of(stats)
+
+
+def _stage_error(err: Exception, s: int, in_struct) -> Exception:
+    """What to raise when stage ``s`` fails while its output type is inferred (``eval_shape``).
+
+    A shape or dtype mismatch raised inside JAX (an exact ``TypeError``/``ValueError`` from JAX's
+    own code) becomes pipejax's ``ValueError`` naming the boundary. Anything else -- the user's
+    own exception, a ``KeyError`` from params of the wrong structure, JAX's concretization and
+    unbound-axis errors -- keeps its type, with pipejax's context added as a note, so
+    ``except MyError`` keeps working.
+    """
+    source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
+    seen = f"Stage {s} failed while pipejax inferred its output type on {source}, whose type is "
+    seen += f"{Layout.of(in_struct).describe()} (shapes include the micro-batch axis first)."
+    if isinstance(err, NameError) and "axis name" in str(err):
+        err.add_note(
+            seen + " A stage runs on one device for one micro-batch: it must not call collectives "
+            "over the pipeline's mesh axes (`lax.psum`, `lax.axis_index('stage')`, ...). Use the "
+            "stage index you already know (a stage function per stage, or a parameter), and reduce "
+            "over the batch after the pipeline."
+        )
+        return err
+    if isinstance(err, jax.errors.ConcretizationTypeError | jax.errors.TracerBoolConversionError):
+        err.add_note(
+            seen + " Stages are traced: Python `if`/`while` on a traced value cannot work; use "
+            "`jnp.where`, `lax.cond` or `lax.select`."
+        )
+        return err
+    if type(err) in (TypeError, ValueError) and _raised_in_jax(err):
+        where = "`x`" if s == 0 else f"stage {s - 1}"
+        return ValueError(
+            f"Stage {s} could not be applied to {source}, whose type is "
+            f"{Layout.of(in_struct).describe()}: {type(err).__name__}: {err}\n"
+            f"Make stage {s} accept what {where} produces (shapes include the micro-batch axis first)."
+        )
+    err.add_note(seen)
+    return err
+
+
+def _raised_in_jax(err: Exception) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is in JAX's own code."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+    return "/jax/" in filename or "/jaxlib/" in filename
 
 
 def _per_stage_structs(tree, n):

@@ -11,6 +11,7 @@ its own stage's parameters, padded to the largest stage.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ class StageParams:
         Buffers laid out for the circular schedule, ``(repeats, n, size)``, hold stage ``s`` at
         ``[s // n, s % n]``.
         """
+        s = stage_index(s, self.num_stages)
         buffers = compat.replicate(self.buffers)
         rows = tuple(b[s] if b.ndim == 2 else b[s // b.shape[1], s % b.shape[1]] for b in buffers)
         return self.container.unpack(rows, self.layouts[s])
@@ -71,6 +73,28 @@ class StageParams:
             for b in self.buffers
         )
         return f"StageParams(num_stages={self.num_stages}, buffers=({shapes}))"
+
+
+def stage_index(s: Any, num_stages: int, name: str = "s") -> int:
+    """``s`` as a stage index in ``[0, num_stages)`` (negative counts from the end), or a clear error.
+
+    JAX clamps out-of-range indices of traced arrays silently, so they are checked here.
+    """
+    if isinstance(s, bool):
+        index = None
+    else:
+        try:
+            index = operator.index(s)
+        except TypeError:
+            index = None
+    if index is None:
+        raise TypeError(f"`{name}` must be an int stage index, but got {type(s).__name__} {s!r}.")
+    if not -num_stages <= index < num_stages:
+        raise IndexError(
+            f"`{name}` is {index}, but there are {num_stages} stages: a stage index lies in "
+            f"[0, {num_stages - 1}] (or [-{num_stages}, -1] from the end)."
+        )
+    return index % num_stages
 
 
 def pack(params: Sequence[Any]) -> StageParams:

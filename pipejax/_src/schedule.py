@@ -110,6 +110,16 @@ def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
     return Schedule(table=table, num_micro=m, fill_ticks=m - 1, stage_table=stage_table, repeats=v)
 
 
+def sequential(num_stages: int, num_micro: int) -> Schedule:
+    """All stages on one device, one after the other: stage ``s`` on micro-batch ``i`` at tick
+    ``s * m + i``. No bubble; the circular table with one device and ``repeats = num_stages``.
+
+    >>> sequential(2, 3).table.T.tolist(), sequential(2, 3).stage_table.T.tolist()
+    ([[0, 1, 2, 0, 1, 2]], [[0, 0, 0, 1, 1, 1]])
+    """
+    return circular(1, num_micro, num_stages)
+
+
 def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
     """GPipe's ideal bubble fraction, ``(n - 1) / (m + n - 1)``."""
     return (num_stages - 1) / (num_micro + num_stages - 1)
