@@ -45,7 +45,7 @@ TIMEOUT_EXIT_CODE = 124  # as coreutils' `timeout`
 _HOST = "127.0.0.1"  # the launcher starts local processes only: loopback
 _GRACE_S = 3.0  # after SIGTERM, how long a process may take to exit before SIGKILL
 _POLL_S = 0.05  # the longest the wait loop sleeps
-_STOP_POLL_S = 0.01
+_STOP_POLL_S = 0.02
 _DRAIN_S = 0.2  # after all processes have ended, how long to wait for a pipe's end
 
 
@@ -427,7 +427,8 @@ class _Group:
 
     def write(self, i: int, lines: list[bytes]) -> None:
         for raw in lines:
-            self.out.write(f"[{i}] {raw.decode('utf-8', errors='replace').rstrip(chr(13))}\n")
+            line = raw.decode("utf-8", errors="replace").rstrip("\r")
+            self.out.write(f"[{i}] {line}\n")
         if lines:
             self.out.flush()
 
@@ -504,7 +505,8 @@ class _Group:
                 _signal(proc.pid, signal.SIGKILL)
         if not self.end_groups(time.monotonic() + _GRACE_S):
             for proc in self.procs:
-                _signal_group(proc, signal.SIGKILL)
+                if _group_alive(proc):  # only then is its pid still certain to name its group
+                    _signal_group(proc, signal.SIGKILL)
             self.end_groups(time.monotonic() + _GRACE_S)
         # Every writer has gone, except a child that started a session of its own: drain briefly.
         end = time.monotonic() + _DRAIN_S
@@ -543,6 +545,8 @@ def _exit_code(proc: subprocess.Popen) -> int | None:
 
 def _group_alive(proc: subprocess.Popen) -> bool:
     """Whether a process of the group runs: one that has exited but is not yet reaped does not."""
+    if proc.poll() is None:
+        return True
     try:
         os.killpg(proc.pid, 0)  # the session started for this process: pgid == its pid
     except (ProcessLookupError, PermissionError):
