@@ -14,6 +14,7 @@ import io
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -87,11 +88,14 @@ def test_environment_and_prefixed_output(tmp_path):
     )
     out = io.StringIO()
     argv = [worker, "--processes", "9"]
-    code = launch.launch(argv, processes=3, devices_per_process=2, port=12345, out=out)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a port free now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = launch.launch(argv, processes=3, devices_per_process=2, port=port, out=out)
     assert code == 0
     lines = out.getvalue().splitlines()
     for i in range(3):
-        line = f"[{i}] id {i} of 3 devices 2 2 coordinator 127.0.0.1:12345 args ['--processes', '9']"
+        line = f"[{i}] id {i} of 3 devices 2 2 coordinator 127.0.0.1:{port} args ['--processes', '9']"
         assert line in lines, lines
         assert f"[{i}] to stderr" in lines, lines
     assert len(lines) == 6, lines
@@ -146,10 +150,11 @@ def test_first_failure_stops_the_others(tmp_path, capfd, fail, code, message):
             os.kill(pid, 0)
 
 
-def test_jax_process_that_raises_fails_the_launch_at_once(tmp_path, capfd):
+def test_jax_process_that_raises_fails_the_launch_at_once(tmp_path, capfd, monkeypatch):
     """After `initialize`, an exception ends its process at once (no shutdown barrier), while
     the other process waits in a collective for it: the launcher must not wait for gloo's 30 s
     timeout or JAX's 300 s shutdown timeout."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the processes import this checkout's pipejax
     worker = script(
         tmp_path,
         """

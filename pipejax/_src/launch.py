@@ -9,20 +9,26 @@ script, a mesh may span the devices of all processes, and XLA collectives (``ppe
 ``psum``) move data between processes.
 
 The launcher owns the processes: it prefixes every output line with the process's index, stops
-the others as soon as one fails (its exit code becomes the launcher's), stops all after
-``--timeout`` seconds (exit code 124), and never leaves a process behind.
+the others as soon as one fails (its exit code becomes the launcher's) or leaves without joining
+while the others wait to, stops all after ``--timeout`` seconds (exit code 124), and ends every
+process group when it returns, so that no child of any process is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import numbers
 import os
+import pathlib
+import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,11 +39,14 @@ COORDINATOR = "PIPEJAX_COORDINATOR"  # "host:port" of process 0's coordination s
 NUM_PROCESSES = "PIPEJAX_NUM_PROCESSES"
 PROCESS_ID = "PIPEJAX_PROCESS_ID"
 DEVICES_PER_PROCESS = "PIPEJAX_DEVICES_PER_PROCESS"
+LAUNCH_DIR = "PIPEJAX_LAUNCH_DIR"  # a folder where `initialize` marks how far each process got
 
 TIMEOUT_EXIT_CODE = 124  # as coreutils' `timeout`
 _HOST = "127.0.0.1"  # the launcher starts local processes only: loopback
 _GRACE_S = 3.0  # after SIGTERM, how long a process may take to exit before SIGKILL
-_POLL_S = 0.05
+_POLL_S = 0.05  # the longest the wait loop sleeps
+_STOP_POLL_S = 0.02
+_DRAIN_S = 0.2  # after all processes have ended, how long to wait for a pipe's end
 
 
 class ProcessInfo(NamedTuple):
@@ -62,11 +71,14 @@ def initialize(*, initialization_timeout: int = 120) -> ProcessInfo:
     process and ``jax.local_devices()`` this process's own. Call it once, at the top of the
     script, before any JAX computation (JAX fixes its devices at the first one).
 
-    An uncaught exception then ends the process at once, with exit code 1, after printing its
-    traceback: JAX's own exit handler would otherwise wait in a shutdown barrier for the other
-    processes (which may be blocked in a collective waiting for this one), so the launcher
-    would not see the failure for minutes. ``sys.exit(code)`` still passes through that
-    barrier; raise an exception to fail fast.
+    Afterwards a failure ends the process without JAX's exit handler, which would wait in a
+    shutdown barrier for the other processes (they may be blocked in a collective waiting for
+    this one, so the launcher would not see the failure until a timeout fires, 30 s to
+    minutes): an uncaught exception prints its traceback and ends the process at once with exit
+    code 1; ``sys.exit(code)`` with ``code != 0`` unwinds as usual (``finally`` blocks run) and
+    then ends the process with ``code``, skipping the barrier. ``sys.exit()``, ``sys.exit(0)``
+    and the end of the script pass through the barrier, so that process 0, which runs the
+    coordination service, outlives the others.
 
     Args:
       initialization_timeout: seconds to wait for every process to join before failing.
@@ -76,7 +88,8 @@ def initialize(*, initialization_timeout: int = 120) -> ProcessInfo:
 
     Raises:
       RuntimeError: when the process was not started by the launcher (the variables are
-        missing), or when JAX has already run a computation in this process.
+        missing), when JAX has already started its backends in this process (a computation,
+        ``jax.devices()``), or, in process 0, when the coordinator's port is taken.
       ValueError: when a variable holds something other than what the launcher writes.
 
     Examples:
@@ -92,28 +105,84 @@ def initialize(*, initialization_timeout: int = 120) -> ProcessInfo:
       RuntimeError: pipejax.launch.initialize() found no PIPEJAX_COORDINATOR ...
     """
     info = _read_environment(os.environ)
+    host, port = info.coordinator.rsplit(":", 1)
+    local = host in (_HOST, "localhost")  # a loopback coordinator listens on loopback only
+    if info.process_id == 0 and local:
+        _check_port_is_free(host, int(port))
     import jax  # imported here: the launcher process itself never configures or starts JAX
 
-    try:
-        jax.config.update("jax_num_cpu_devices", info.devices_per_process)
-    except RuntimeError as err:  # JAX raises it once a computation has fixed the devices
+    if _backends_started(jax):
         raise RuntimeError(
-            "pipejax.launch.initialize() must run before any JAX computation in the process (JAX "
-            f"fixes its devices at the first one), but JAX has already started: {err}\nCall it at "
-            "the top of the script, right after the imports."
-        ) from err
+            "pipejax.launch.initialize() must run before any JAX computation in the process, but "
+            "JAX has already started its backends here (a computation, jax.devices() or "
+            "jax.device_put ran before it): JAX fixes its devices then, and "
+            "jax.distributed.initialize() can no longer join the other processes. Call "
+            "initialize() at the top of the script, right after the imports."
+        )
+    jax.config.update("jax_num_cpu_devices", info.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    host, port = info.coordinator.rsplit(":", 1)
+    _tell_launcher(info.process_id, "joining")
     jax.distributed.initialize(
         info.coordinator,
         num_processes=info.num_processes,
         process_id=info.process_id,
         initialization_timeout=initialization_timeout,
-        # A loopback coordinator listens on loopback only, not on every interface.
-        coordinator_bind_address=f"{host}:{port}" if host in (_HOST, "localhost") else None,
+        coordinator_bind_address=info.coordinator if local else None,
     )
+    _tell_launcher(info.process_id, "joined")
     sys.excepthook = _exit_at_once(sys.excepthook)
+    sys.exit, skip_barrier = _remember_failing_exit(sys.exit)
+    atexit.register(skip_barrier)  # runs before JAX's handler, which was registered earlier
     return info
+
+
+def _backends_started(jax) -> bool:
+    """Whether JAX has started its backends in this process (they fix the devices).
+
+    ``jax_num_cpu_devices`` may change only until then, but JAX accepts setting the value it
+    already has at any time (under the launcher, ``JAX_NUM_CPU_DEVICES`` already holds it), so
+    try a different value, and put the old one back.
+    """
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
+
+
+def _check_port_is_free(host: str, port: int) -> None:
+    """Raises a clear error where JAX's coordination service would fail (or crash) on a taken port."""
+    err = _port_taken(host, port)
+    if err is not None:
+        raise RuntimeError(
+            f"pipejax.launch.initialize(): process 0 cannot start JAX's coordination service on "
+            f"{host}:{port}: the port is already in use ({err.strerror}). If you passed `--port "
+            f"{port}`, pass a free port or leave --port out (the launcher then picks a free one); "
+            "otherwise another program took the port the launcher picked: start again."
+        )
+
+
+def _port_taken(host: str, port: int) -> OSError | None:
+    """The error binding ``host:port`` gives, or None where the port is free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: ignores TIME_WAIT
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            return err
+    return None
+
+
+def _tell_launcher(process_id: int, stage: str) -> None:
+    """Leaves a mark in the launcher's directory: how far this process got in `initialize`."""
+    folder = os.environ.get(LAUNCH_DIR)
+    if folder:
+        try:
+            pathlib.Path(folder, f"{process_id}.{stage}").touch()
+        except OSError:  # the launcher has gone (and removed it): nobody to tell
+            pass
 
 
 def _exit_at_once(print_traceback):
@@ -121,11 +190,42 @@ def _exit_at_once(print_traceback):
 
     def hook(kind, value, traceback):
         print_traceback(kind, value, traceback)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         os._exit(1)
 
     return hook
+
+
+def _remember_failing_exit(original_exit):
+    """A ``sys.exit`` that remembers a failing code, and an exit handler that exits with it.
+
+    ``sys.exit`` raises ``SystemExit`` as before (``finally`` blocks run), but Python keeps no
+    record of the code for exit handlers: the new ``sys.exit`` keeps it, and the handler, run
+    before JAX's, ends the process with it before JAX's shutdown barrier. Only the main thread's
+    calls count (``sys.exit`` in another thread ends that thread only).
+    """
+    failing = []
+
+    def exit(status=None):
+        if threading.current_thread() is threading.main_thread():
+            code = 0 if status is None else status & 0xFF if isinstance(status, int) else 1
+            failing[:] = [code] if code else []
+        original_exit(status)
+
+    def skip_barrier():
+        if failing:
+            _flush()
+            os._exit(failing[0])
+
+    return exit, skip_barrier
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced streams
+            pass
 
 
 def _read_environment(env: Mapping[str, str]) -> ProcessInfo:
@@ -182,8 +282,12 @@ def launch(
 
     The call returns when every process has exited with 0 (it returns 0), when one exits with
     another code (the others are stopped at once and that code is returned; a process killed
-    by signal ``k`` counts as ``128 + k``), or after ``timeout`` seconds (all are stopped and
-    124 is returned). Stopping sends SIGTERM to each process's session, then SIGKILL 3 s later.
+    by signal ``k`` counts as ``128 + k``), when one exits with 0 without joining the group
+    while another waits for it in :func:`initialize` (the others are stopped, 1 is returned), or
+    after ``timeout`` seconds (all are stopped and 124 is returned). In every case it then ends
+    the process group of every process, those that have exited too, so that no child a process
+    started is left running: SIGTERM, then SIGKILL to what is left 3 s later (at once to a
+    process that joined JAX's group: JAX catches SIGTERM).
 
     Args:
       command: the arguments after ``python``: ``["script.py", *args]`` or ``["-m", "module",
@@ -198,7 +302,7 @@ def launch(
       The exit code: 0, the first failing process's code, or 124 on timeout.
 
     Raises:
-      TypeError, ValueError: for bad arguments, before any process starts.
+      TypeError, ValueError: for bad arguments (a ``port`` in use too), before any process starts.
 
     Examples:
       >>> from pipejax import launch
@@ -217,24 +321,33 @@ def launch(
     if port is not None:
         if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 1 <= port <= 65535:
             raise ValueError(f"`port` must be an int in [1, 65535] or None (pick a free one), got {port!r}.")
+        err = _port_taken(_HOST, int(port))
+        if err is not None:
+            raise ValueError(
+                f"`port` (--port) is {port}, but {_HOST}:{port} is already in use ({err.strerror}), so "
+                "process 0 could not start JAX's coordination service there. Pass a free port, or "
+                "leave --port out so that the launcher picks one."
+            )
     out = sys.stdout if out is None else out
     coordinator = f"{_HOST}:{_free_port() if port is None else int(port)}"
-    group = _Group(out)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="pipejax-launch-"))
+    group = _Group(out, folder)
     try:
         for i in range(processes):
-            group.start(
-                i, [sys.executable, *command], _environment(i, processes, devices_per_process, coordinator)
-            )
+            env = _environment(i, processes, devices_per_process, coordinator, folder)
+            group.start(i, [sys.executable, *command], env)
         return group.wait(timeout)
     finally:
         group.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _environment(i, processes, devices_per_process, coordinator) -> dict[str, str]:
+def _environment(i, processes, devices_per_process, coordinator, folder) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
             COORDINATOR: coordinator,
+            LAUNCH_DIR: str(folder),
             NUM_PROCESSES: str(processes),
             PROCESS_ID: str(i),
             DEVICES_PER_PROCESS: str(devices_per_process),
@@ -254,13 +367,23 @@ def _free_port() -> int:
 
 
 class _Group:
-    """The started processes, one output-forwarding thread each, and how to stop them."""
+    """The started processes: their output, their exits, and how to stop them and their children.
 
-    def __init__(self, out: IO[str]):
+    One loop, in the calling thread, forwards the output and notices exits: ``selectors`` wakes
+    it when a process writes, or (where ``os.pidfd_open`` exists) ends, and at least every
+    ``_POLL_S`` seconds. A process that has exited is not reaped until :meth:`stop` (``waitid``
+    with ``WNOWAIT`` reads its code): until then its pid cannot be reused, so it still names the
+    process group of the children the process left behind, and ``stop`` can end them.
+    """
+
+    def __init__(self, out: IO[str], folder: pathlib.Path):
         self.out = out
-        self.lock = threading.Lock()
+        self.folder = folder  # where `initialize` marks how far each process got
         self.procs: list[subprocess.Popen] = []
-        self.threads: list[threading.Thread] = []
+        self.codes: dict[int, int] = {}  # exit codes seen so far (128 + k for signal k), by index
+        self.partial: dict[int, bytes] = {}  # per process still writing: its unfinished last line
+        self.selector = selectors.DefaultSelector()
+        self.pidfds: list[int] = []
 
     def start(self, i: int, argv: list[str], env: dict[str, str]) -> None:
         proc = subprocess.Popen(
@@ -272,66 +395,194 @@ class _Group:
             start_new_session=True,  # its own process group: stopping it stops its children too
         )
         self.procs.append(proc)
-        thread = threading.Thread(target=self._forward, args=(i, proc.stdout), daemon=True)
-        thread.start()
-        self.threads.append(thread)
+        os.set_blocking(proc.stdout.fileno(), False)
+        self.selector.register(proc.stdout, selectors.EVENT_READ, ("output", i))
+        self.partial[i] = b""
+        if hasattr(os, "pidfd_open"):  # Linux: readable once the process has exited
+            try:
+                self.pidfds.append(os.pidfd_open(proc.pid))
+            except OSError:  # an old kernel: the poll interval finds the exit instead
+                pass
+            else:
+                self.selector.register(self.pidfds[-1], selectors.EVENT_READ, ("exit", i))
 
-    def _forward(self, i: int, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            with self.lock:
-                self.out.write(f"[{i}] {line}\n")
-                self.out.flush()
-        stream.close()
+    def pump(self, timeout: float) -> None:
+        """Forwards the output that arrives within ``timeout`` seconds, line by line."""
+        for key, _ in self.selector.select(timeout):
+            kind, i = key.data
+            if kind == "exit":  # stays readable: stop watching it, `exits` reads the code
+                self.selector.unregister(key.fileobj)
+                continue
+            try:
+                chunk = os.read(key.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if chunk:
+                *lines, self.partial[i] = (self.partial[i] + chunk).split(b"\n")
+            else:  # every writer has closed the pipe: the process and its children
+                self.selector.unregister(key.fileobj)
+                rest = self.partial.pop(i)
+                lines = [rest] if rest else []
+            self.write(i, lines)
+
+    def write(self, i: int, lines: list[bytes]) -> None:
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r")
+            self.out.write(f"[{i}] {line}\n")
+        if lines:
+            self.out.flush()
+
+    def exits(self) -> list[int]:
+        """The processes that have exited since the last call; their codes go to ``codes``."""
+        new = []
+        for i, proc in enumerate(self.procs):
+            if i not in self.codes:
+                code = _exit_code(proc)
+                if code is not None:
+                    self.codes[i] = code
+                    new.append(i)
+        return new
+
+    def marked(self, i: int, stage: str) -> bool:
+        return (self.folder / f"{i}.{stage}").exists()
 
     def say(self, message: str) -> None:
-        with self.lock:
-            self.out.flush()
-            print(f"pipejax.launch: {message}", file=sys.stderr, flush=True)
+        self.out.flush()
+        print(f"pipejax.launch: {message}", file=sys.stderr, flush=True)
 
     def wait(self, timeout: float | None) -> int:
         """Waits for all to succeed, the first to fail, or the deadline; returns the exit code."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                codes = [p.poll() for p in self.procs]
-                failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    i, code = failed[0]
-                    code = 128 - code if code < 0 else code  # killed by signal k: 128 + k
-                    running = sum(c is None for c in codes)
-                    rest = f"; stopping the {running} still running" if running else ""
-                    self.say(f"process {i} exited with code {code}{rest}.")
-                    return code
-                if all(c == 0 for c in codes):
+                self.pump(_POLL_S)
+                for i in self.exits():
+                    code = self.codes[i]
+                    if code != 0:
+                        self.say(f"process {i} exited with code {code}{self.stopping()}.")
+                        return code
+                if len(self.codes) == len(self.procs):
                     return 0
+                stranded = self.stranded()
+                if stranded is not None:
+                    gone, waiting = stranded
+                    self.say(
+                        f"process {gone} exited with code 0 without joining the group (it did not call "
+                        f"pipejax.launch.initialize(), or left before it returned), while process "
+                        f"{waiting} waits for it in initialize(): the group cannot form{self.stopping()}."
+                    )
+                    return 1
                 if deadline is not None and time.monotonic() > deadline:
                     self.say(f"timed out after {timeout:g} s; stopping all processes.")
                     return TIMEOUT_EXIT_CODE
-                time.sleep(_POLL_S)
         except KeyboardInterrupt:
             self.say("interrupted; stopping all processes.")
             return 130
 
+    def stopping(self) -> str:
+        running = len(self.procs) - len(self.codes)
+        return f"; stopping the {running} still running" if running else ""
+
+    def stranded(self) -> tuple[int, int] | None:
+        """``(gone, waiting)``: a process that left with 0 without joining, and one waiting to join."""
+        gone = [i for i, c in self.codes.items() if c == 0 and not self.marked(i, "joined")]
+        if gone:
+            for i in range(len(self.procs)):
+                if i not in self.codes and self.marked(i, "joining") and not self.marked(i, "joined"):
+                    return gone[0], i
+        return None
+
     def stop(self) -> None:
-        """Stops every process still running (SIGTERM, then SIGKILL) and drains their output."""
-        running = [p for p in self.procs if p.poll() is None]
-        for p in running:
-            _signal_group(p, signal.SIGTERM)
-        end = time.monotonic() + _GRACE_S
-        for p in running:
-            try:
-                p.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)  # while unreaped, its pid still names its group
-                p.wait()
-        for t in self.threads:
-            t.join(timeout=_GRACE_S)
+        """Ends every process group, those of exited processes too, and forwards the last output.
+
+        SIGTERM to each group, then SIGKILL to the groups left after ``_GRACE_S`` seconds. A
+        process that joined JAX's group gets SIGKILL at once: JAX's preemption notifier catches
+        SIGTERM, so it would only delay the end by the grace period.
+        """
+        for i, proc in enumerate(self.procs):
+            _signal_group(proc, signal.SIGTERM)
+            if i not in self.codes and self.marked(i, "joined"):
+                _signal(proc.pid, signal.SIGKILL)
+        if not self.end_groups(time.monotonic() + _GRACE_S):
+            for proc in self.procs:
+                if _group_alive(proc):  # only then is its pid still certain to name its group
+                    _signal_group(proc, signal.SIGKILL)
+            self.end_groups(time.monotonic() + _GRACE_S)
+        # Every writer has gone, except a child that started a session of its own: drain briefly.
+        end = time.monotonic() + _DRAIN_S
+        while self.partial and time.monotonic() < end:
+            self.pump(_DRAIN_S)
+        for i in list(self.partial):
+            self.write(i, [self.partial.pop(i)] if self.partial[i] else [])
+        self.selector.close()
+        for proc in self.procs:
+            proc.stdout.close()
+        for fd in self.pidfds:
+            os.close(fd)
+
+    def end_groups(self, deadline: float) -> bool:
+        """Reaps the processes and waits until their groups are empty; whether all ended in time."""
+        while True:
+            for proc in self.procs:
+                proc.poll()  # reaps it; a group holding only its unreaped leader is not empty
+            if not any(_group_alive(proc) for proc in self.procs):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self.pump(_STOP_POLL_S)  # a process blocked on a full pipe must be able to write
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The exit code of a process that has exited (128 + k if signal k ended it), without reaping it."""
+    if proc.returncode is None and hasattr(os, "waitid"):
+        result = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if result is None:
+            return None
+        return result.si_status if result.si_code == os.CLD_EXITED else 128 + result.si_status
+    code = proc.poll()  # without waitid: reaps it
+    return None if code is None else 128 - code if code < 0 else code
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    """Whether a process of the group runs: one that has exited but is not yet reaped does not."""
+    if proc.poll() is None:
+        return True
+    try:
+        os.killpg(proc.pid, 0)  # the session started for this process: pgid == its pid
+    except (ProcessLookupError, PermissionError):
+        return False
+    # killpg counts zombies too: a child left behind is reaped by init (here PID 1 took ~1.5 s).
+    return _live_member(proc.pid)
+
+
+def _live_member(pgid: int) -> bool:
+    """Whether the group has a process that is not a zombie (without /proc: assume it has)."""
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return True
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        state, _, group = stat[stat.rindex(")") + 2 :].split()[:3]  # after "pid (command) "
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)  # the session started for this process: pgid == its pid
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -459,6 +710,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the script {opts.target!r} does not exist (to run a module, pass -m {opts.target})"
             )
         command = [opts.target, *opts.args]
+    if opts.port is not None and (err := _port_taken(_HOST, opts.port)) is not None:
+        parser.error(
+            f"--port {opts.port}: {_HOST}:{opts.port} is already in use ({err.strerror}); pass a free "
+            "port, or leave --port out so that the launcher picks one"
+        )
     return launch(
         command,
         processes=opts.processes,
