@@ -36,6 +36,7 @@ from pipejax._src.schedule import circular as circular_schedule
 from pipejax._src.schedule import circular_bubble_fraction as circular_bubble_fraction
 from pipejax._src.schedule import gpipe as gpipe_schedule
 from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
+from pipejax._src.schedule import sequential as sequential_schedule
 
 __version__ = "0.1.0"
 
@@ -73,6 +74,7 @@ __all__ = [
     "moments",
     "partition",
     "pipeline",
+    "sequential_schedule",
     "split_microbatches",
     "stage_key",
 ]
