@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pipejax._src.layout import Layout
 from pipejax._src.schedule import Schedule
@@ -105,7 +104,6 @@ class Phase(NamedTuple):
     start: int
     stop: int
     remat: Remat  # how each stage computation (bubble guard included) is wrapped
-    stage: int | None = None  # the stage every tick of the phase runs, when it is one (static)
     guard: bool = True  # whether a tick of the phase may be a bubble (then ``lax.cond`` guards it)
 
 
@@ -135,9 +133,14 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     n, ticks = schedule.num_devices, schedule.num_ticks
     if checkpoint == "except_last":
         drain = max(ticks - n, 0)
-        cuts = [Phase(0, drain, remat_for("always")), Phase(drain, ticks, remat_for("never"))]
+        cuts = [_guarded(0, drain, "always"), _guarded(drain, ticks, "never")]
         return [p for p in cuts if p.stop > p.start]
-    return [Phase(0, ticks, remat_for(checkpoint))]
+    return [_guarded(0, ticks, checkpoint)]
+
+
+def _guarded(start: int, stop: int, checkpoint: Any) -> Phase:
+    """A phase whose ticks may be bubbles: the guarded stage call under the mode's wrapper."""
+    return Phase(start, stop, remat_for(checkpoint))
 
 
 def remat_for(checkpoint: Any) -> Remat:
@@ -150,31 +153,17 @@ def remat_for(checkpoint: Any) -> Remat:
 
 
 def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
-    """Phases for running ``schedule``'s work on one device, one stage after the other.
-
-    Without a mesh, a device can run stage 0 on every micro-batch, then stage 1, and so on: the
-    table :func:`pipejax._src.schedule.sequential` has no bubble, so no tick needs a guard, and
-    each stage's ticks form a phase of its own whose stage is static (no ``lax.switch``): every
-    stage function appears once in the program, called directly. ``"except_last"`` keeps the
-    activations of exactly the (stage, micro-batch) pairs it keeps when ``schedule`` runs on its
-    devices (those of the drain), so each stage's ticks are cut in two where those begin; the
-    backward pass then sums every stage's parameter cotangents in the order a mesh does, and the
-    gradients are bitwise those of the mesh.
-    """
-    m, S = schedule.num_micro, schedule.num_stages
-    out = []
-    drain = max(schedule.num_ticks - schedule.num_devices, 0)
-    for s in range(S):
-        first = s * m
-        if checkpoint != "except_last":
-            out.append(Phase(first, first + m, remat_for(checkpoint), stage=s, guard=False))
-            continue
-        # the first micro-batch that stage s works on in the drain of `schedule`
-        ticks = [int(np.argwhere((schedule.table == i) & (schedule.stages() == s))[0, 0]) for i in range(m)]
-        cut = next((i for i, t in enumerate(ticks) if t >= drain), m)
-        parts = [(first, first + cut, remat_for("always")), (first + cut, first + m, remat_for("never"))]
-        out.extend(Phase(a, b, r, stage=s, guard=False) for a, b, r in parts if b > a)
-    return out
+    """Phases for :func:`pipejax._src.schedule.sequential` (``mesh=None``): no tick is a bubble,
+    so none is guarded; ``"except_last"`` keeps the activations of the last micro-batch (as
+    torchgpipe does) in a second scan."""
+    m = schedule.num_ticks
+    if checkpoint == "except_last":
+        cuts = [
+            Phase(0, m - 1, remat_for("always"), guard=False),
+            Phase(m - 1, m, remat_for("never"), guard=False),
+        ]
+        return [p for p in cuts if p.stop > p.start]
+    return [Phase(0, m, remat_for(checkpoint), guard=False)]
 
 
 # --- checkpoint_sequential ------------------------------------------------------------------------

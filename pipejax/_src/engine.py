@@ -141,7 +141,7 @@ class Heterogeneous:
     ``params``/``state`` come as one packed buffer per dtype with the device's stages on a
     leading axis (``(v, size)``: a :class:`~pipejax._src.placement.StageParams`' buffers) when
     ``switch`` is True (a mesh: one SPMD program picks the stage with ``lax.switch``), and as a
-    tuple of per-stage pytrees otherwise (virtual devices: each calls its own stages).
+    list of per-stage pytrees otherwise (virtual devices: device ``d`` calls stage ``d``).
     """
 
     def __init__(self, cfg, boundaries, stats_layouts, param_layouts, state_layouts, num_devices, switch):
@@ -157,8 +157,9 @@ class Heterogeneous:
             self.sbox = Container.for_layouts(state_layouts)
 
     def packed(self, d) -> bool:
-        """Whether device ``d``'s messages travel in containers (it runs several stage types)."""
-        return self.switch or self.v > 1
+        """Whether device ``d``'s messages travel in containers (on a mesh, where every device
+        sends one type)."""
+        return self.switch
 
     def message_zeros(self, d, leading=()):
         if self.packed(d):
@@ -207,35 +208,10 @@ class Heterogeneous:
                 index = jnp.where(working, s, self.S)
                 branches.append(lambda *args: prev)
             return lax.switch(index, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
-        own = range(d, self.S, self.D)  # the stages of virtual device d
-
-        def branch(j, t):
-            call = stage_call(self.cfg, t)
-
-            def f(ps, sts, x_in, xs, mask, ic, k):
-                p, st = ps[j], sts[j]
-                if t == 0:
-                    x = take(xs, ic)
-                elif self.v > 1:
-                    x = self.box.unpack(x_in, self.boundaries[t])
-                else:
-                    x = x_in
-                y, stats = call(p, x, k, st, take(mask, ic))
-                return (self.box.pack(y), self.statbox.pack(stats)) if self.v > 1 else (y, stats)
-
-            return f
-
-        branches = [branch(j, t) for j, t in enumerate(own)]
-        ps, sts = tuple(params[t] for t in own), tuple(state[t] for t in own)
-        if guard is not None:
-            working, prev = guard
-            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
-            return lax.cond(working, run, lambda: prev)
-        if self.v == 1:
-            return branches[0](ps, sts, x_in, xs, mask, ic, key_for(d))
-        if isinstance(s, int):  # a phase of one stage: call it directly
-            return branches[s // self.D](ps, sts, x_in, xs, mask, ic, key_for(s))
-        return lax.switch(s // self.D, branches, ps, sts, x_in, xs, mask, ic, key_for(s))
+        # a virtual device (no mesh) runs its own stage d on raw activations: a direct call
+        assert guard is None and self.v == 1, "virtual devices run one stage each, without bubbles"
+        x = take(xs, ic) if d == 0 else x_in
+        return stage_call(self.cfg, d)(params[d], x, key_for(d), state[d], take(mask, ic))
 
     def stats_rows(self, stats_by_device):
         """Per-device stats accumulators ``[d] -> (v, m, ...)`` -> a list with one pytree per stage."""
@@ -366,6 +342,9 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard)
 
     def step(d, params, state, inbox, prev, i, s):
+        if isinstance(s, int):  # a static stage stays static inside the checkpoint
+            g = phase.remat(lambda *a: f(d, *a, s))
+            return g(params, state, xs, mask, key, inbox, prev, i)
         g = phase.remat(lambda *a: f(d, *a))
         return g(params, state, xs, mask, key, inbox, prev, i, s)
 
@@ -384,72 +363,61 @@ def _scan(schedule, phases, carry, tick):
 
 
 class LocalDevices:
-    """The table's ``D`` devices as virtual devices on the default device (``mesh=None``)."""
+    """Without a mesh: one device runs every stage, in turn, on micro-batch ``t`` at tick ``t``.
+
+    The table is :func:`pipejax._src.schedule.sequential`: its ``S`` columns are virtual devices
+    that hand their output to the next one within the tick, so there is no bubble, no guard and
+    no switch -- the stages in a micro-batched ``lax.scan``. Heterogeneous stages are a Python
+    loop over the columns (each stage function appears once, called directly); homogeneous
+    stages an inner ``lax.scan`` over them (the stage function appears once).
+    """
 
     def __init__(self, cfg: Config, stacked: bool):
         self.cfg, self.stacked = cfg, stacked
 
     def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
-        cfg, D, m = self.cfg, ctx.D, ctx.m
+        cfg, S, m = self.cfg, ctx.S, ctx.m
         ident = lambda t: t
         untyped = lambda tree, template: tree
         params, state = inputs.params, inputs.state
+        stages = ctx.stages
 
         def tick(phase):
             step = make_step(cfg, ctx, inputs, phase, untyped, ident)
-            if self.stacked:
-                return self._stacked_tick(ctx, step, params, state)
+
+            def one(d, inbox, acc, stats, tick_rows):
+                carry = Carry(inbox, None, acc, stats, ())
+                static = d if isinstance(d, int) else None
+                carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step, static)
+                return out[0], carry.acc, carry.stats
 
             def body(c, tick_rows):
-                prevs, acc, stats, loop = c
-                outs, new_stats = [], []
-                for d in range(D):
-                    inbox = prevs[(d - 1) % D][0]  # device 0: what the last device sent (the ring)
-                    carry = Carry(inbox, prevs[d], acc, stats[d], loop)
-                    carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step, phase.stage)
-                    acc, loop = carry.acc, carry.loop
-                    outs.append(out)
-                    new_stats.append(carry.stats)
-                return (tuple(outs), acc, tuple(new_stats), loop), None
+                acc, stats = c
+                if self.stacked:  # an inner scan over the stages
+
+                    def inner(c, per_stage):
+                        inbox, acc = c
+                        d, st = per_stage
+                        message, acc, st = one(d, inbox, acc, st, tick_rows)
+                        return (message, acc), st
+
+                    first = stages.message_zeros(0)[0]
+                    (_, acc), stats = lax.scan(inner, (first, acc), (jnp.arange(S), stats))
+                    return (acc, stats), None
+                inbox, new = None, []
+                for d in range(S):
+                    inbox, acc, st = one(d, inbox, acc, stats[d], tick_rows)
+                    new.append(st)
+                return (acc, tuple(new)), None
 
             return body
 
-        stages = ctx.stages
-        prevs = tuple(stages.message_zeros(d) for d in range(D))
-        stats = tuple(stages.message_zeros(d, (ctx.v, m))[1] for d in range(D))
-        loop = self._loop_zeros(ctx)
+        stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
         if self.stacked:
-            prevs = jax.tree.map(lambda *a: jnp.stack(a), *prevs)
             stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        init = (prevs, stages.acc_zeros(m)[None], stats, loop)
-        _, acc, stats, _ = _scan(schedule, phases, init, tick)
-        by_device = stats if self.stacked else list(stats)
-        return acc[0], stages.stats_rows(by_device)
-
-    def _loop_zeros(self, ctx):
-        if ctx.v == 1:
-            return ()
-        return jax.tree.map(lambda a: a[None], ctx.stages.message_zeros(0, (ctx.m,))[0])
-
-    def _stacked_tick(self, ctx, step, params, state):
-        """Homogeneous stages: an inner scan over the virtual devices (the stage appears once)."""
-        D = ctx.D
-
-        def body(c, tick_rows):
-            prevs, acc, stats, loop = c
-            inboxes = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), prevs[0])  # device d-1's message
-
-            def one(inner, per_device):
-                acc, loop = inner
-                d, inbox, prev, st = per_device
-                carry = Carry(inbox, prev, acc, st, loop)
-                carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step)
-                return (carry.acc, carry.loop), (out, carry.stats)
-
-            (acc, loop), (outs, stats) = lax.scan(one, (acc, loop), (jnp.arange(D), inboxes, prevs, stats))
-            return (outs, acc, stats, loop), None
-
-        return body
+        _, stats = acc_stats = _scan(schedule, phases, (stages.acc_zeros(m)[None], stats), tick)
+        acc = acc_stats[0]
+        return acc[0], stages.stats_rows(stats if self.stacked else list(stats))
 
 
 class MeshDevices:
@@ -570,12 +538,12 @@ def _gather_stages(tree, s, n, axis_name):
 def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):
     """Runs ``schedule`` on ``devices`` with ``stages``: ``(outputs (m, ...), stats per stage)``.
 
-    Heterogeneous stages without a mesh run the same work on one device, stage after stage
+    Without a mesh the same work runs on one device, every stage in turn on each micro-batch
     (:func:`pipejax._src.schedule.sequential`): no bubble, no guard, no switch.
     """
-    if isinstance(devices, LocalDevices) and not devices.stacked:
-        phases = ckpt.sequential_phases(cfg.checkpoint, schedule)
+    if isinstance(devices, LocalDevices):
         schedule = sched.sequential(len(cfg.stages), schedule.num_micro)
+        phases = ckpt.sequential_phases(cfg.checkpoint, schedule)
     else:
         phases = ckpt.phases(cfg.checkpoint, schedule)
     ctx = _Ctx(len(cfg.stages), schedule.num_devices, schedule.repeats, schedule.num_micro, stages)

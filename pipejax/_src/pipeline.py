@@ -458,16 +458,18 @@ class Pipeline:
         local = self.mesh is None
         if self.homogeneous:
             boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct)
-            stages = engine.Homogeneous(cfg, boundaries, stats, self.num_devices, local)
+            stages = engine.Homogeneous(
+                cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
+            )
         else:
             boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct)
             layouts = (None, None)
             if not local:
                 layouts = (params.layouts, state.layouts)
                 params, state = params.buffers, state.buffers
-            # without a mesh, one device runs the stages in turn (see `engine.run`)
+            # without a mesh every stage is a column of its own (see `engine.LocalDevices`)
             stages = engine.Heterogeneous(
-                cfg, boundaries, stats, *layouts, 1 if local else self.num_devices, not local
+                cfg, boundaries, stats, *layouts, self.num_stages if local else self.num_devices, not local
             )
         if local:
             devices = engine.LocalDevices(cfg, stacked=self.homogeneous)

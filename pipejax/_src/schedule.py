@@ -111,13 +111,17 @@ def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
 
 
 def sequential(num_stages: int, num_micro: int) -> Schedule:
-    """All stages on one device, one after the other: stage ``s`` on micro-batch ``i`` at tick
-    ``s * m + i``. No bubble; the circular table with one device and ``repeats = num_stages``.
+    """Every stage on micro-batch ``t`` at tick ``t``: the table of one device running the stages
+    in turn, whose columns hand their output to the next column within the tick (``mesh=None``).
 
-    >>> sequential(2, 3).table.T.tolist(), sequential(2, 3).stage_table.T.tolist()
-    ([[0, 1, 2, 0, 1, 2]], [[0, 0, 0, 1, 1, 1]])
+    No bubble; ``m`` ticks. (On a mesh a message takes a tick to travel, hence GPipe's skew.)
+
+    >>> s = sequential(3, 2)
+    >>> s.table.T.tolist(), s.stages().T.tolist(), s.bubble_fraction()
+    ([[0, 1], [0, 1], [0, 1]], [[0, 0], [1, 1], [2, 2]], 0.0)
     """
-    return circular(1, num_micro, num_stages)
+    table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], (num_micro, num_stages))
+    return Schedule(table=np.array(table), num_micro=num_micro, fill_ticks=0)
 
 
 def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
