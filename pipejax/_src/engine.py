@@ -179,9 +179,10 @@ class Heterogeneous:
     def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
         """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
 
-        ``guard``: ``(working, prev)``; where ``working`` is False (a bubble) nothing runs and
-        ``prev`` is returned. On a mesh the bubble is one more branch of the stage switch (one
-        level of control flow, not a ``cond`` around a ``switch``).
+        ``guard``: ``(working, prev, inner)``; where ``working`` is False (a bubble) nothing runs
+        and ``prev`` is returned; ``inner`` wraps each stage branch (see ``checkpoint.Phase``).
+        On a mesh the bubble is one more branch of the stage switch (one level of control flow,
+        not a ``cond`` around a ``switch``).
         """
         if self.switch:
             r = s // self.D
@@ -204,9 +205,9 @@ class Heterogeneous:
             branches = [branch(t) for t in range(self.S)]
             index = s
             if guard is not None:
-                working, prev = guard
+                working, prev, inner = guard
                 index = jnp.where(working, s, self.S)
-                branches.append(lambda *args: prev)
+                branches = [inner(b) for b in branches] + [lambda *args: prev]
             return lax.switch(index, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
         # a virtual device (no mesh) runs its own stage d on raw activations: a direct call
         assert guard is None and self.v == 1, "virtual devices run one stage each, without bubbles"
@@ -256,9 +257,12 @@ class Homogeneous:
         """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0); ``guard``
         as for :meth:`Heterogeneous.compute`, with a ``lax.cond``."""
         if guard is not None:
-            working, prev = guard
-            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
-            return lax.cond(working, run, lambda: prev)
+            working, prev, inner = guard
+
+            def run(params, state, x_in):
+                return self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
+
+            return lax.cond(working, inner(run), lambda *_: prev, params, state, x_in)
         x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
         if self.local:
             p, st = named(
@@ -338,7 +342,7 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         key_for = lambda t: stage_keys(cfg, key, global_micro(ic), t, micro_size)
         like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
         # guard: on a bubble (i < 0) the stage does not run and the device keeps its last output
-        guard = (i >= 0, prev) if phase.guard else None
+        guard = (i >= 0, prev, phase.inner) if phase.guard else None
         return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard)
 
     def step(d, params, state, inbox, prev, i, s):
