@@ -277,11 +277,11 @@ def model_bytes(mode: str, n: int, m: int, A: int, R: int, O: int) -> tuple[int,
     }[mode]
     # Corrected (see docs/benchmark_pipeline.md): ticks with a full stage computation keep the
     # stage's residuals R and its input A; checkpointed ticks keep only the input A (none when
-    # n == 1, where the input is read from the batch). The first n - 1 ticks are always
-    # checkpointed. Parameter-sized buffers (gradient accumulators, loop-state copies) are left
+    # n == 1, where the input is read from the batch). "except_last" checkpoints all ticks but
+    # the last n. Parameter-sized buffers (gradient accumulators, loop-state copies) are left
     # out: the tables report them as (measured - model) / P.
     a = A if n > 1 else 0
-    kept = {"always": T, "never": min(n - 1, T), "except_last": max(m - 1, min(n - 1, T))}[mode]
+    kept = {"always": T, "never": 0, "except_last": max(T - n, 0)}[mode]
     corrected = kept * a + (T - kept) * (R + A) + m * O + (R if mode == "always" else 0)
     return initial, corrected
 
@@ -293,7 +293,8 @@ def phase_summary(mode: str, n: int, m: int) -> str:
 
         parts = []
         for ph in ckpt.phases(mode, pj.gpipe_schedule(n, m)):
-            remat = "c" if getattr(ph.remat, "func", None) is jax.checkpoint else "p"
+            full = getattr(ph.remat, "keywords", {}).get("policy") is None  # nothing saveable
+            remat = "c" if full else "p"
             parts.append(f"{ph.stop - ph.start}{remat}")
         return " ".join(parts)
     except Exception:  # diagnostics only; the engine's internals may change
@@ -774,10 +775,25 @@ def bench_compile(cfg) -> None:
 
         return build
 
+    def scanned():  # context: the same stages over the micro-batches in a plain lax.scan
+        stages = make_stages()
+
+        def loss(ps, x):
+            xs = x.reshape((chunks, batch // chunks, -1))
+
+            def body(total, xi):
+                for stage, p in zip(stages, ps, strict=True):
+                    xi = stage(p, xi, None)
+                return total + jnp.sum(xi**2), None
+
+            return jax.lax.scan(body, jnp.zeros((), x.dtype), xs)[0]
+
+        return jax.jit(jax.grad(loss)), (params, x)
+
     label = lambda mode, where, c=chunks: (
         f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}, chunks={c}"
     )
-    configs = {"composed (no pipeline)": composed}
+    configs = {"composed (no pipeline)": composed, "micro-batched lax.scan (no pipeline)": scanned}
     for where, mode in cfg["comp_configs"]:
         configs[label(mode, where)] = piped(mode, where)
     for where, mode in cfg["comp_chunks_configs"]:  # flat in chunks: same batch, more micro-batches
@@ -795,8 +811,10 @@ def bench_compile(cfg) -> None:
         f"(XLA), after `jax.clear_caches()` and with freshly made stage functions; median of {reps}\n"
         "interleaved repetitions. 'eqns' and 'tanh' count jaxpr equations of the traced jit(grad),\n"
         "recursively (the composed model has one tanh per layer forward; backward reuses them).\n"
+        "'micro-batched lax.scan' runs the same stages over the micro-batches in a plain scan:\n"
+        "context, without a target (what XLA costs for a loop over micro-batches at all).\n"
     )
-    targets = {k: COMPILE_TARGET for k in configs if k != "composed (no pipeline)"}
+    targets = {k: COMPILE_TARGET for k in configs if "no pipeline" not in k}
     compile_table(results, sizes, "composed (no pipeline)", "tanh", targets)
     flat = []
     for where, mode in cfg["comp_chunks_configs"]:

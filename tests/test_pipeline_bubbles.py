@@ -134,3 +134,32 @@ def test_plain_forward_is_finite_with_a_single_example(placement):
     y = pipe(params, x[:1])
     models.assert_trees_finite(y)
     models.assert_trees_close(y, ref(params, x[:1]), **FWD_TOL)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("layout", ["heterogeneous", "homogeneous"])
+@pytest.mark.parametrize("placement", ["none", "explicit"])
+def test_no_stage_execution_is_wasted(layout, checkpoint, placement):
+    """A forward call runs each (stage, micro-batch) pair exactly once: no bubble tick and no
+    discarded re-execution computes a stage (counted with a callback inside the stage)."""
+    n, m = 3, 4
+    log: list[tuple[int, int]] = []
+
+    def stage(p, x, key):
+        jax.debug.callback(lambda s, i: log.append((int(s), int(i))), p["idx"], x[0, 0])
+        return x * p["w"]
+
+    stages = stage if layout == "homogeneous" else [stage] * n
+    apply = pj.pipeline(
+        stages,
+        num_stages=n if layout == "homogeneous" else None,
+        chunks=m,
+        checkpoint=checkpoint,
+        mesh=models.make_mesh(placement, n),
+    )
+    per_stage = [{"idx": jnp.asarray(s), "w": jnp.asarray(1.0)} for s in range(n)]
+    params = jax.tree.map(lambda *a: jnp.stack(a), *per_stage) if layout == "homogeneous" else per_stage
+    x = jnp.repeat(jnp.arange(m, dtype=jnp.float64), 2)[:, None] * jnp.ones((1, 2))  # rows carry ids
+    jax.block_until_ready(apply(apply.place(params), x))
+    jax.effects_barrier()
+    assert sorted(log) == sorted((s, i) for s in range(n) for i in range(m))
