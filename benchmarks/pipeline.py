@@ -23,6 +23,7 @@ Sections (each prints markdown tables):
    checkpoint mode, a mesh and ``mesh=None``, few and many chunks) and of a homogeneous 32-layer
    stack against the un-pipelined composed model, with jaxpr equation counts.
 5. ``local``: ``mesh=None`` run time against the same stages run as a micro-batched ``lax.scan``.
+6. ``inputs``: argument and temp bytes per device with ``x`` replicated or split over the stages.
 """
 
 from __future__ import annotations
@@ -920,6 +921,41 @@ def bench_compile_homogeneous(cfg, mesh) -> None:
     compile_table(results, sizes, "composed (no pipeline)", "tanh", targets)
 
 
+# --- 6. where the input lives -----------------------------------------------------------------------
+
+
+def bench_inputs(cfg) -> None:
+    n, width, batch, chunks = cfg["inputs"]
+    section(f"6. Inputs: argument and temp bytes per device, {n}-stage mesh")
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = stage_mesh(n)
+
+    def stage(p, x, key):
+        return jnp.tanh(x @ p)
+
+    apply = pj.pipeline(stage, num_stages=n, chunks=chunks, mesh=mesh)
+    w = apply.place(normal((n, width, width), 5, 1 / np.sqrt(width)))
+    x = normal((batch, width), 6)
+    rows = []
+    for name, spec in [
+        ("replicated", PartitionSpec()),
+        ("split over the stage axis", PartitionSpec("stage")),
+    ]:
+        xi = jax.device_put(x, NamedSharding(mesh, spec))
+        grad = jax.jit(jax.grad(lambda w, x: jnp.sum(apply(w, x) ** 2), argnums=(0, 1)))
+        mem = grad.lower(w, xi).compile().memory_analysis()
+        rows.append([name, kib(nbytes(x)), kib(mem.argument_size_in_bytes), kib(mem.temp_size_in_bytes)])
+    print(
+        f"Homogeneous stage `tanh(x @ W)`, width {width}, batch {batch}, chunks={chunks}; compiled\n"
+        "`jit(grad)` per device. The pipeline spreads the micro-batches over the stage axis and streams\n"
+        "micro-batch t to stage 0 by tick t (one ppermute of one micro-batch per tick), so no device\n"
+        "holds the whole batch inside the program; a batch passed in split over the stage axis also\n"
+        "takes n times fewer argument bytes.\n"
+    )
+    print(table(["x passed", "x KiB (whole)", "argument KiB", "temp KiB"], rows, align="lrrr"))
+
+
 # --- 5. mesh=None against a micro-batched scan ---------------------------------------------------
 
 
@@ -1032,6 +1068,7 @@ FULL = {
         (where, mode) for where in ("mesh", "none") for mode in ("always", "except_last")
     ),
     "local": (4, 256, 256, 4, 30),  # stages, width, batch, chunks, rounds
+    "inputs": (4, 256, 512, 8),  # stages, width, batch, chunks
     "comp_top_primitives": 16,
 }
 QUICK = {
@@ -1055,6 +1092,7 @@ QUICK = {
     "comp_homo": (2, 2, 16, 8, 2, 1),
     "comp_homo_configs": (("none", "always"),),
     "local": (2, 16, 8, 2, 3),
+    "inputs": (2, 16, 8, 2),
     "comp_top_primitives": 6,
 }
 SECTIONS = {
@@ -1063,6 +1101,7 @@ SECTIONS = {
     "overhead": bench_overhead,
     "compile": bench_compile,
     "local": bench_local,
+    "inputs": bench_inputs,
 }
 
 

@@ -121,7 +121,7 @@ def stage_keys(cfg: Config, key, i, s, micro_size):
 
 
 def rows(schedule: Schedule):
-    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T])``.
+    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T], tick[T])``.
 
     ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
     ring at this tick (the circular schedule's next round).
@@ -129,7 +129,8 @@ def rows(schedule: Schedule):
     micro, stage = schedule.table, schedule.stages()
     back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
     back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
-    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage))
+    tick = np.arange(schedule.num_ticks, dtype=np.int32)
+    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage, tick))
 
 
 # --- the stages: what a device computes at a tick ------------------------------------------------
@@ -150,7 +151,8 @@ class Heterogeneous:
         self.D, self.switch = num_devices, switch
         self.S = len(cfg.stages)
         self.v = self.S // num_devices
-        self.box = Container.for_layouts(boundaries[1:])
+        # on a mesh the micro-batch of x travels in the same container (see MeshDevices)
+        self.box = Container.for_layouts(boundaries if switch else boundaries[1:])
         self.statbox = Container.for_layouts(stats_layouts)
         if switch:  # the containers the packed parameters and state were built with
             self.pbox = Container.for_layouts(param_layouts)
@@ -168,6 +170,10 @@ class Heterogeneous:
 
     def acc_zeros(self, m):
         return zeros(self.boundaries[self.S], (m,))
+
+    def input_message(self, x):
+        """A micro-batch of ``x`` as the message stage 0 reads (on a mesh)."""
+        return self.box.pack(x)
 
     def output(self, d, message):
         """The last stage's output, read from the message of the last device ``d``."""
@@ -196,7 +202,7 @@ class Heterogeneous:
                         self.pbox.unpack(prow, self.param_layouts[t]),
                         self.sbox.unpack(srow, self.state_layouts[t]),
                     )
-                    x = take(xs, ic) if t == 0 else self.box.unpack(x_in, self.boundaries[t])
+                    x = self.box.unpack(x_in, self.boundaries[t])  # stage 0: the micro-batch of x
                     y, stats = call(p, x, k, st, take(mask, ic))
                     return vary((self.box.pack(y), self.statbox.pack(stats)))
 
@@ -250,6 +256,9 @@ class Homogeneous:
     def acc_zeros(self, m):
         return zeros(self.layout, (m,))
 
+    def input_message(self, x):
+        return x
+
     def output(self, d, message):
         return message
 
@@ -263,7 +272,9 @@ class Homogeneous:
                 return self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
 
             return lax.cond(working, inner(run), lambda *_: prev, params, state, x_in)
-        x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
+        x = x_in  # on a mesh the devices deliver stage 0's micro-batch as the message
+        if self.local:
+            x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
         if self.local:
             p, st = named(
                 jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
@@ -297,12 +308,13 @@ class Carry(NamedTuple):
     loop: Any  # circular schedule: activations waiting for their next round (device 0)
 
 
-def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None):
+def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None, fresh=None):
     """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
     without the inbox (the devices object delivers the message) and its (message, stats).
-    ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``)."""
+    ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``).
+    ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
-    micro, stage, back_i, back_s = tick_rows
+    micro, stage, back_i, back_s, _ = tick_rows
     i, s = micro[d], (stage[d] if static_stage is None else static_stage)
     inbox, loop, acc = carry.inbox, carry.loop, carry.acc
     if v > 1 and _may_be(d, 0):
@@ -312,6 +324,8 @@ def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_sta
         again = first & (s >= D)  # device 0 starts a later round: its input waited in the loop
         waiting = take(jax.tree.map(lambda a: a[0], loop), clip(i, m))
         inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
+    if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
+        inbox = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), fresh, inbox)
     out = step(d, params, state, inbox, carry.prev, i, s)
     if _may_be(d, D - 1):
         acc = write(acc, ctx.stages.output(d, out[0]), 0, clip(i, m), (i >= 0) & (s == S - 1))
@@ -440,7 +454,15 @@ class MeshDevices:
         params, state, xs, mask, key = inputs
         params = compat.constrain(params, self.mesh, stage_spec, axis)
         state = compat.constrain(state, self.mesh, stage_spec, axis)
-        xs, mask = (compat.constrain(t, self.mesh, batch_spec, axis) for t in (xs, mask))
+        xs_spec = batch_spec
+        if self.streams(ctx):  # micro-batches spread over the stage axis, k per device
+            k = -(-ctx.m // ctx.D)
+            pad = k * ctx.D - ctx.m
+            if pad:  # never read: copies of the last micro-batch
+                xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), xs)
+            xs_spec = PartitionSpec(axis)
+        xs = compat.constrain(xs, self.mesh, xs_spec, axis)
+        mask = compat.constrain(mask, self.mesh, batch_spec, axis)
         key = compat.constrain(key, self.mesh, rep, axis)
 
         def body(params, state, xs, mask, key):
@@ -449,13 +471,26 @@ class MeshDevices:
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(stage_spec, stage_spec, batch_spec, batch_spec, None if key is None else rep),
+            in_specs=(stage_spec, stage_spec, xs_spec, batch_spec, None if key is None else rep),
             out_specs=(batch_spec, stats_spec),
         )
         acc, stats = fn(params, state, xs, mask, key)
         return acc, ctx.stages.stats_rows(
             stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
         )
+
+    def streams(self, ctx) -> bool:
+        """Whether ``x`` is spread over the stage axis and streamed to device 0 (not replicated).
+
+        Device ``d`` holds micro-batches ``d k, ..., d k + k - 1`` (``k = ceil(m / n)``) in a
+        queue. At tick ``t`` every device hands slot ``t mod k`` of its queue to device
+        ``d - 1``, which puts it in the same slot; so after ``r`` hand-overs of a slot, device 0's
+        slot ``j`` holds micro-batch ``r k + j``, and at tick ``t = r k + j`` it holds micro-batch
+        ``t``: the one stage 0 starts then. Cost: one ``ppermute`` of one micro-batch per tick;
+        a device stores ``k`` micro-batches of ``x`` instead of ``m``. (With a data axis ``x`` is
+        split over that axis only.)
+        """
+        return self.cfg.data_axis_name is None and ctx.D > 1
 
     def _body(self, ctx, schedule, phases, inputs):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
@@ -478,17 +513,30 @@ class MeshDevices:
             step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
             def body(c, tick_rows):
-                carry, out = device_tick(ctx, d, inputs.params, inputs.state, c, tick_rows, step)
-                return carry._replace(inbox=_shift(out[0], axis, D, ring=ctx.v > 1)), None
+                c, queue = c
+                j = tick_rows[4] % k
+                fresh = stages.input_message(take(queue, j))
+                carry, out = device_tick(ctx, d, inputs.params, inputs.state, c, tick_rows, step, fresh=fresh)
+                if streams:  # hand slot j on towards device 0
+                    moved = lax.ppermute(take(queue, j), axis, [(e, e - 1) for e in range(1, D)])
+                    queue = jax.tree.map(
+                        lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
+                    )
+                return (carry._replace(inbox=_shift(out[0], axis, D, ring=ctx.v > 1)), queue), None
 
             return body
 
+        streams = self.streams(ctx)
+        queue = inputs.xs  # (k, b, ...) of this device; all m micro-batches when not streamed
+        k = jax.tree.leaves(queue)[0].shape[0] if streams else 1
+        if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
+            k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
         loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
         init = Carry(
             message, (message, stat), stages.acc_zeros(m)[None], stages.message_zeros(0, (ctx.v, m))[1], loop
         )
-        carry = _scan(schedule, phases, compat.to_varying(init, axes), tick)
+        carry, _ = _scan(schedule, phases, (compat.to_varying(init, axes), queue), tick)
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
         return lax.psum(carry.acc[0], axis), _gather_stages(carry.stats, d, D, axis)

@@ -434,9 +434,13 @@ class Pipeline:
     def _apply(self, params, x, key, state):
         plan = microbatch.plan(microbatch.batch_size(x), self.chunks)
         num_micro = self._micro_per_shard(plan.batch)
-        # A batch sharded with Explicit axes cannot be cut up in place, except one split over the
-        # data axis into whole micro-batches.
-        keep = PartitionSpec(self.data_axis_name) if self.data_axis_name and not plan.padding else None
+        # A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
+        # micro-batches over the data axis, or over the stage axis (which streams it to stage 0).
+        keep = None
+        if self.data_axis_name and not plan.padding:
+            keep = PartitionSpec(self.data_axis_name)
+        elif self.mesh is not None and not self.data_axis_name and not plan.padding:
+            keep = PartitionSpec(self.axis_name) if num_micro % self.num_devices == 0 else None
         x = compat.replicate(x, keep=keep)
         xs, mask, plan = microbatch.split(x, self.chunks)
         if not self.stateful:
