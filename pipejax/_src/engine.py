@@ -64,7 +64,8 @@ class Config(NamedTuple):
 
 class Inputs(NamedTuple):
     """What a run reads. ``params``/``state`` in the stage object's form; ``xs`` leaves
-    ``(m, b, ...)``; ``mask`` ``bool[m, b]`` (real rows), ``None`` when stateless."""
+    ``(m, b, ...)``; ``mask`` the micro-batched side inputs ``(rows, context)``: ``bool[m, b]``
+    real rows (``None`` when stateless) and the user's ``context`` (``None`` without one)."""
 
     params: Any
     state: Any
@@ -106,11 +107,18 @@ def named(tree):
 
 
 def stage_call(cfg: Config, s: int):
-    """Stage ``s`` as ``f(params, x, key, state, mask) -> (y, stats)``; stats ``None`` when stateless."""
+    """Stage ``s`` as ``f(params, x, key, state, side) -> (y, stats)``, ``side = (mask, context)``
+    of the micro-batch; stats ``None`` when stateless; ``context=`` passed only when given."""
     stage = cfg.stages[s]
-    if not cfg.stateful:
-        return lambda p, x, key, state, mask: (stage(p, x, key), None)
-    return lambda p, x, key, state, mask: tuple(stage(p, x, key, state, mask))
+
+    def call(p, x, key, state, side):
+        mask, context = side
+        kwargs = {} if context is None else {"context": context}
+        if cfg.stateful:
+            return tuple(stage(p, x, key, state, mask, **kwargs))
+        return stage(p, x, key, **kwargs), None
+
+    return call
 
 
 def stage_keys(cfg: Config, key, i, s, micro_size):

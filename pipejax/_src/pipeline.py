@@ -292,12 +292,20 @@ class Pipeline:
 
     # -- public -----------------------------------------------------------------------------
 
-    def __call__(self, params: Any, x: PyTree, key: jax.Array | None = None, *, state: Any = None) -> Any:
+    def __call__(
+        self, params: Any, x: PyTree, key: jax.Array | None = None, *, state: Any = None, context: Any = None
+    ) -> Any:
         """Runs the pipeline: ``y``, or ``(y, stats)`` for a ``stateful`` pipeline.
 
         ``state`` (stateful pipelines only) takes the forms ``params`` takes: one pytree per
         stage, a pytree stacked on a leading stage axis (homogeneous stages), or what
         :meth:`place` returned for it. ``None`` gives every stage ``state=None``.
+
+        ``context``: side inputs every stage reads but none passes on (attention masks, segment
+        ids, positions): a pytree of arrays with ``x``'s leading batch axis, cut into
+        micro-batches exactly as ``x`` (padding rows included). Each stage is then called with
+        the keyword argument ``context=`` holding its micro-batch's slice, e.g.
+        ``stage(params, x, key, context=c)``. ``None`` (the default) passes no keyword.
         """
         keys.check_key(key)
         _check_params_shape(params, self)
@@ -305,7 +313,7 @@ class Pipeline:
             self.mesh is not None
             and compat.is_explicit(self.mesh, self.axis_name)
             and not compat.mesh_context_set()
-            and compat.eager_autodiff((params, x, state))
+            and compat.eager_autodiff((params, x, state, context))
         ):
             raise ValueError(
                 "The pipeline is being differentiated outside `jax.jit` on a mesh with Explicit "
@@ -324,8 +332,8 @@ class Pipeline:
                     "`stage(params, x, key, state, mask) -> (y, stats)`."
                 )
             _check_params_shape(state, self, name="state")
-        params, x, key, state = self._commit(params, x, key, state)
-        return self._jitted(params, x, key, state)
+        params, (x, context), key, state = self._commit(params, (x, context), key, state)
+        return self._jitted(params, x, key, state, context)
 
     def place(self, params: Any) -> Any:
         """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
@@ -431,8 +439,16 @@ class Pipeline:
 
     # -- traced -----------------------------------------------------------------------------
 
-    def _apply(self, params, x, key, state):
+    def _apply(self, params, x, key, state, context=None):
         plan = microbatch.plan(microbatch.batch_size(x), self.chunks)
+        if context is not None:
+            size = microbatch.batch_size(context, name="context")
+            if size != plan.batch:
+                raise ValueError(
+                    f"`context` has a batch of {size} examples but `x` has {plan.batch}; side inputs "
+                    "are cut into micro-batches with `x`, so their leaves need `x`'s leading batch "
+                    "axis (one row per example)."
+                )
         num_micro = self._micro_per_shard(plan.batch)
         # A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
         # micro-batches over the data axis, or over the stage axis (which streams it to stage 0).
@@ -445,6 +461,10 @@ class Pipeline:
         xs, mask, plan = microbatch.split(x, self.chunks)
         if not self.stateful:
             mask = None  # stateless stages take no mask
+        cs = None
+        if context is not None:  # replicated: every stage reads its micro-batch's rows
+            data = PartitionSpec(self.data_axis_name) if self.data_axis_name and not plan.padding else None
+            cs = microbatch.split(compat.replicate(context, keep=data), self.chunks)[0]
         schedule = sched.circular(self.num_devices, num_micro, self.repeats)
         key_struct = None
         if key is not None:
@@ -461,12 +481,12 @@ class Pipeline:
         )
         local = self.mesh is None
         if self.homogeneous:
-            boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct)
+            boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct, cs)
             stages = engine.Homogeneous(
                 cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
             )
         else:
-            boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct)
+            boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct, cs)
             layouts = (None, None)
             if not local:
                 layouts = (params.layouts, state.layouts)
@@ -479,7 +499,9 @@ class Pipeline:
             devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
         else:
             devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size)
-        ys, stats = engine.run(cfg, devices, stages, schedule, engine.Inputs(params, state, xs, mask, key))
+        ys, stats = engine.run(
+            cfg, devices, stages, schedule, engine.Inputs(params, state, xs, (mask, cs), key)
+        )
         y = microbatch.merge(ys, plan)
         return (y, stats) if self.stateful else y
 
@@ -767,26 +789,16 @@ def _mask_struct(xs, pipe):
     return jax.ShapeDtypeStruct(jax.tree.leaves(xs)[0].shape[1:2], jnp.bool_)
 
 
-def _stage_call(pipe, s):
-    """Stage ``s`` as ``f(params, x, key, state, mask) -> (y, stats)``; stats ``None`` when stateless."""
-    stage = pipe.stages[s]
-    if not pipe.stateful:
-        return lambda p, x, key, state, mask: (stage(p, x, key), None)
-
-    def call(p, x, key, state, mask):
-        y, stats = stage(p, x, key, state, mask)
-        return y, stats
-
-    return call
-
-
-def _stage_output(s, pipe, p_struct, st_struct, in_struct, key_struct, mask_struct) -> tuple[Layout, Layout]:
+def _stage_output(
+    s, pipe, p_struct, st_struct, in_struct, key_struct, mask_struct, ctx_struct=None
+) -> tuple[Layout, Layout]:
     """The layouts of stage ``s``'s output and stats on ``in_struct``, or a clear error."""
     micro_size = jax.tree.leaves(in_struct)[0].shape[0]
     stage = pipe.stages[s]
     args = (p_struct, in_struct, key_struct) + ((st_struct, mask_struct) if pipe.stateful else ())
+    kwargs = {} if ctx_struct is None else {"context": ctx_struct}
     try:
-        out = jax.eval_shape(stage, *args)
+        out = jax.eval_shape(lambda a, kw: stage(*a, **kw), args, kwargs)
     except Exception as err:
         raise _stage_error(err, s, in_struct) from err
     stats = None
@@ -873,7 +885,9 @@ def _per_stage_structs(tree, n):
     return [_struct(t) for t in tree]
 
 
-def _heterogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[Layout], list[Layout]]:
+def _heterogeneous_boundaries(
+    pipe, params, state, xs, key_struct, cs=None
+) -> tuple[list[Layout], list[Layout]]:
     """Layouts of the values entering stage 0, 1, ..., and leaving the last stage; and of each
     stage's stats."""
     in_struct = _micro_struct(xs)
@@ -882,14 +896,16 @@ def _heterogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list
     mask_struct = _mask_struct(xs, pipe)
     layouts, stats = [Layout.of(in_struct)], []
     for s in range(pipe.num_stages):
-        out, stat = _stage_output(s, pipe, p_structs[s], st_structs[s], in_struct, key_struct, mask_struct)
+        out, stat = _stage_output(
+            s, pipe, p_structs[s], st_structs[s], in_struct, key_struct, mask_struct, _micro_struct(cs)
+        )
         layouts.append(out)
         stats.append(stat)
         in_struct = out.structs()
     return layouts, stats
 
 
-def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[Layout], Layout]:
+def _homogeneous_boundaries(pipe, params, state, xs, key_struct, cs=None) -> tuple[list[Layout], Layout]:
     in_struct = _micro_struct(xs)
     lead = 2 if pipe.mesh is not None and pipe.repeats > 1 else 1  # (v, n, ...) on a circular mesh
 
@@ -898,7 +914,14 @@ def _homogeneous_boundaries(pipe, params, state, xs, key_struct) -> tuple[list[L
 
     layout_in = Layout.of(in_struct)
     layout_out, stats = _stage_output(
-        0, pipe, unstacked(params), unstacked(state), in_struct, key_struct, _mask_struct(xs, pipe)
+        0,
+        pipe,
+        unstacked(params),
+        unstacked(state),
+        in_struct,
+        key_struct,
+        _mask_struct(xs, pipe),
+        _micro_struct(cs),
     )
     if layout_out != layout_in:
         raise ValueError(
