@@ -187,7 +187,9 @@ def dropout_run(layout, placement, checkpoint):
     return np.asarray(y), jax.tree.map(np.asarray, grads)
 
 
-MESH_CASES = {("heterogeneous", "except_last"), ("homogeneous", "always")}
+# ("except_last" without a mesh keeps the last micro-batch, a mesh its last n ticks: their
+# parameter gradients group the sum differently, so the mesh cases are other modes.)
+MESH_CASES = {("heterogeneous", "never"), ("homogeneous", "always")}
 
 
 @pytest.mark.parametrize("checkpoint", models.CHECKPOINTS)

@@ -441,9 +441,8 @@ class LocalDevices:
         stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
         if self.stacked:
             stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        _, stats = acc_stats = _scan(schedule, phases, (stages.acc_zeros(m)[None], stats), tick)
-        acc = acc_stats[0]
-        return acc[0], stages.stats_rows(stats if self.stacked else list(stats))
+        acc, stats = _scan(schedule, phases, (_lead(stages.acc_zeros(m)), stats), tick)
+        return _unlead(acc), stages.stats_rows(stats if self.stacked else list(stats))
 
 
 class MeshDevices:
@@ -542,12 +541,21 @@ class MeshDevices:
         message, stat = stages.message_zeros(0)
         loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
         init = Carry(
-            message, (message, stat), stages.acc_zeros(m)[None], stages.message_zeros(0, (ctx.v, m))[1], loop
+            message, (message, stat), _lead(stages.acc_zeros(m)), stages.message_zeros(0, (ctx.v, m))[1], loop
         )
         carry, _ = _scan(schedule, phases, (compat.to_varying(init, axes), queue), tick)
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
-        return lax.psum(carry.acc[0], axis), _gather_stages(carry.stats, d, D, axis)
+        return lax.psum(_unlead(carry.acc), axis), _gather_stages(carry.stats, d, D, axis)
+
+
+def _lead(tree):
+    """Every leaf with a leading axis of 1 (accumulators are written as ``acc[0, i]``)."""
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _unlead(tree):
+    return jax.tree.map(lambda a: a[0], tree)
 
 
 def _unstack(tree, n):
