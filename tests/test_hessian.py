@@ -332,5 +332,15 @@ def test_bad_input_is_reported():
         ph.trace(quad, w, key=key, num_probes=3, method="hutch++")
     with pytest.raises(ValueError, match=r"`num_steps` must be at most the number of parameters 5"):
         ph.density(quad, w, key=key, num_steps=6)
+    # a vector of the wrong structure, shapes or dtype
+    p = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+    with pytest.raises(ValueError, match=r"`v` must have the pytree structure of `params`.*ravel_pytree"):
+        ph.hvp(lambda p: jnp.sum(p["a"] ** 2), p, jnp.ones(5))
+    with pytest.raises(
+        ValueError, match=r"leaf \['b'\] has shape \(3,\) where the parameter has shape \(2,\)"
+    ):
+        ph.hvp(lambda p: jnp.sum(p["a"] ** 2), p, {"a": jnp.ones(3), "b": jnp.ones(3)})
+    with pytest.raises(TypeError, match=r"`v` must hold floating-point arrays"):
+        ph.hvp(quad, w, jnp.ones(5, jnp.int32))
     # a legacy uint32[2] key is accepted
     assert ph.eigenvalues(quad, w, key=jax.random.PRNGKey(0), num_steps=3).shape == (1,)

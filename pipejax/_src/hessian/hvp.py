@@ -86,6 +86,28 @@ def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> N
         )
 
 
+def check_vector(v: PyTree, params: PyTree, name: str = "v") -> None:
+    """``v`` must be a vector of the parameters' space: their structure and leaf shapes."""
+    if jax.tree.structure(v) != jax.tree.structure(params):
+        raise ValueError(
+            f"`{name}` must have the pytree structure of `params`, got {jax.tree.structure(v)} for "
+            f"params {jax.tree.structure(params)}. Build it from the params, e.g. "
+            f"`jax.tree.map(jnp.ones_like, params)`, or `unravel(flat)` with "
+            "`flat, unravel = jax.flatten_util.ravel_pytree(params)`."
+        )
+    for (path, a), p in zip(jax.tree_util.tree_leaves_with_path(v), jax.tree.leaves(params), strict=True):
+        if jnp.shape(a) != jnp.shape(p):
+            raise ValueError(
+                f"`{name}` must have the leaf shapes of `params`, but leaf {jax.tree_util.keystr(path)} "
+                f"has shape {jnp.shape(a)} where the parameter has shape {jnp.shape(p)}."
+            )
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise TypeError(
+                f"`{name}` must hold floating-point arrays, but leaf {jax.tree_util.keystr(path)} has "
+                f"dtype {jnp.result_type(a)}; cast it to the parameters' dtype."
+            )
+
+
 def batch_size(batch: tuple) -> int:
     leaves = jax.tree.leaves(batch)
     if not leaves or jnp.ndim(leaves[0]) == 0:
@@ -247,6 +269,7 @@ def hvp(
       [2.0, 4.0]
     """
     op = make_operator(loss, params, args, data, mode)
+    check_vector(v, params)
     return tree.cast(_hvp_jit(op.loss, op.mode, params, v, args, op.groups, op.dtype), params)
 
 
