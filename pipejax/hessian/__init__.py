@@ -9,6 +9,8 @@ from pipejax._src.hessian.density import Density as Density
 from pipejax._src.hessian.density import density as density
 from pipejax._src.hessian.density import smooth_density as smooth_density
 from pipejax._src.hessian.density import spectral_range as spectral_range
+from pipejax._src.hessian.hvp import CompositeLoss as CompositeLoss
+from pipejax._src.hessian.hvp import composite as composite
 from pipejax._src.hessian.hvp import hvp as hvp
 from pipejax._src.hessian.lanczos import Tridiagonal as Tridiagonal
 from pipejax._src.hessian.lanczos import eigenvalues as eigenvalues
@@ -16,8 +18,10 @@ from pipejax._src.hessian.lanczos import lanczos as lanczos
 from pipejax._src.hessian.trace import trace as trace
 
 __all__ = [
+    "CompositeLoss",
     "Density",
     "Tridiagonal",
+    "composite",
     "density",
     "eigenvalues",
     "hvp",

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
-from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, lanczos
+from pipejax._src.hessian.hvp import Curvature, Mode, check_count, check_key, make_operator
+from pipejax._src.hessian.lanczos import Progress, Reorth, _lanczos, check_reorth
 
 PyTree = Any
 
@@ -34,6 +34,8 @@ def density(
     mode: Mode = "fwd_rev",
     dtype: Any = None,
     progress: Progress = False,
+    reorthogonalise: Reorth = "partial",
+    curvature: Curvature = "hessian",
 ) -> Density:
     """Stochastic Lanczos quadrature: the Hessian's eigenvalue density as nodes and weights.
 
@@ -59,6 +61,9 @@ def density(
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"``.
       dtype: the dtype Lanczos accumulates in; default the parameters' dtype.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`pipejax.hessian.lanczos`).
+      curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
+        :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
 
     Returns:
       A :class:`Density` of ``nodes`` and ``weights``, each of shape ``(num_runs, num_steps)``.
@@ -81,20 +86,21 @@ def density(
       Density*, ICML 2019. Yao et al., *PyHessian: Neural Networks Through the Lens of the
       Hessian*, 2020.
     """
-    op = make_operator(loss, params, args, data, mode, dtype)
+    op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     num_runs = check_count("num_runs", num_runs, 1)
     num_steps = check_count("num_steps", num_steps, 1)
     n = tree.size(params)
     if num_steps > n:
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {num_steps}.")
+    check_reorth(reorthogonalise)
     return _density_jit(
-        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, not tree.is_sharded(params),
-        params, args, op.groups, key,
+        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise,
+        not tree.is_sharded(params), params, args, op.groups, key,
     )  # fmt: skip
 
 
-def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, flat, params, args, groups, key):
+def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, reorth, flat, params, args, groups, key):
     op = make_operator(loss, params, args, None, mode, dtype)
     op.groups, op.flat = groups, flat
     total = num_runs * num_steps
@@ -103,7 +109,7 @@ def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, flat, params
         k_start, k_restart = jax.random.split(jax.random.fold_in(key, r))
         v0 = tree.rademacher(k_start, op.like, op.dtype)
 
-        t = lanczos(op.matvec, v0, num_steps, key=k_restart, progress=False)
+        t = _lanczos(op.matvec, v0, num_steps, k_restart, False, "density", reorth, op.precision)[0]
         theta, s = jnp.linalg.eigh(t.matrix())
         nodes, weights = out
         if progress:  # once per run (the default prints every run)
@@ -121,7 +127,7 @@ def _print_run(task: str, done: int, total: int) -> None:
 
 _density_jit = jax.jit(
     _density_impl,
-    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "flat"),
+    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "reorth", "flat"),
 )
 
 

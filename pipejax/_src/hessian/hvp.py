@@ -21,14 +21,154 @@ Mode = Literal["fwd_rev", "rev_rev"]
 MODES = ("fwd_rev", "rev_rev")
 
 
+Curvature = Literal["hessian", "ggn", "fisher"]
+CURVATURES = ("hessian", "ggn", "fisher")
+
+
+class CompositeLoss:
+    """``loss(params, *args) = output_loss(outputs(params, *args), *args)``: a loss with its model's
+    outputs exposed, so the Gauss-Newton and Fisher matrices can be formed (see :func:`composite`)."""
+
+    def __init__(self, outputs: Callable[..., PyTree], output_loss: Callable[..., jax.Array]):
+        if not (callable(outputs) and callable(output_loss)):
+            raise TypeError(
+                "`composite(outputs, output_loss)` takes two functions, `outputs(params, *args) -> z` "
+                f"and `output_loss(z, *args) -> scalar`, got {outputs!r} and {output_loss!r}."
+            )
+        self.outputs, self.output_loss = outputs, output_loss
+
+    def __call__(self, params: PyTree, *args: Any) -> jax.Array:
+        return self.output_loss(self.outputs(params, *args), *args)
+
+    def __eq__(self, other: Any) -> bool:  # a static argument of the compiled programs
+        return (
+            type(other) is CompositeLoss
+            and self.outputs is other.outputs
+            and self.output_loss is other.output_loss
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.outputs), id(self.output_loss)))
+
+
+def composite(outputs: Callable[..., PyTree], output_loss: Callable[..., jax.Array]) -> CompositeLoss:
+    """A loss written as ``output_loss(outputs(params, *args), *args)``, for ``curvature="ggn"|"fisher"``.
+
+    The Hessian of such a loss is ``J^T H_z J + sum_i (dL/dz_i) d^2 z_i/dparams^2`` with ``J`` the
+    Jacobian of the outputs ``z`` and ``H_z`` the Hessian of ``output_loss`` in ``z``. The
+    generalised Gauss-Newton matrix keeps the first term, ``G = J^T H_z J``: positive semi-definite
+    whenever ``output_loss`` is convex in ``z`` (softmax cross-entropy, squared error). The
+    empirical Fisher is ``F = (1/N) sum_i g_i g_i^T`` with ``g_i`` the gradient of example ``i``'s
+    loss; it assumes ``output_loss`` is a mean over the leading (batch) axis of ``z`` of
+    per-example terms. Both products cost one linearisation of ``outputs`` and its transpose (no
+    second derivative of the model). The result is also an ordinary loss (``curvature="hessian"``).
+
+    Args:
+      outputs: ``outputs(params, *args) -> z``, e.g. a model's logits (a pytree whose leaves share
+        the leading batch axis, for the Fisher).
+      output_loss: ``output_loss(z, *args) -> scalar``, e.g. the mean cross-entropy against labels
+        taken from ``args``.
+
+    Returns:
+      A callable ``loss(params, *args)`` that every function of :mod:`pipejax.hessian` accepts.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from pipejax.hessian import composite, hvp
+      >>> loss = composite(lambda w, x: x @ w, lambda z, x: 0.5 * jnp.sum(z**2) + jnp.sum(z**4))
+      >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+      >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x, curvature="ggn").tolist()  # x^T x v
+      [2.0, 1.0]
+
+    References:
+      Schraudolph, *Fast Curvature Matrix-Vector Products for Second-Order Gradient Descent*,
+      Neural Computation 14, 2002. Martens, *New Insights and Perspectives on the Natural Gradient
+      Method*, JMLR 21, 2020. Kunstner, Hennig and Balles, *Limitations of the empirical Fisher
+      approximation for natural gradient descent*, NeurIPS 2019.
+    """
+    return CompositeLoss(outputs, output_loss)
+
+
 def _hvp_one(loss: Callable[..., jax.Array], mode: str, params: PyTree, v: PyTree, args: tuple) -> PyTree:
+    if isinstance(loss, _Product) and loss.curvature != "hessian":
+        return _gauss_newton(loss.fn, loss.curvature, mode, params, v, args)
+    fn = loss.fn if isinstance(loss, _Product) else loss
+
     def grad(p):
-        return jax.grad(loss)(p, *args)
+        return jax.grad(fn)(p, *args)
 
     if mode == "fwd_rev":  # a JVP of the gradient: about 2-3 gradients of cost
         return jax.jvp(grad, (params,), (v,))[1]
     # reverse-over-reverse: the gradient of <grad, v>; works where forward mode cannot pass
     return jax.grad(lambda p: tree.dot(grad(p), v))(params)
+
+
+def _gauss_newton(loss: CompositeLoss, curvature: str, mode: str, params: PyTree, v: PyTree, args: tuple):
+    """``J^T H_z J v`` (GGN) or ``(1/N) sum_i g_i g_i^T v`` (empirical Fisher), with ``J = dz/dparams``."""
+    model = lambda p: loss.outputs(p, *args)
+    z, pullback = jax.vjp(model, params)
+    if mode == "fwd_rev":
+        jv = jax.jvp(model, (params,), (v,))[1]
+    else:  # J v as the transpose of the pullback (reverse mode only, for layers without a JVP rule)
+        jv = jax.vjp(lambda c: pullback(c)[0], jax.tree.map(jnp.zeros_like, z))[1](v)[0]
+    grad_z = jax.grad(lambda z: loss.output_loss(z, *args))
+    if curvature == "ggn":
+        if mode == "fwd_rev":
+            cot = jax.jvp(grad_z, (z,), (jv,))[1]
+        else:
+            cot = jax.grad(lambda z: tree.dot(grad_z(z), jv))(z)
+        return pullback(cot)[0]
+    # the Fisher: the per-example gradients in z are N dL/dz_i when L is a mean over the batch
+    leaves = jax.tree.leaves(z)
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "curvature='fisher' needs outputs whose leaves share a leading batch axis (the loss a mean "
+            f"of per-example terms over it), got output shapes {[jnp.shape(a) for a in leaves]}."
+        )
+    (n,) = sizes
+    e = grad_z(z)  # e_i / N, with e_i the gradient of example i's loss in z_i
+    per_example = lambda a, b: jnp.sum((a * b.astype(a.dtype)).reshape(n, -1), axis=1)
+    u = sum(per_example(a, b) for a, b in zip(jax.tree.leaves(e), jax.tree.leaves(jv), strict=True))
+    # (1/N) sum_i g_i (g_i . v) = J^T [(e_i . (J v)_i) e_i / N]_i = J^T [N (e/N . Jv)_i (e/N)_i]_i
+    scale = lambda a: a * (n * u).astype(a.dtype).reshape((n,) + (1,) * (a.ndim - 1))
+    cot = jax.tree.map(scale, e)
+    return pullback(cot)[0]
+
+
+class _Product:
+    """The loss and the curvature its operator multiplies by (hashable: a static argument)."""
+
+    def __init__(self, fn: Callable[..., jax.Array], curvature: str):
+        self.fn, self.curvature = fn, curvature
+
+    def __call__(self, params: PyTree, *args: Any) -> jax.Array:
+        return self.fn(params, *args)
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _Product and self.fn == other.fn and self.curvature == other.curvature
+
+    def __hash__(self) -> int:
+        return hash((self.fn, self.curvature))
+
+
+def check_curvature(loss: Any, curvature: Any) -> _Product:
+    if not callable(loss):
+        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    if isinstance(loss, _Product):
+        return loss
+    if curvature not in CURVATURES:
+        raise ValueError(
+            f"`curvature` must be one of {CURVATURES}, got {curvature!r}: the Hessian, the generalised "
+            "Gauss-Newton matrix or the empirical Fisher."
+        )
+    if curvature != "hessian" and not isinstance(loss, CompositeLoss):
+        raise TypeError(
+            f"curvature={curvature!r} needs the loss split into a model and a loss of its outputs, got "
+            f"{loss!r}. Write it as `loss = pipejax.hessian.composite(outputs, output_loss)` with "
+            "`outputs(params, *args) -> z` (e.g. logits) and `output_loss(z, *args) -> scalar`."
+        )
+    return _Product(loss, curvature)
 
 
 def check_mode(mode: Any) -> None:
@@ -166,6 +306,12 @@ class Operator:
         self.flat = flat
 
     @property
+    def precision(self) -> Any:
+        """The least precise dtype the HVP runs in (that of the parameters; Lanczos may accumulate
+        in a wider one)."""
+        return max((jnp.result_type(a) for a in jax.tree.leaves(self.params)), key=lambda d: jnp.finfo(d).eps)
+
+    @property
     def like(self) -> PyTree:
         """A vector of the operator's space (its shape, dtype and sharding; values unspecified)."""
         if self.flat:
@@ -198,9 +344,10 @@ class Operator:
         return tree.ravel(hv, self.dtype) if self.flat else tree.astype(hv, self.dtype)
 
 
-def make_operator(loss, params, args, data, mode, dtype=None) -> Operator:
+def make_operator(loss, params, args, data, mode, dtype=None, curvature="hessian") -> Operator:
     """Validates the inputs and builds the :class:`Operator`; ``dtype=None``: the params' dtype."""
     check_mode(mode)
+    loss = check_curvature(loss, curvature)
     if data is not None and args:
         raise ValueError(
             f"Pass either one batch as `*args` or a dataset as `data=`, not both; got {len(args)} "
@@ -231,6 +378,7 @@ def hvp(
     *args: Any,
     data: Iterable[Any] | None = None,
     mode: Mode = "fwd_rev",
+    curvature: Curvature = "hessian",
 ) -> PyTree:
     """The Hessian-vector product ``H v`` of ``loss`` with respect to ``params``.
 
@@ -252,6 +400,8 @@ def hvp(
       data: instead of ``*args``, a list of batches; each batch is a tuple of ``*args`` (or one
         argument) whose leaves share a leading batch axis.
       mode: ``"fwd_rev"`` (default) or ``"rev_rev"``.
+      curvature: ``"hessian"`` (default), or for a :func:`composite` loss ``"ggn"`` (the
+        generalised Gauss-Newton ``J^T H_z J``) or ``"fisher"`` (the empirical Fisher).
 
     Returns:
       ``H v``, a pytree like ``params`` with its dtypes.
@@ -268,7 +418,7 @@ def hvp(
       >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x).tolist()
       [2.0, 4.0]
     """
-    op = make_operator(loss, params, args, data, mode)
+    op = make_operator(loss, params, args, data, mode, curvature=curvature)
     check_vector(v, params)
     return tree.cast(_hvp_jit(op.loss, op.mode, params, v, args, op.groups, op.dtype), params)
 

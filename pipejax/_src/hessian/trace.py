@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
-from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, check_count, check_key, make_operator
 from pipejax._src.hessian.lanczos import Progress, report
 
 PyTree = Any
@@ -26,6 +26,7 @@ def trace(
     mode: Mode = "fwd_rev",
     dtype: Any = None,
     progress: Progress = False,
+    curvature: Curvature = "hessian",
 ) -> tuple[jax.Array, jax.Array]:
     """An unbiased estimate of ``tr(H)`` and its standard error, from ``num_probes`` HVPs.
 
@@ -50,6 +51,8 @@ def trace(
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"``.
       dtype: the dtype of the probes and sums; default the parameters' dtype.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+      curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
+        :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
 
     Returns:
       ``(estimate, standard_error)``, two scalars.
@@ -71,7 +74,7 @@ def trace(
       smoothing splines*, 1989. Meyer, Musco, Musco and Woodruff, *Hutch++: Optimal Stochastic
       Trace Estimation*, SOSA 2021.
     """
-    op = make_operator(loss, params, args, data, mode, dtype)
+    op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     if method not in ("hutchinson", "hutch++"):
         raise ValueError(f"`method` must be 'hutchinson' or 'hutch++', got {method!r}.")
