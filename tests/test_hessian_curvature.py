@@ -113,3 +113,38 @@ def test_curvature_errors(model):
     scalar_out = ph.composite(lambda p, x, y: jnp.sum(logits(p, x, y)), lambda z, x, y: z**2)
     with pytest.raises(ValueError, match=r"curvature='fisher' needs outputs whose leaves share a leading"):
         ph.hvp(scalar_out, model["params"], model["params"], model["x"], model["y"], curvature="fisher")
+
+
+# --- a streamed dataset ------------------------------------------------------------------------------
+
+
+def test_streamed_batches_give_the_dataset_curvature(model):
+    """4 batches of 6 read one at a time from the host, in every product: the whole batch's curvature."""
+    x, y = model["x"], model["y"]
+    reads = []
+
+    def batches():  # a fresh generator per pass, as a data loader's epoch would be
+        for i in range(0, BATCH, 6):
+            reads.append(i)
+            yield x[i : i + 6], y[i : i + 6]
+
+    data = ph.stream(batches, 4)
+    vals = ph.eigenvalues(LOSS, model["params"], key=jax.random.key(0), k=3, num_steps=40, data=data)
+    # the loss is a mean over equal batches, so the streamed operator is the whole batch's Hessian
+    np.testing.assert_allclose(vals, np.linalg.eigvalsh(model["hessian"])[::-1][:3], rtol=1e-8)
+    assert len(reads) >= 4 * 40  # every Lanczos step read all 4 batches (plus the first peek)
+    est, err = ph.trace(
+        LOSS, model["params"], key=jax.random.key(1), num_probes=20, data=data, curvature="ggn"
+    )
+    assert abs(float(est) - np.trace(model["ggn"])) < 4 * float(err)
+
+
+def test_stream_errors(model):
+    x, y = model["x"], model["y"]
+    with pytest.raises(TypeError, match=r"`data` must be a re-iterable.*pipejax.hessian.stream"):
+        ph.hvp(LOSS, model["params"], model["params"], data=iter([(x, y)]))
+    with pytest.raises(ValueError, match=r"`num_batches` must be at least 1"):
+        ph.stream(lambda: iter([(x, y)]), 0)
+    short = ph.stream(lambda: iter([(x[:6], y[:6])]), 3)  # says 3 batches, holds 1
+    with pytest.raises(Exception, match=r"num_batches=3, but its source ended after 1 batches"):
+        jax.block_until_ready(ph.hvp(LOSS, model["params"], model["params"], data=short))

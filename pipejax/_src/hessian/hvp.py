@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -268,8 +269,9 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
     if isinstance(data, tuple) or iter(data) is data:
         raise TypeError(
             f"`data` must be a re-iterable collection of batches (a list), got {type(data).__name__}. "
-            "Each HVP runs over all batches, so pass `list(batches)`; a batch is a tuple of the "
-            "`*args` of `loss`."
+            "Each HVP runs over all batches, so pass `list(batches)`, or stream them without holding "
+            "them: `data=pipejax.hessian.stream(make_iterator, num_batches)`; a batch is a tuple of "
+            "the `*args` of `loss`."
         )
     batches = [b if isinstance(b, tuple) else (b,) for b in data]
     if not batches:
@@ -285,6 +287,106 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *[batches[i] for i in idx])
         out.append((stacked, jnp.asarray([sizes[i] / total for i in idx])))
     return out
+
+
+class Stream:
+    """Batches read from the host one at a time, inside the compiled loop (see :func:`stream`)."""
+
+    def __init__(self, source: Any, num_batches: int):
+        self.source, self.num_batches = source, num_batches
+        first = next(self._fresh())
+        self.example = first if isinstance(first, tuple) else (first,)
+        self.struct = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.example
+        )
+        batch_size(self.example)
+        self._it: Any = None
+        self._next = 0
+
+    def _fresh(self):
+        return iter(self.source() if callable(self.source) else self.source)
+
+    def _fetch(self, j: np.ndarray) -> Any:
+        j = int(j)
+        if j == 0:  # every pass over the dataset (one per product) starts a fresh iterator
+            self._it, self._next = self._fresh(), 0
+        if j != self._next:
+            raise RuntimeError(f"pipejax.hessian.stream: batch {j} requested, batch {self._next} expected.")
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise ValueError(
+                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches."
+            ) from None
+        self._next += 1
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        got = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), batch)
+        want = jax.tree.map(lambda s: (s.shape, s.dtype), self.struct)
+        if got != want:
+            raise ValueError(
+                f"Every batch of a `stream` must have the shapes and dtypes of the first, {want}; batch {j} "
+                f"has {got}. Drop or pad a shorter last batch."
+            )
+        return jax.tree.map(np.asarray, batch)
+
+    def scan(self, hvp: Callable[[tuple], PyTree], init: PyTree, dtype: Any) -> PyTree:
+        """The mean of ``hvp(batch)`` over the batches, each fetched from the host in turn."""
+        weight = jnp.asarray(1 / self.num_batches, dtype)
+
+        def body(acc, j):
+            # the fetch depends on the running sum, so XLA runs the fetches in order
+            token = jnp.isnan(tree.norm(acc)).astype(j.dtype) * jnp.zeros((), j.dtype)
+            batch = jax.experimental.io_callback(self._fetch, self.struct, j + token)
+            return tree.axpy(weight, tree.astype(hvp(batch), dtype), acc), None
+
+        return jax.lax.scan(body, init, jnp.arange(self.num_batches, dtype=jnp.int32))[0]
+
+
+jax.tree_util.register_pytree_node(Stream, lambda s: ((), s), lambda s, _: s)
+
+
+def stream(source: Any, num_batches: int) -> Stream:
+    """A dataset read batch by batch during each product, for ``data=``: nothing is held in memory.
+
+    Each curvature-vector product is a pass over the whole dataset (``H v = (1/B) sum_b H_b v``
+    over ``num_batches`` batches ``B``), and Lanczos makes one pass per step: so the source must
+    be readable once per product. ``source`` is a function that returns a fresh iterator of
+    batches (e.g. ``lambda: loader.epoch()``), or a re-iterable (a list, a ``tf.data`` dataset);
+    a one-shot iterator serves one product only. Inside the compiled loop every batch comes from
+    the host by ``jax.experimental.io_callback``, so the HVP is still traced and compiled once.
+
+    Args:
+      source: a function returning an iterator of batches, or a re-iterable of batches. A batch
+        is a tuple of the ``*args`` of ``loss`` (or one array); every batch has the same shapes
+        (drop or pad a shorter last batch: batches are weighted equally).
+      num_batches: how many batches one pass reads (the source may hold more: the rest are not read).
+
+    Returns:
+      A value for the ``data=`` argument of every function of :mod:`pipejax.hessian`.
+
+    Raises:
+      TypeError: ``num_batches`` not an int.
+      ValueError: ``num_batches < 1``; at run time, a source that ends early or a batch whose
+        shapes differ from the first.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.hessian import hvp, stream
+      >>> x = jnp.arange(12.0).reshape(6, 2)
+      >>> batches = lambda: (x[i : i + 2] for i in range(0, 6, 2))  # 3 batches of 2
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> v = jnp.array([1.0, 0.0])
+      >>> streamed = hvp(loss, jnp.zeros(2), v, data=stream(batches, 3))
+      >>> bool(jnp.allclose(streamed, hvp(loss, jnp.zeros(2), v, x)))
+      True
+    """
+    num_batches = check_count("num_batches", num_batches, 1)
+    if not (callable(source) or hasattr(source, "__iter__")):
+        raise TypeError(
+            f"`source` of stream must be a function returning an iterator of batches or a re-iterable, "
+            f"got {type(source).__name__}."
+        )
+    return Stream(source, num_batches)
 
 
 class Operator:
@@ -304,6 +406,16 @@ class Operator:
         self.loss, self.params, self.args, self.groups, self.mode = loss, params, args, groups, mode
         self.dtype = dtype  # the dtype of the vectors Lanczos keeps (accumulation)
         self.flat = flat
+        self.mask = None  # a block: a pytree of 0/1 like params (leaves broadcastable); None: all
+
+    def restrict(self, v: PyTree) -> PyTree:
+        """``v`` with the entries outside the block (``mask``) set to zero."""
+        if self.mask is None:
+            return v
+        full = jax.tree.map(lambda m, p: jnp.broadcast_to(m, jnp.shape(p)), self.mask, self.params)
+        if self.flat:
+            return v * tree.ravel(full, v.dtype)
+        return jax.tree.map(lambda a, m: a * m.astype(a.dtype), v, self.mask)
 
     @property
     def precision(self) -> Any:
@@ -328,9 +440,18 @@ class Operator:
         return unravel(v)
 
     def matvec(self, v: PyTree) -> PyTree:
+        """``H v`` (or ``P H P v`` for a block with projector ``P``)."""
+        return self.restrict(self._matvec(self.restrict(v)))
+
+    def _matvec(self, v: PyTree) -> PyTree:
         v = tree.cast(tree.unravel(v, self.params) if self.flat else v, self.params)
         if self.groups is None:
             hv = _hvp_one(self.loss, self.mode, self.params, v, self.args)
+        elif isinstance(self.groups, Stream):
+            zero = tree.scale(jnp.zeros((), self.dtype), tree.astype(v, self.dtype))
+            hv = self.groups.scan(
+                lambda b: _hvp_one(self.loss, self.mode, self.params, v, b), zero, self.dtype
+            )
         else:
             hv = tree.scale(jnp.zeros((), self.dtype), tree.astype(v, self.dtype))
             for stacked, weights in self.groups:
@@ -353,8 +474,11 @@ def make_operator(loss, params, args, data, mode, dtype=None, curvature="hessian
             f"Pass either one batch as `*args` or a dataset as `data=`, not both; got {len(args)} "
             "positional argument(s) and `data`."
         )
-    groups = None if data is None else group_batches(data)
-    example = args if groups is None else jax.tree.map(lambda a: a[0], groups[0][0])
+    if isinstance(data, Stream):
+        groups, example = data, data.example
+    else:
+        groups = None if data is None else group_batches(data)
+        example = args if groups is None else jax.tree.map(lambda a: a[0], groups[0][0])
     check_loss(loss, params, example)
     if not jax.tree.leaves(params):
         raise ValueError("`params` has no arrays: there is no Hessian to take.")
