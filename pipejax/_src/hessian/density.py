@@ -106,7 +106,7 @@ def density(
     check_reorth(reorthogonalise)
     return _density_jit(
         op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise,
-        not tree.is_sharded(params), params, args, op.groups, masks, key,
+        tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
@@ -123,7 +123,16 @@ def _density_impl(
             k_start, k_restart = jax.random.split(jax.random.fold_in(key, r))
             v0 = op.restrict(tree.rademacher(k_start, op.like, op.dtype))
             t = _lanczos(
-                op.matvec, v0, num_steps, k_restart, False, "density", reorth, op.precision, op.restrict
+                op.matvec,
+                v0,
+                num_steps,
+                k_restart,
+                False,
+                "density",
+                reorth,
+                op.precision,
+                op.restrict,
+                op.constrain,
             )[0]
             theta, s = jnp.linalg.eigh(t.matrix())
             nodes, weights = out

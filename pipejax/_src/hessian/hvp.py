@@ -405,8 +405,13 @@ class Operator:
     def __init__(self, loss, params, args, groups, mode, dtype, flat=False):
         self.loss, self.params, self.args, self.groups, self.mode = loss, params, args, groups, mode
         self.dtype = dtype  # the dtype of the vectors Lanczos keeps (accumulation)
-        self.flat = flat
+        self.flat = flat is True
+        self.shardings = flat if isinstance(flat, tuple) else None  # see tree.layout
         self.mask = None  # a block: a pytree of 0/1 like params (leaves broadcastable); None: all
+
+    def constrain(self, v: PyTree, lead: int = 0) -> PyTree:
+        """``v`` pinned to the parameters' shardings (nothing for flat vectors)."""
+        return v if self.flat else tree.constrain(v, self.shardings, lead)
 
     def restrict(self, v: PyTree) -> PyTree:
         """``v`` with the entries outside the block (``mask``) set to zero."""
@@ -441,7 +446,7 @@ class Operator:
 
     def matvec(self, v: PyTree) -> PyTree:
         """``H v`` (or ``P H P v`` for a block with projector ``P``)."""
-        return self.restrict(self._matvec(self.restrict(v)))
+        return self.constrain(self.restrict(self._matvec(self.restrict(v))))
 
     def _matvec(self, v: PyTree) -> PyTree:
         v = tree.cast(tree.unravel(v, self.params) if self.flat else v, self.params)

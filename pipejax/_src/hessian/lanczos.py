@@ -135,14 +135,18 @@ def lanczos(
     return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise)[0]
 
 
-def _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None):
+def _lanczos(
+    matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None, constrain=None
+):
     """:func:`lanczos`, and the number of steps that ran a pass against the whole basis.
 
     ``precision``: the least precise dtype the operator computes in (the HVP's, when Lanczos
     accumulates float32 HVPs in float64); ``None``: the dtypes of ``matvec``'s output and ``v0``.
     The rounding of the operator, not of the accumulation, sets how fast orthogonality is lost.
     ``restrict``: the projector on the operator's subspace (a block), applied to restart vectors.
+    ``constrain(v, lead)``: pins vectors (``lead=0``) and the basis (``lead=1``) to one sharding.
     """
+    pin = (lambda v, lead=0: v) if constrain is None else constrain
     m = check_count("num_steps", num_steps, 1)
     check_reorth(reorthogonalise)
     n = tree.size(v0)
@@ -163,7 +167,7 @@ def _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, precis
     # Simon's rounding term: a new vector starts this far from orthogonal to the previous ones
     noise = jnp.asarray(op_eps * n**0.5, dtype)
     q0 = tree.scale(1 / tree.norm(v0), v0)
-    basis = tree.set_row(tree.zeros_basis(v0, m + 1, dtype), 0, q0)
+    basis = pin(tree.set_row(pin(tree.zeros_basis(v0, m + 1, dtype), 1), 0, q0), 1)
     ks = jnp.arange(m + 1)
     zero = jnp.zeros((), dtype)
 
@@ -174,7 +178,7 @@ def _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, precis
 
     def whole_pass(basis, w):  # one classical Gram-Schmidt pass against every vector (rows > i are 0)
         coefs = tree.project(basis, w)
-        return tree.sub(w, tree.combine(coefs, basis)), coefs
+        return pin(tree.sub(w, pin(tree.combine(coefs, basis)))), coefs
 
     def omega_next(i, diag, offdiag, alpha, beta, b_prev, om_prev, om_cur):
         """Simon's recurrence: estimates of q_{i+1}^T q_k, k <= i, from those of q_i and q_{i-1}.
@@ -226,7 +230,7 @@ def _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, precis
         size = jnp.maximum(size, jnp.abs(alpha) + beta)
         lost = beta <= eps**0.75 * size
         q = jax.lax.cond(lost, restart, lambda i, basis: tree.scale(1 / beta, w), i, basis)
-        basis = tree.set_row(basis, i + 1, q)
+        basis = pin(tree.set_row(basis, i + 1, pin(q)), 1)
         diag = diag.at[i].set(alpha)
         offdiag = offdiag.at[i].set(jnp.where(lost, jnp.zeros_like(beta), beta))
         if not full:  # a restart vector is orthogonalised twice against the basis
@@ -342,7 +346,7 @@ def eigenvalues(
     check_reorth(reorthogonalise)
     return _eigenvalues_jit(
         op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
-        not tree.is_sharded(params), params, args, op.groups, masks, key,
+        tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def trace(
             f"{n}, got num_probes={num_probes}."
         )
     return _trace_jit(
-        op.loss, op.mode, op.dtype, method, num_probes, progress, not tree.is_sharded(params),
+        op.loss, op.mode, op.dtype, method, num_probes, progress, tree.layout(params),
         params, args, op.groups, masks, key,
     )  # fmt: skip
 
