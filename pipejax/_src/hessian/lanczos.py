@@ -164,8 +164,11 @@ def _lanczos(
     else:
         precision = [jnp.zeros((), precision)]
     op_eps = max(float(eps), *(float(jnp.finfo(a.dtype).eps) for a in precision))
-    # Simon's rounding term: a new vector starts this far from orthogonal to the previous ones
-    noise = jnp.asarray(op_eps * n**0.5, dtype)
+    # Simon's rounding term: what one step adds to the loss of orthogonality. His bound has a
+    # factor sqrt(n); the measured loss per step is a few eps (2.1e-7 in float32 with full
+    # reorthogonalisation on the test MLP), and eps halved the passes (float32: 35 -> 18 of 90)
+    # while the basis stayed semi-orthogonal (max |q_i^T q_k| 1.1e-5 < sqrt(eps) = 3.5e-4)
+    noise = jnp.asarray(op_eps, dtype)
     q0 = tree.scale(1 / tree.norm(v0), v0)
     basis = pin(tree.set_row(pin(tree.zeros_basis(v0, m + 1, dtype), 1), 0, q0), 1)
     ks = jnp.arange(m + 1)
