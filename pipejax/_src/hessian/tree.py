@@ -204,7 +204,11 @@ def layout(params: PyTree) -> bool | tuple:
     out = []
     for a in jax.tree.leaves(params):
         s = None if isinstance(a, jax.core.Tracer) else getattr(a, "sharding", None)
-        out.append(s if isinstance(s, jax.sharding.NamedSharding) else None)
+        # Explicit axes need nothing: the sharding is part of the arrays' types and follows them
+        auto = isinstance(s, jax.sharding.NamedSharding) and all(
+            t == jax.sharding.AxisType.Auto for t in s.mesh.axis_types
+        )
+        out.append(s if auto else None)
     return tuple(out)
 
 
