@@ -9,9 +9,9 @@ classifier becomes confident (softmax cross-entropy saturates, so its Hessian sh
 1. Load scikit-learn's digits (1,797 images of 8x8 pixels, bundled with the package: no download),
    train an MLP 64 -> 32 -> 32 -> 10 cut into 3 stages through ``pj.pipeline`` on 3 simulated
    CPU devices, with SGD and momentum; the parameters stay sharded over the stages.
-2. Every 50 steps (every 10 in the first 100), on a fixed batch of 512 training images: the top eigenvalue (Lanczos), the
-   trace (Hutchinson, with its standard error) and the trace of each stage's diagonal block
-   (``blocks=ph.stage_blocks(...)``, all stages in one call).
+2. Every 50 steps (every 10 in the first 100), on a fixed batch of 512 training images: the top
+   eigenvalue (Lanczos), the trace (Hutchinson, with its standard error) and the trace of each
+   stage's diagonal block (``blocks=ph.stage_blocks(...)``, all stages in one call).
 3. Plot the top eigenvalue and the trace against the step, and the per-stage traces, to a PNG.
 
 Run ``python examples/hessian_during_training.py`` (``--short`` for the quick run the tests use;
