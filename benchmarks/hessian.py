@@ -12,14 +12,14 @@ noisy, and ratios taken side by side survive that where absolute times do not.
 
 * ``HVP / grad``: forward-over-reverse (``fwd_rev``) and reverse-over-reverse (``rev_rev``) HVPs
   against ``jax.grad`` of the same loss.
-* ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps (full reorthogonalisation)
-  against ``m`` bare HVPs in one ``lax.fori_loop`` (same jit, same operator, each HVP fed the last
-  normalised one). The difference is the reorthogonalisation, timed alone as the same Lanczos on a
-  diagonal operator: one Gram-Schmidt pass per step reads the ``(m + 1) x n`` basis twice, a
-  memory-bound matrix-vector product, so its cost grows with ``m n`` while the HVP's grows with
-  ``batch n``. ``Lanczos / m (HVP + pass)`` compares Lanczos with ``m`` HVPs each followed by one
-  such pass over a fixed basis: the cost the library adds beyond the work the algorithm must do.
-  The full run has a second batch size (2048) to show the ratio falling as the HVP grows.
+* ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps, partial (the default) and
+  full reorthogonalisation, against ``m`` bare HVPs in one ``lax.fori_loop`` (same jit, same
+  operator, each HVP fed the last normalised one). The difference is the reorthogonalisation: with
+  ``"full"`` one Gram-Schmidt pass per step reads the ``(m + 1) x n`` basis twice, a memory-bound
+  matrix-vector product whose cost grows with ``m n`` while the HVP's grows with ``batch n``
+  (timed alone as the same Lanczos on a diagonal operator); with ``"partial"`` only the steps that
+  Simon's estimate marks run that pass (their count is printed). Memory: the basis's size and
+  XLA's compiled temp bytes. The full run has a second batch size (2048).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import header, interleaved_times, ratio_stats, section, table
+from _common import header, interleaved_times, ratio_stats, section, table, temp_bytes
 
 from pipejax import hessian as ph
 from pipejax._src.hessian import tree
+from pipejax._src.hessian.lanczos import _lanczos
 
 
 def make(sizes, batch, dtype, seed=0):
@@ -78,7 +79,7 @@ def hvp_rows(sizes, batch, rounds, dtype):
 
 
 def lanczos_row(sizes, batch, m, rounds, dtype):
-    """Lanczos against m bare HVPs, and the split of its time: HVPs, reorthogonalisation, the rest."""
+    """Lanczos (partial and full reorthogonalisation) against m bare HVPs; passes and memory."""
     params, x, y = make(sizes, batch, dtype)
     v = tree.normal(jax.random.key(1), params, dtype)
     # a diagonal operator with a spread spectrum: Lanczos on it costs the reorthogonalisation only
@@ -88,13 +89,12 @@ def lanczos_row(sizes, batch, m, rounds, dtype):
     def matvec(p, x, y):
         return lambda u: ph.hvp(loss, p, u, x, y)
 
-    @jax.jit
-    def lanczos(p, v, x, y):
-        return ph.lanczos(matvec(p, x, y), v, m).diag
+    def lanczos(reorth):
+        return jax.jit(lambda p, v, x, y: _lanczos(matvec(p, x, y), v, m, None, False, "", reorth))
 
     @jax.jit
-    def reorth(p, v, x, y):  # the same Lanczos on the diagonal operator
-        return ph.lanczos(lambda u: jax.tree.map(jnp.multiply, u, diag), v, m).diag
+    def reorth(p, v, x, y):  # full reorthogonalisation on the diagonal operator: the passes alone
+        return ph.lanczos(lambda u: jax.tree.map(jnp.multiply, u, diag), v, m, reorthogonalise="full").diag
 
     @jax.jit
     def bare(p, v, x, y):  # m HVPs, each fed the last (normalised) one: no reorthogonalisation
@@ -104,25 +104,18 @@ def lanczos_row(sizes, batch, m, rounds, dtype):
 
         return jax.lax.fori_loop(0, m, body, v)
 
-    basis = tree.set_row(tree.zeros_basis(params, m + 1, dtype), 0, v)
-
-    @jax.jit
-    def sweep(p, v, x, y, basis):  # m HVPs, each followed by the Gram-Schmidt pass on a fixed basis
-        def body(i, u):
-            w = matvec(p, x, y)(u)
-            w = tree.sub(w, tree.combine(tree.project(basis, w), basis))
-            return tree.scale(1 / tree.norm(w), w)
-
-        return jax.lax.fori_loop(0, m, body, v)
-
-    fns = {"bare": bare, "lanczos": lanczos, "reorth": reorth, "sweep": lambda *a: sweep(*a, basis)}
+    fns = {"bare": bare, "partial": lanczos("partial"), "full": lanczos("full"), "reorth": reorth}
     t = interleaved_times(fns, (params, v, x, y), rounds, warmup=1)
     n = tree.size(params)
     per_step = {k: 1e3 * np.median(t[k]) / m for k in fns}
+    passes = int(fns["partial"](params, v, x, y)[1])
     basis_bytes = (m + 1) * n * jnp.dtype(dtype).itemsize
+    temp = {k: temp_bytes(fns[k], params, v, x, y) for k in ("bare", "partial", "full")}
+    mib = lambda b: f"{b / 2**20:.1f}"
     return [jnp.dtype(dtype).name, f"{n:,}", batch, m, f"{per_step['bare']:.2f}", f"{per_step['reorth']:.2f}",
-            f"{2 * basis_bytes / per_step['reorth'] / 1e6:.1f}", fmt(ratio_stats(t["lanczos"], t["bare"])),
-            fmt(ratio_stats(t["lanczos"], t["sweep"]))]  # fmt: skip
+            f"{passes}/{m}", fmt(ratio_stats(t["partial"], t["bare"])),
+            fmt(ratio_stats(t["full"], t["bare"])), mib(basis_bytes), mib(temp["bare"]),
+            mib(temp["partial"]), mib(temp["full"])]  # fmt: skip
 
 
 def run(sizes, batches, m, rounds, dtypes):
@@ -133,16 +126,18 @@ def run(sizes, batches, m, rounds, dtypes):
     section("Lanczos / m HVPs")
     print(
         table(
-            ["dtype", "params", "batch", "m", "HVP (ms/step)", "reorth (ms/step)", "reorth GB/s",
-             "Lanczos / m HVPs", "Lanczos / m (HVP + pass)"],
+            ["dtype", "params", "batch", "m", "HVP (ms/step)", "full pass (ms/step)", "partial: passes",
+             "partial / m HVPs", "full / m HVPs", "basis (MiB)", "temp bare (MiB)", "temp partial (MiB)",
+             "temp full (MiB)"],
             rows_lz,
         )
     )  # fmt: skip
     print(
-        "\nreorth: the same Lanczos on a diagonal operator, i.e. its reorthogonalisation alone: one "
-        "classical\nGram-Schmidt pass per step, which reads the (m + 1) x n basis twice ('reorth GB/s' "
-        "is that traffic\nover its time). Lanczos / m (HVP + pass): against m HVPs each followed by one "
-        "such pass over a\nfixed basis, i.e. what the library adds beyond the work the algorithm must do."
+        "\nfull pass: Lanczos with full reorthogonalisation on a diagonal operator, i.e. one classical "
+        "Gram-Schmidt\npass per step alone (it reads the (m + 1) x n basis twice). partial: passes = the "
+        "steps where Simon's\nestimate of the lost orthogonality passed sqrt(eps) (each such step and the "
+        "next run a pass).\nbasis: (m + 1) x n stored numbers; temp: XLA's compiled temp bytes of the whole "
+        "jitted run\n(bare = m HVPs alone)."
     )
 
 

@@ -26,4 +26,4 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # A script that the multi-host test starts in launched processes, not a test module: importing it
 # (pytest's --doctest-modules imports every module) would call pipejax.launch.initialize().
-collect_ignore = ["multihost_worker.py"]
+collect_ignore = ["multihost_worker.py", "hessian_sharding_worker.py"]

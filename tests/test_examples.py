@@ -112,6 +112,23 @@ def test_hessian_spectrum_short(tmp_path):
 
 
 @pytest.mark.slow
+def test_hessian_during_training_short(tmp_path):
+    png = tmp_path / "training.png"
+    script = ROOT / "examples" / "hessian_during_training.py"
+    proc = run_python([str(script), "--short", "--out", str(png)])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    rows = re.findall(
+        r"step +(\d+) +loss ([\d.]+) +top eigenvalue ([-\d.]+) +trace ([-\d.]+) \+- ([\d.]+)", out
+    )
+    assert [int(r[0]) for r in rows] == [0, 3, 6], out  # evaluated every 3 steps of the short run
+    stages = re.findall(r"stage traces \[([^\]]*)\]", out)
+    assert len(stages) == 3 and all(len(s.split(",")) == 3 for s in stages), out  # one trace per stage
+    assert all(float(r[2]) > 0 for r in rows), out  # cross-entropy at a small init: a positive top
+    assert png.stat().st_size > 5_000
+
+
+@pytest.mark.slow
 def test_train_glow_digits_short(tmp_path):
     png = tmp_path / "samples.png"
     script = ROOT / "examples" / "train_glow_digits.py"

@@ -126,3 +126,17 @@ def test_flow_errors():
         inv.dequantize(jnp.zeros((2, 3)), jax.random.key(0), num_bins=1)
     with pytest.raises(TypeError, match=r"`key` of Flow.sample must be a PRNG key"):
         flow.sample({}, None, 3)
+
+
+def test_flow_checks_params_against_event_shape():
+    """Params made for width 4, used by a flow of width 5: the shapes are named, not broadcast."""
+    layer = inv.Chain([inv.AffineCoupling(hidden=8), inv.InvertibleLinear()], repeat=2)
+    params = inv.Flow(layer, event_shape=(4,)).init(jax.random.key(0), jnp.ones((3, 4)))
+    wide = inv.Flow(layer, event_shape=(5,))
+    msg = r"`params` of Flow.{} were not made for event_shape=\(5,\): leaf .* has shape \(2, 4\)"
+    with pytest.raises(ValueError, match=msg.format("sample")):
+        wide.sample(params, jax.random.key(1), 2)
+    with pytest.raises(ValueError, match=msg.format("log_prob")):
+        wide.log_prob(params, jnp.ones((3, 5)))
+    with pytest.raises(ValueError, match=r"`params` of Flow.sample do not have the structure"):
+        wide.sample({"w": jnp.ones(3)}, jax.random.key(1), 2)

@@ -234,3 +234,52 @@ def test_layer_errors():
     ms_params = ms.init(jax.random.key(0), jnp.ones((2, 4, 4, 2)))
     with pytest.raises(ValueError, match=r"`z` of MultiScale.inverse must be a tuple of 2 latents"):
         ms.inverse(ms_params, jnp.ones((2, 4, 4, 2)))
+
+
+# --- extreme parameters ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [inv.InvertibleLinear(), inv.ActNorm()], ids=["linear", "actnorm"])
+def test_extreme_log_scale_stays_invertible_in_float32(layer):
+    """float32 exp(-100) underflows to 0: the layer bounds its diagonal, so nothing turns into NaN."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 4)), jnp.float32)
+    params = layer.init(jax.random.key(0), x)
+    params = {**params, "log_scale": jnp.asarray([-100.0, 0.5, 100.0, -3.0], jnp.float32)}
+    y, logdet = layer.forward(params, x)
+    back, inv_logdet = layer.inverse(params, y)
+    bound = -0.5 * np.log(np.finfo(np.float32).tiny)  # 43.67: exp(+-bound) are normal float32 numbers
+    assert np.all(np.isfinite(np.asarray(y))) and np.all(np.isfinite(np.asarray(back)))
+    # the map and its log-determinant use the same clipped log-scale, so they stay consistent
+    np.testing.assert_allclose(logdet, np.full(6, -bound + 0.5 + bound - 3.0), rtol=1e-6)
+    np.testing.assert_array_equal(inv_logdet, -logdet)
+    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(inv.reconstruction_error(layer, params, x))) < 1e-5
+
+
+def test_extreme_log_scale_gradients_of_constant_memory_match_linear():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 4)), jnp.float32)
+    steps = [inv.InvertibleLinear(), inv.AffineCoupling(hidden=8)]
+    grads = {}
+    for memory in ("linear", "constant"):
+        chain = inv.Chain(steps, repeat=2, memory=memory)
+        params = chain.init(jax.random.key(0), x)
+        params[0]["log_scale"] = params[0]["log_scale"].at[0, 1].set(-100.0)  # block 0's diagonal
+        loss = lambda p, chain=chain: jnp.mean(chain.forward(p, x)[0] ** 2)
+        grads[memory] = jax.grad(loss)(params)
+    flat = {m: np.concatenate([np.ravel(a) for a in jax.tree.leaves(g)]) for m, g in grads.items()}
+    assert np.all(np.isfinite(flat["constant"])), "constant-memory gradients must stay finite"
+    # float32 reconstruction through a scale of exp(43.7) loses digits: compare relative to the norm
+    err = np.linalg.norm(flat["constant"] - flat["linear"]) / np.linalg.norm(flat["linear"])
+    assert err < 1e-4, err
+
+
+def test_reconstruction_error_flags_a_non_finite_inverse():
+    """An overflow in forward (1e30 * exp(43) = inf in float32) makes the inverse NaN: reported as inf."""
+    layer = inv.ActNorm()
+    x = jnp.asarray([[1.0, 2.0], [1e30, 2.0]], jnp.float32)
+    params = {"bias": jnp.zeros(2, jnp.float32), "log_scale": jnp.asarray([43.0, 0.0], jnp.float32)}
+    err = np.asarray(inv.reconstruction_error(layer, params, x))
+    assert err[0] < 1e-5 and err[1] == np.inf, err
+    chain = inv.Chain([layer], repeat=2)
+    stacked = (jax.tree.map(lambda a: jnp.stack([a, a]), params),)
+    assert np.asarray(chain.reconstruction_errors(stacked, x)).max() == np.inf

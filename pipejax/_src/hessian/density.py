@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
-from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, lanczos
+from pipejax._src.hessian.blocks import dimension, map_blocks
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.lanczos import Progress, Reorth, _lanczos, check_reorth
 
 PyTree = Any
 
@@ -34,6 +35,9 @@ def density(
     mode: Mode = "fwd_rev",
     dtype: Any = None,
     progress: Progress = False,
+    reorthogonalise: Reorth = "partial",
+    curvature: Curvature = "hessian",
+    blocks: Sequence[PyTree] | None = None,
 ) -> Density:
     """Stochastic Lanczos quadrature: the Hessian's eigenvalue density as nodes and weights.
 
@@ -59,9 +63,17 @@ def density(
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"``.
       dtype: the dtype Lanczos accumulates in; default the parameters' dtype.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`pipejax.hessian.lanczos`).
+      curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
+        :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
+
+      blocks: a list of masks (see :func:`pipejax.hessian.stage_blocks`): the density of each
+        diagonal block ``H_bb`` (start vectors and restarts inside the block), all in one call.
 
     Returns:
-      A :class:`Density` of ``nodes`` and ``weights``, each of shape ``(num_runs, num_steps)``.
+      A :class:`Density` of ``nodes`` and ``weights``, each of shape ``(num_runs, num_steps)``
+      (with ``blocks``: ``(num_blocks, num_runs, num_steps)``; block ``b`` is
+      ``Density(d.nodes[b], d.weights[b])``).
 
     Raises:
       ValueError: ``num_steps`` more than the number of parameters; counts below 1.
@@ -81,38 +93,58 @@ def density(
       Density*, ICML 2019. Yao et al., *PyHessian: Neural Networks Through the Lens of the
       Hessian*, 2020.
     """
-    op = make_operator(loss, params, args, data, mode, dtype)
+    op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     num_runs = check_count("num_runs", num_runs, 1)
     num_steps = check_count("num_steps", num_steps, 1)
-    n = tree.size(params)
+    masks, n = dimension(params, blocks)
     if num_steps > n:
-        raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {num_steps}.")
+        raise ValueError(
+            f"`num_steps` must be at most the number of parameters {n} (of the smallest block, with "
+            f"`blocks`), got {num_steps}."
+        )
+    check_reorth(reorthogonalise)
     return _density_jit(
-        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, not tree.is_sharded(params),
-        params, args, op.groups, key,
+        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise,
+        tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
-def _density_impl(loss, mode, dtype, num_steps, num_runs, progress, flat, params, args, groups, key):
-    op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups, op.flat = groups, flat
+def _density_impl(
+    loss, mode, dtype, num_steps, num_runs, progress, reorth, flat, params, args, groups, masks, key
+):
+    op = Operator(loss, params, args, groups, mode, dtype, flat)
     total = num_runs * num_steps
 
-    def run(r, out):
-        k_start, k_restart = jax.random.split(jax.random.fold_in(key, r))
-        v0 = tree.rademacher(k_start, op.like, op.dtype)
+    def one(mask, key):
+        op.mask = mask
 
-        t = lanczos(op.matvec, v0, num_steps, key=k_restart, progress=False)
-        theta, s = jnp.linalg.eigh(t.matrix())
-        nodes, weights = out
-        if progress:  # once per run (the default prints every run)
-            fn = progress if callable(progress) else _print_run
-            jax.debug.callback(lambda rr: fn("density", (int(rr) + 1) * num_steps, total), r)
-        return nodes.at[r].set(theta), weights.at[r].set(s[0] ** 2)
+        def run(r, out):
+            k_start, k_restart = jax.random.split(jax.random.fold_in(key, r))
+            v0 = op.restrict(tree.rademacher(k_start, op.like, op.dtype))
+            t = _lanczos(
+                op.matvec,
+                v0,
+                num_steps,
+                k_restart,
+                False,
+                "density",
+                reorth,
+                op.precision,
+                op.restrict,
+                op.constrain,
+            )[0]
+            theta, s = jnp.linalg.eigh(t.matrix())
+            nodes, weights = out
+            if progress:  # once per run (the default prints every run)
+                fn = progress if callable(progress) else _print_run
+                jax.debug.callback(lambda rr: fn("density", (int(rr) + 1) * num_steps, total), r)
+            return nodes.at[r].set(theta), weights.at[r].set(s[0] ** 2)
 
-    init = (jnp.zeros((num_runs, num_steps), op.dtype), jnp.zeros((num_runs, num_steps), op.dtype))
-    return Density(*jax.lax.fori_loop(0, num_runs, run, init))
+        init = (jnp.zeros((num_runs, num_steps), op.dtype), jnp.zeros((num_runs, num_steps), op.dtype))
+        return Density(*jax.lax.fori_loop(0, num_runs, run, init))
+
+    return map_blocks(one, masks, key)
 
 
 def _print_run(task: str, done: int, total: int) -> None:
@@ -121,7 +153,7 @@ def _print_run(task: str, done: int, total: int) -> None:
 
 _density_jit = jax.jit(
     _density_impl,
-    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "flat"),
+    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "reorth", "flat"),
 )
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,14 +22,154 @@ Mode = Literal["fwd_rev", "rev_rev"]
 MODES = ("fwd_rev", "rev_rev")
 
 
+Curvature = Literal["hessian", "ggn", "fisher"]
+CURVATURES = ("hessian", "ggn", "fisher")
+
+
+class CompositeLoss:
+    """``loss(params, *args) = output_loss(outputs(params, *args), *args)``: a loss with its model's
+    outputs exposed, so the Gauss-Newton and Fisher matrices can be formed (see :func:`composite`)."""
+
+    def __init__(self, outputs: Callable[..., PyTree], output_loss: Callable[..., jax.Array]):
+        if not (callable(outputs) and callable(output_loss)):
+            raise TypeError(
+                "`composite(outputs, output_loss)` takes two functions, `outputs(params, *args) -> z` "
+                f"and `output_loss(z, *args) -> scalar`, got {outputs!r} and {output_loss!r}."
+            )
+        self.outputs, self.output_loss = outputs, output_loss
+
+    def __call__(self, params: PyTree, *args: Any) -> jax.Array:
+        return self.output_loss(self.outputs(params, *args), *args)
+
+    def __eq__(self, other: Any) -> bool:  # a static argument of the compiled programs
+        return (
+            type(other) is CompositeLoss
+            and self.outputs is other.outputs
+            and self.output_loss is other.output_loss
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.outputs), id(self.output_loss)))
+
+
+def composite(outputs: Callable[..., PyTree], output_loss: Callable[..., jax.Array]) -> CompositeLoss:
+    """A loss written as ``output_loss(outputs(params, *args), *args)``, for ``curvature="ggn"|"fisher"``.
+
+    The Hessian of such a loss is ``J^T H_z J + sum_i (dL/dz_i) d^2 z_i/dparams^2`` with ``J`` the
+    Jacobian of the outputs ``z`` and ``H_z`` the Hessian of ``output_loss`` in ``z``. The
+    generalised Gauss-Newton matrix keeps the first term, ``G = J^T H_z J``: positive semi-definite
+    whenever ``output_loss`` is convex in ``z`` (softmax cross-entropy, squared error). The
+    empirical Fisher is ``F = (1/N) sum_i g_i g_i^T`` with ``g_i`` the gradient of example ``i``'s
+    loss; it assumes ``output_loss`` is a mean over the leading (batch) axis of ``z`` of
+    per-example terms. Both products cost one linearisation of ``outputs`` and its transpose (no
+    second derivative of the model). The result is also an ordinary loss (``curvature="hessian"``).
+
+    Args:
+      outputs: ``outputs(params, *args) -> z``, e.g. a model's logits (a pytree whose leaves share
+        the leading batch axis, for the Fisher).
+      output_loss: ``output_loss(z, *args) -> scalar``, e.g. the mean cross-entropy against labels
+        taken from ``args``.
+
+    Returns:
+      A callable ``loss(params, *args)`` that every function of :mod:`pipejax.hessian` accepts.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from pipejax.hessian import composite, hvp
+      >>> loss = composite(lambda w, x: x @ w, lambda z, x: 0.5 * jnp.sum(z**2) + jnp.sum(z**4))
+      >>> x = jnp.array([[1.0, 0.0], [1.0, 1.0]])
+      >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x, curvature="ggn").tolist()  # x^T x v
+      [2.0, 1.0]
+
+    References:
+      Schraudolph, *Fast Curvature Matrix-Vector Products for Second-Order Gradient Descent*,
+      Neural Computation 14, 2002. Martens, *New Insights and Perspectives on the Natural Gradient
+      Method*, JMLR 21, 2020. Kunstner, Hennig and Balles, *Limitations of the empirical Fisher
+      approximation for natural gradient descent*, NeurIPS 2019.
+    """
+    return CompositeLoss(outputs, output_loss)
+
+
 def _hvp_one(loss: Callable[..., jax.Array], mode: str, params: PyTree, v: PyTree, args: tuple) -> PyTree:
+    if isinstance(loss, _Product) and loss.curvature != "hessian":
+        return _gauss_newton(loss.fn, loss.curvature, mode, params, v, args)
+    fn = loss.fn if isinstance(loss, _Product) else loss
+
     def grad(p):
-        return jax.grad(loss)(p, *args)
+        return jax.grad(fn)(p, *args)
 
     if mode == "fwd_rev":  # a JVP of the gradient: about 2-3 gradients of cost
         return jax.jvp(grad, (params,), (v,))[1]
     # reverse-over-reverse: the gradient of <grad, v>; works where forward mode cannot pass
     return jax.grad(lambda p: tree.dot(grad(p), v))(params)
+
+
+def _gauss_newton(loss: CompositeLoss, curvature: str, mode: str, params: PyTree, v: PyTree, args: tuple):
+    """``J^T H_z J v`` (GGN) or ``(1/N) sum_i g_i g_i^T v`` (empirical Fisher), with ``J = dz/dparams``."""
+    model = lambda p: loss.outputs(p, *args)
+    z, pullback = jax.vjp(model, params)
+    if mode == "fwd_rev":
+        jv = jax.jvp(model, (params,), (v,))[1]
+    else:  # J v as the transpose of the pullback (reverse mode only, for layers without a JVP rule)
+        jv = jax.vjp(lambda c: pullback(c)[0], jax.tree.map(jnp.zeros_like, z))[1](v)[0]
+    grad_z = jax.grad(lambda z: loss.output_loss(z, *args))
+    if curvature == "ggn":
+        if mode == "fwd_rev":
+            cot = jax.jvp(grad_z, (z,), (jv,))[1]
+        else:
+            cot = jax.grad(lambda z: tree.dot(grad_z(z), jv))(z)
+        return pullback(cot)[0]
+    # the Fisher: the per-example gradients in z are N dL/dz_i when L is a mean over the batch
+    leaves = jax.tree.leaves(z)
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "curvature='fisher' needs outputs whose leaves share a leading batch axis (the loss a mean "
+            f"of per-example terms over it), got output shapes {[jnp.shape(a) for a in leaves]}."
+        )
+    (n,) = sizes
+    e = grad_z(z)  # e_i / N, with e_i the gradient of example i's loss in z_i
+    per_example = lambda a, b: jnp.sum((a * b.astype(a.dtype)).reshape(n, -1), axis=1)
+    u = sum(per_example(a, b) for a, b in zip(jax.tree.leaves(e), jax.tree.leaves(jv), strict=True))
+    # (1/N) sum_i g_i (g_i . v) = J^T [(e_i . (J v)_i) e_i / N]_i = J^T [N (e/N . Jv)_i (e/N)_i]_i
+    scale = lambda a: a * (n * u).astype(a.dtype).reshape((n,) + (1,) * (a.ndim - 1))
+    cot = jax.tree.map(scale, e)
+    return pullback(cot)[0]
+
+
+class _Product:
+    """The loss and the curvature its operator multiplies by (hashable: a static argument)."""
+
+    def __init__(self, fn: Callable[..., jax.Array], curvature: str):
+        self.fn, self.curvature = fn, curvature
+
+    def __call__(self, params: PyTree, *args: Any) -> jax.Array:
+        return self.fn(params, *args)
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _Product and self.fn == other.fn and self.curvature == other.curvature
+
+    def __hash__(self) -> int:
+        return hash((self.fn, self.curvature))
+
+
+def check_curvature(loss: Any, curvature: Any) -> _Product:
+    if not callable(loss):
+        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    if isinstance(loss, _Product):
+        return loss
+    if curvature not in CURVATURES:
+        raise ValueError(
+            f"`curvature` must be one of {CURVATURES}, got {curvature!r}: the Hessian, the generalised "
+            "Gauss-Newton matrix or the empirical Fisher."
+        )
+    if curvature != "hessian" and not isinstance(loss, CompositeLoss):
+        raise TypeError(
+            f"curvature={curvature!r} needs the loss split into a model and a loss of its outputs, got "
+            f"{loss!r}. Write it as `loss = pipejax.hessian.composite(outputs, output_loss)` with "
+            "`outputs(params, *args) -> z` (e.g. logits) and `output_loss(z, *args) -> scalar`."
+        )
+    return _Product(loss, curvature)
 
 
 def check_mode(mode: Any) -> None:
@@ -86,6 +227,28 @@ def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> N
         )
 
 
+def check_vector(v: PyTree, params: PyTree, name: str = "v") -> None:
+    """``v`` must be a vector of the parameters' space: their structure and leaf shapes."""
+    if jax.tree.structure(v) != jax.tree.structure(params):
+        raise ValueError(
+            f"`{name}` must have the pytree structure of `params`, got {jax.tree.structure(v)} for "
+            f"params {jax.tree.structure(params)}. Build it from the params, e.g. "
+            f"`jax.tree.map(jnp.ones_like, params)`, or `unravel(flat)` with "
+            "`flat, unravel = jax.flatten_util.ravel_pytree(params)`."
+        )
+    for (path, a), p in zip(jax.tree_util.tree_leaves_with_path(v), jax.tree.leaves(params), strict=True):
+        if jnp.shape(a) != jnp.shape(p):
+            raise ValueError(
+                f"`{name}` must have the leaf shapes of `params`, but leaf {jax.tree_util.keystr(path)} "
+                f"has shape {jnp.shape(a)} where the parameter has shape {jnp.shape(p)}."
+            )
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise TypeError(
+                f"`{name}` must hold floating-point arrays, but leaf {jax.tree_util.keystr(path)} has "
+                f"dtype {jnp.result_type(a)}; cast it to the parameters' dtype."
+            )
+
+
 def batch_size(batch: tuple) -> int:
     leaves = jax.tree.leaves(batch)
     if not leaves or jnp.ndim(leaves[0]) == 0:
@@ -106,8 +269,9 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
     if isinstance(data, tuple) or iter(data) is data:
         raise TypeError(
             f"`data` must be a re-iterable collection of batches (a list), got {type(data).__name__}. "
-            "Each HVP runs over all batches, so pass `list(batches)`; a batch is a tuple of the "
-            "`*args` of `loss`."
+            "Each HVP runs over all batches, so pass `list(batches)`, or stream them without holding "
+            "them: `data=pipejax.hessian.stream(make_iterator, num_batches)`; a batch is a tuple of "
+            "the `*args` of `loss`."
         )
     batches = [b if isinstance(b, tuple) else (b,) for b in data]
     if not batches:
@@ -123,6 +287,106 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *[batches[i] for i in idx])
         out.append((stacked, jnp.asarray([sizes[i] / total for i in idx])))
     return out
+
+
+class Stream:
+    """Batches read from the host one at a time, inside the compiled loop (see :func:`stream`)."""
+
+    def __init__(self, source: Any, num_batches: int):
+        self.source, self.num_batches = source, num_batches
+        first = next(self._fresh())
+        self.example = first if isinstance(first, tuple) else (first,)
+        self.struct = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.example
+        )
+        batch_size(self.example)
+        self._it: Any = None
+        self._next = 0
+
+    def _fresh(self):
+        return iter(self.source() if callable(self.source) else self.source)
+
+    def _fetch(self, j: np.ndarray) -> Any:
+        j = int(j)
+        if j == 0:  # every pass over the dataset (one per product) starts a fresh iterator
+            self._it, self._next = self._fresh(), 0
+        if j != self._next:
+            raise RuntimeError(f"pipejax.hessian.stream: batch {j} requested, batch {self._next} expected.")
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise ValueError(
+                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches."
+            ) from None
+        self._next += 1
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        got = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), batch)
+        want = jax.tree.map(lambda s: (s.shape, s.dtype), self.struct)
+        if got != want:
+            raise ValueError(
+                f"Every batch of a `stream` must have the shapes and dtypes of the first, {want}; batch {j} "
+                f"has {got}. Drop or pad a shorter last batch."
+            )
+        return jax.tree.map(np.asarray, batch)
+
+    def scan(self, hvp: Callable[[tuple], PyTree], init: PyTree, dtype: Any) -> PyTree:
+        """The mean of ``hvp(batch)`` over the batches, each fetched from the host in turn."""
+        weight = jnp.asarray(1 / self.num_batches, dtype)
+
+        def body(acc, j):
+            # the fetch depends on the running sum, so XLA runs the fetches in order
+            token = jnp.isnan(tree.norm(acc)).astype(j.dtype) * jnp.zeros((), j.dtype)
+            batch = jax.experimental.io_callback(self._fetch, self.struct, j + token)
+            return tree.axpy(weight, tree.astype(hvp(batch), dtype), acc), None
+
+        return jax.lax.scan(body, init, jnp.arange(self.num_batches, dtype=jnp.int32))[0]
+
+
+jax.tree_util.register_pytree_node(Stream, lambda s: ((), s), lambda s, _: s)
+
+
+def stream(source: Any, num_batches: int) -> Stream:
+    """A dataset read batch by batch during each product, for ``data=``: nothing is held in memory.
+
+    Each curvature-vector product is a pass over the whole dataset (``H v = (1/B) sum_b H_b v``
+    over ``num_batches`` batches ``B``), and Lanczos makes one pass per step: so the source must
+    be readable once per product. ``source`` is a function that returns a fresh iterator of
+    batches (e.g. ``lambda: loader.epoch()``), or a re-iterable (a list, a ``tf.data`` dataset);
+    a one-shot iterator serves one product only. Inside the compiled loop every batch comes from
+    the host by ``jax.experimental.io_callback``, so the HVP is still traced and compiled once.
+
+    Args:
+      source: a function returning an iterator of batches, or a re-iterable of batches. A batch
+        is a tuple of the ``*args`` of ``loss`` (or one array); every batch has the same shapes
+        (drop or pad a shorter last batch: batches are weighted equally).
+      num_batches: how many batches one pass reads (the source may hold more: the rest are not read).
+
+    Returns:
+      A value for the ``data=`` argument of every function of :mod:`pipejax.hessian`.
+
+    Raises:
+      TypeError: ``num_batches`` not an int.
+      ValueError: ``num_batches < 1``; at run time, a source that ends early or a batch whose
+        shapes differ from the first.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.hessian import hvp, stream
+      >>> x = jnp.arange(12.0).reshape(6, 2)
+      >>> batches = lambda: (x[i : i + 2] for i in range(0, 6, 2))  # 3 batches of 2
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> v = jnp.array([1.0, 0.0])
+      >>> streamed = hvp(loss, jnp.zeros(2), v, data=stream(batches, 3))
+      >>> bool(jnp.allclose(streamed, hvp(loss, jnp.zeros(2), v, x)))
+      True
+    """
+    num_batches = check_count("num_batches", num_batches, 1)
+    if not (callable(source) or hasattr(source, "__iter__")):
+        raise TypeError(
+            f"`source` of stream must be a function returning an iterator of batches or a re-iterable, "
+            f"got {type(source).__name__}."
+        )
+    return Stream(source, num_batches)
 
 
 class Operator:
@@ -141,7 +405,28 @@ class Operator:
     def __init__(self, loss, params, args, groups, mode, dtype, flat=False):
         self.loss, self.params, self.args, self.groups, self.mode = loss, params, args, groups, mode
         self.dtype = dtype  # the dtype of the vectors Lanczos keeps (accumulation)
-        self.flat = flat
+        self.flat = flat is True
+        self.shardings = flat if isinstance(flat, tuple) else None  # see tree.layout
+        self.mask = None  # a block: a pytree of 0/1 like params (leaves broadcastable); None: all
+
+    def constrain(self, v: PyTree, lead: int = 0) -> PyTree:
+        """``v`` pinned to the parameters' shardings (nothing for flat vectors)."""
+        return v if self.flat else tree.constrain(v, self.shardings, lead)
+
+    def restrict(self, v: PyTree) -> PyTree:
+        """``v`` with the entries outside the block (``mask``) set to zero."""
+        if self.mask is None:
+            return v
+        full = jax.tree.map(lambda m, p: jnp.broadcast_to(m, jnp.shape(p)), self.mask, self.params)
+        if self.flat:
+            return v * tree.ravel(full, v.dtype)
+        return jax.tree.map(lambda a, m: a * m.astype(a.dtype), v, self.mask)
+
+    @property
+    def precision(self) -> Any:
+        """The least precise dtype the HVP runs in (that of the parameters; Lanczos may accumulate
+        in a wider one)."""
+        return max((jnp.result_type(a) for a in jax.tree.leaves(self.params)), key=lambda d: jnp.finfo(d).eps)
 
     @property
     def like(self) -> PyTree:
@@ -160,9 +445,18 @@ class Operator:
         return unravel(v)
 
     def matvec(self, v: PyTree) -> PyTree:
+        """``H v`` (or ``P H P v`` for a block with projector ``P``)."""
+        return self.constrain(self.restrict(self._matvec(self.restrict(v))))
+
+    def _matvec(self, v: PyTree) -> PyTree:
         v = tree.cast(tree.unravel(v, self.params) if self.flat else v, self.params)
         if self.groups is None:
             hv = _hvp_one(self.loss, self.mode, self.params, v, self.args)
+        elif isinstance(self.groups, Stream):
+            zero = tree.scale(jnp.zeros((), self.dtype), tree.astype(v, self.dtype))
+            hv = self.groups.scan(
+                lambda b: _hvp_one(self.loss, self.mode, self.params, v, b), zero, self.dtype
+            )
         else:
             hv = tree.scale(jnp.zeros((), self.dtype), tree.astype(v, self.dtype))
             for stacked, weights in self.groups:
@@ -176,16 +470,20 @@ class Operator:
         return tree.ravel(hv, self.dtype) if self.flat else tree.astype(hv, self.dtype)
 
 
-def make_operator(loss, params, args, data, mode, dtype=None) -> Operator:
+def make_operator(loss, params, args, data, mode, dtype=None, curvature="hessian") -> Operator:
     """Validates the inputs and builds the :class:`Operator`; ``dtype=None``: the params' dtype."""
     check_mode(mode)
+    loss = check_curvature(loss, curvature)
     if data is not None and args:
         raise ValueError(
             f"Pass either one batch as `*args` or a dataset as `data=`, not both; got {len(args)} "
             "positional argument(s) and `data`."
         )
-    groups = None if data is None else group_batches(data)
-    example = args if groups is None else jax.tree.map(lambda a: a[0], groups[0][0])
+    if isinstance(data, Stream):
+        groups, example = data, data.example
+    else:
+        groups = None if data is None else group_batches(data)
+        example = args if groups is None else jax.tree.map(lambda a: a[0], groups[0][0])
     check_loss(loss, params, example)
     if not jax.tree.leaves(params):
         raise ValueError("`params` has no arrays: there is no Hessian to take.")
@@ -209,6 +507,7 @@ def hvp(
     *args: Any,
     data: Iterable[Any] | None = None,
     mode: Mode = "fwd_rev",
+    curvature: Curvature = "hessian",
 ) -> PyTree:
     """The Hessian-vector product ``H v`` of ``loss`` with respect to ``params``.
 
@@ -230,6 +529,8 @@ def hvp(
       data: instead of ``*args``, a list of batches; each batch is a tuple of ``*args`` (or one
         argument) whose leaves share a leading batch axis.
       mode: ``"fwd_rev"`` (default) or ``"rev_rev"``.
+      curvature: ``"hessian"`` (default), or for a :func:`composite` loss ``"ggn"`` (the
+        generalised Gauss-Newton ``J^T H_z J``) or ``"fisher"`` (the empirical Fisher).
 
     Returns:
       ``H v``, a pytree like ``params`` with its dtypes.
@@ -246,7 +547,8 @@ def hvp(
       >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x).tolist()
       [2.0, 4.0]
     """
-    op = make_operator(loss, params, args, data, mode)
+    op = make_operator(loss, params, args, data, mode, curvature=curvature)
+    check_vector(v, params)
     return tree.cast(_hvp_jit(op.loss, op.mode, params, v, args, op.groups, op.dtype), params)
 
 

@@ -1,4 +1,4 @@
-"""Lanczos tridiagonalisation with full reorthogonalisation, and the top eigenvalues it gives.
+"""Lanczos tridiagonalisation with partial or full reorthogonalisation, and the top eigenvalues.
 
 After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis ``Q = [q_0 ..
 q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
@@ -16,14 +16,15 @@ once, whatever ``m`` is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
-from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
+from pipejax._src.hessian.blocks import dimension, map_blocks
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
 
 PyTree = Any
 Progress = bool | Callable[[str, int, int], None]
@@ -56,6 +57,19 @@ def report(progress: Progress, task: str, done: jax.Array, total: int) -> None:
     jax.debug.callback(lambda d: fn(task, int(d), total), done)
 
 
+Reorth = Literal["partial", "full"]
+REORTHS = ("partial", "full")
+
+
+def check_reorth(reorthogonalise: Any) -> None:
+    if reorthogonalise not in REORTHS:
+        raise ValueError(
+            f"`reorthogonalise` must be one of {REORTHS}, got {reorthogonalise!r}. 'partial' (default) "
+            "reorthogonalises only when Simon's estimate of the lost orthogonality passes sqrt(eps); "
+            "'full' does it at every step (about twice the cost at small batches, for comparison)."
+        )
+
+
 def lanczos(
     matvec: Callable[[PyTree], PyTree],
     v0: PyTree,
@@ -64,22 +78,34 @@ def lanczos(
     key: jax.Array | None = None,
     progress: Progress = False,
     task: str = "lanczos",
+    reorthogonalise: Reorth = "partial",
 ) -> Tridiagonal:
-    """``num_steps`` Lanczos steps on a symmetric operator, with full reorthogonalisation.
+    """``num_steps`` Lanczos steps on a symmetric operator, with partial (or full) reorthogonalisation.
 
     Vectors are pytrees (like ``v0``, in ``v0``'s dtypes). Each step is the three-term recurrence
-    ``w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i`` followed by one classical Gram-Schmidt pass of
-    ``w`` against all previous vectors. The recurrence does the cancellation; what is left of
-    ``w`` along the old vectors is rounding error, small next to ``w``, so one pass removes it to
-    working precision (the basis stays orthonormal to a few ulps, tested in float32 and float64).
+    ``w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i``, then a Gram-Schmidt pass of ``w``:
+
+    - ``reorthogonalise="partial"`` (default; Simon 1984): a second local pass against ``q_i`` and
+      ``q_{i-1}`` (two vectors), and a pass against *all* previous vectors only when it is due.
+      Simon's recurrence for ``omega_{i+1,k} ~ q_{i+1}^T q_k`` propagates the loss of
+      orthogonality from ``alpha``, ``beta`` and a rounding term (``O(m)`` scalars per step, no
+      vector reads); when ``max_k |omega| > sqrt(eps)`` the new vector and the next one are
+      reorthogonalised against the whole basis and the estimates reset. The basis stays
+      semi-orthogonal (``|q_i^T q_k| <= sqrt(eps)``), which is enough for ``T`` to be, up to
+      working precision, the projection of ``H`` on the Krylov space: Ritz values as accurate as
+      with full reorthogonalisation and no ghost copies (Simon 1984, Parlett 1998).
+    - ``reorthogonalise="full"``: one classical Gram-Schmidt pass against all previous vectors at
+      every step: orthonormal to a few ulps, at two reads of the ``(m + 1) x n`` basis per step.
+
     If the Krylov space is exhausted (a new vector is numerically zero: ``beta <= eps^(3/4)
     ||T||``), Lanczos restarts with a random vector orthogonalised twice against the basis and
     records ``beta = 0``, so ``T`` splits into blocks and stays exact; ``num_steps`` may then reach
     the dimension.
 
-    Cost per step: one ``matvec``, and two products with the ``(num_steps + 1) x n`` basis, which
-    read it twice from memory (bandwidth-bound; on a 2-core CPU with ``m = 90`` and 77k parameters
-    this is about as long as an HVP at batch 256, and a tenth of one at batch 2048).
+    Cost per step: one ``matvec``; with ``"full"`` also two products with the basis, which read it
+    from memory (bandwidth-bound; on a 2-core CPU with ``m = 90`` and 77k parameters about as long
+    as an HVP at batch 256); with ``"partial"`` those reads happen at the steps where they are due
+    only (see ``benchmarks/hessian.py`` for the counts). Memory: the ``(m + 1) x n`` basis either way.
 
     Args:
       matvec: the symmetric linear map, ``v -> H v``, traceable.
@@ -89,6 +115,7 @@ def lanczos(
       progress: ``True`` prints a line about every tenth step; a function ``f(task, done, total)``
         is called after each step.
       task: the name passed to ``progress``.
+      reorthogonalise: ``"partial"`` (default) or ``"full"``.
 
     Returns:
       A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis``.
@@ -100,8 +127,28 @@ def lanczos(
       >>> t = lanczos(lambda v: a @ v, jnp.ones(3), 3)
       >>> jnp.linalg.eigvalsh(t.matrix()).round(4).tolist()
       [-2.0, 1.0, 3.0]
+
+    References:
+      Simon, *The Lanczos algorithm with partial reorthogonalization*, Math. Comp. 42, 1984.
+      Parlett, *The Symmetric Eigenvalue Problem*, SIAM, 1998, chapter 13.
     """
+    return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise)[0]
+
+
+def _lanczos(
+    matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None, constrain=None
+):
+    """:func:`lanczos`, and the number of steps that ran a pass against the whole basis.
+
+    ``precision``: the least precise dtype the operator computes in (the HVP's, when Lanczos
+    accumulates float32 HVPs in float64); ``None``: the dtypes of ``matvec``'s output and ``v0``.
+    The rounding of the operator, not of the accumulation, sets how fast orthogonality is lost.
+    ``restrict``: the projector on the operator's subspace (a block), applied to restart vectors.
+    ``constrain(v, lead)``: pins vectors (``lead=0``) and the basis (``lead=1``) to one sharding.
+    """
+    pin = (lambda v, lead=0: v) if constrain is None else constrain
     m = check_count("num_steps", num_steps, 1)
+    check_reorth(reorthogonalise)
     n = tree.size(v0)
     if m > n:
         raise ValueError(
@@ -111,41 +158,95 @@ def lanczos(
     key = jax.random.key(0) if key is None else check_key(key)
     dtype = jnp.result_type(*jax.tree.leaves(v0))
     eps = jnp.finfo(dtype).eps
+    full = reorthogonalise == "full"
+    if precision is None:
+        precision = [*jax.tree.leaves(jax.eval_shape(matvec, v0)), *jax.tree.leaves(v0)]
+    else:
+        precision = [jnp.zeros((), precision)]
+    op_eps = max(float(eps), *(float(jnp.finfo(a.dtype).eps) for a in precision))
+    # Simon's rounding term: what one step adds to the loss of orthogonality. His bound has a
+    # factor sqrt(n); the measured loss per step is a few eps (2.1e-7 in float32 with full
+    # reorthogonalisation on the test MLP), and eps halved the passes (float32: 35 -> 18 of 90)
+    # while the basis stayed semi-orthogonal (max |q_i^T q_k| 1.1e-5 < sqrt(eps) = 3.5e-4)
+    noise = jnp.asarray(op_eps, dtype)
     q0 = tree.scale(1 / tree.norm(v0), v0)
-    basis = tree.set_row(tree.zeros_basis(v0, m + 1, dtype), 0, q0)
+    basis = pin(tree.set_row(pin(tree.zeros_basis(v0, m + 1, dtype), 1), 0, q0), 1)
+    ks = jnp.arange(m + 1)
+    zero = jnp.zeros((), dtype)
 
     def restart(i, basis):  # a random unit vector orthogonal to the basis (two passes)
-        r, _ = tree.orthogonalise(basis, tree.normal(jax.random.fold_in(key, i), v0, dtype))
+        r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
+        r, _ = tree.orthogonalise(basis, r if restrict is None else restrict(r))
         return tree.scale(1 / tree.norm(r), r)
 
+    def whole_pass(basis, w):  # one classical Gram-Schmidt pass against every vector (rows > i are 0)
+        coefs = tree.project(basis, w)
+        return pin(tree.sub(w, pin(tree.combine(coefs, basis)))), coefs
+
+    def omega_next(i, diag, offdiag, alpha, beta, b_prev, om_prev, om_cur):
+        """Simon's recurrence: estimates of q_{i+1}^T q_k, k <= i, from those of q_i and q_{i-1}.
+
+        beta_i w_{i+1,k} = beta_k w_{i,k+1} + (alpha_k - alpha_i) w_{i,k} + beta_{k-1} w_{i,k-1}
+        - beta_{i-1} w_{i-1,k} (+ rounding), with w_{i,i} = 1.
+        """
+        beta_k = jnp.where(ks < i, offdiag, zero)
+        beta_km1 = jnp.where((ks >= 1) & (ks <= i), jnp.roll(offdiag, 1), zero)
+        up = jnp.where(ks < i, jnp.roll(om_cur, -1), zero)
+        down = jnp.where((ks >= 1) & (ks <= i), jnp.roll(om_cur, 1), zero)
+        t = beta_k * up + (diag - alpha) * om_cur + beta_km1 * down - b_prev * om_prev
+        t = t + jnp.where(t >= 0, noise, -noise) * (beta_k + beta)
+        om = jnp.where(ks < i, t / jnp.maximum(beta, jnp.finfo(dtype).tiny), zero)
+        return jnp.where(ks == i, noise, jnp.where(ks == i + 1, jnp.ones((), dtype), om))
+
     def step(i, carry):
-        basis, diag, offdiag, size = carry
+        basis, diag, offdiag, size, om_prev, om_cur, again, passes = carry
         q = tree.row(basis, i)
-        # the three-term recurrence: w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i
-        w = tree.astype(matvec(q), dtype)
         j = jnp.maximum(i - 1, 0)
-        w = tree.sub(w, tree.scale(jnp.where(i > 0, offdiag[j], jnp.zeros((), dtype)), tree.row(basis, j)))
+        b_prev = jnp.where(i > 0, offdiag[j], zero)
+        q_prev = tree.row(basis, j)
+        # the three-term recurrence: w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i
+        w = tree.sub(tree.astype(matvec(q), dtype), tree.scale(b_prev, q_prev))
         alpha = tree.dot(q, w)
         w = tree.sub(w, tree.scale(alpha, q))
-        # one classical Gram-Schmidt pass against all vectors (rows > i are zero): it removes the
-        # rounding errors of the recurrence, which are small next to w, so one pass is enough
-        coefs = tree.project(basis, w)
-        w = tree.sub(w, tree.combine(coefs, basis))
-        alpha = alpha + coefs[i]
+        if full:
+            # one pass against all vectors: it removes the recurrence's rounding errors, which are
+            # small next to w, so one pass is enough
+            w, coefs = whole_pass(basis, w)
+            alpha = alpha + coefs[i]
+            due = jnp.ones((), bool)
+        else:
+            # a second local pass (two vectors): keeps |q_{i+1}^T q_i| and |q_{i+1}^T q_{i-1}| at eps
+            c = tree.dot(q, w)
+            w = tree.sub(w, tree.scale(c, q))
+            alpha = alpha + c
+            w = tree.sub(w, tree.scale(jnp.where(i > 0, tree.dot(q_prev, w), zero), q_prev))
+            om = omega_next(i, diag.at[i].set(alpha), offdiag, alpha, tree.norm(w), b_prev, om_prev, om_cur)
+            due = again | (jnp.max(jnp.abs(jnp.where(ks < i, om, zero))) > op_eps**0.5)
+            # the pass's operands are only read, so the basis is not copied when it does not run
+            w, coefs = jax.lax.cond(due, whole_pass, lambda basis, w: (w, jnp.zeros(m + 1, dtype)), basis, w)
+            alpha = alpha + coefs[i]
+            # after a pass q_{i+1} is orthogonal to working precision; Simon reorthogonalises the
+            # next vector too, since the recurrence carries the old error of q_i into it
+            om = jnp.where(due & (ks <= i), noise, om)
+            again = due & ~again
         beta = tree.norm(w)
         size = jnp.maximum(size, jnp.abs(alpha) + beta)
         lost = beta <= eps**0.75 * size
-        # the restart's operands are only read, so the basis is not copied when it does not run
         q = jax.lax.cond(lost, restart, lambda i, basis: tree.scale(1 / beta, w), i, basis)
-        basis = tree.set_row(basis, i + 1, q)
+        basis = pin(tree.set_row(basis, i + 1, pin(q)), 1)
         diag = diag.at[i].set(alpha)
         offdiag = offdiag.at[i].set(jnp.where(lost, jnp.zeros_like(beta), beta))
+        if not full:  # a restart vector is orthogonalised twice against the basis
+            om_prev, om_cur = om_cur, jnp.where(lost & (ks <= i), noise, om)
         report(progress, task, i + 1, m)
-        return basis, diag, offdiag, size
+        return basis, diag, offdiag, size, om_prev, om_cur, again, passes + due.astype(jnp.int32)
 
-    init = (basis, jnp.zeros(m, dtype), jnp.zeros(m, dtype), jnp.zeros((), dtype))
-    basis, diag, offdiag, _ = jax.lax.fori_loop(0, m, step, init)
-    return Tridiagonal(diag, offdiag[: m - 1], jax.tree.map(lambda a: a[:m], basis))
+    om0 = jnp.zeros(m + 1, dtype).at[0].set(1)
+    init = (basis, jnp.zeros(m + 1, dtype), jnp.zeros(m + 1, dtype), zero, jnp.zeros(m + 1, dtype), om0,
+            jnp.zeros((), bool), jnp.zeros((), jnp.int32))  # fmt: skip
+    basis, diag, offdiag, _, _, _, _, passes = jax.lax.fori_loop(0, m, step, init)
+    t = Tridiagonal(diag[:m], offdiag[: m - 1], jax.tree.map(lambda a: a[:m], basis))
+    return t, passes
 
 
 def select(values: jax.Array, k: int, which: str) -> jax.Array:
@@ -163,14 +264,17 @@ def eigenvalues(
     which: Literal["LA", "LM"] = "LA",
     num_steps: int | None = None,
     return_eigenvectors: bool = False,
+    blocks: Sequence[PyTree] | None = None,
     data: Iterable[Any] | None = None,
     mode: Mode = "fwd_rev",
     dtype: Any = None,
     progress: Progress = False,
+    reorthogonalise: Reorth = "partial",
+    curvature: Curvature = "hessian",
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """The top ``k`` eigenvalues of the Hessian of ``loss`` at ``params``, by Lanczos.
 
-    Runs ``num_steps`` Lanczos steps with full reorthogonalisation from a random start vector
+    Runs ``num_steps`` Lanczos steps (with partial reorthogonalisation) from a random start vector
     and returns the ``k`` extreme Ritz values: the largest (``which="LA"``, largest algebraic) or
     those of largest magnitude (``which="LM"``, which may be negative, as power iteration finds).
     Without reorthogonalisation, ghost copies of the top eigenvalue would hide the next ones.
@@ -188,15 +292,21 @@ def eigenvalues(
         reorthogonalisation, 90 steps gave the top 5 eigenvalues of a 3,000-parameter MLP to
         1e-10 relative.
       return_eigenvectors: also return the Ritz vectors.
+      blocks: a list of masks (see :func:`pipejax.hessian.stage_blocks`): the top eigenvalues of
+        each diagonal block ``H_bb`` of the Hessian, all in one call (``num_steps`` HVPs each).
       data: a list of batches, instead of ``*args``.
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"`` (see :func:`hvp`).
       dtype: the dtype Lanczos accumulates in (e.g. ``jnp.float64`` for float32 parameters);
         default the parameters' dtype. The HVP itself runs in the parameters' dtypes.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`lanczos`).
+      curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
+        :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
 
     Returns:
       ``values`` of shape ``(k,)`` (largest first, by ``which``), or ``(values, vectors)`` where
-      ``vectors`` is a pytree like ``params`` with a leading axis of size ``k``.
+      ``vectors`` is a pytree like ``params`` with a leading axis of size ``k``. With ``blocks``,
+      each has a further leading axis, one entry per block.
 
     Raises:
       ValueError: ``k`` larger than the number of parameters or than ``num_steps``; a non-scalar
@@ -218,9 +328,9 @@ def eigenvalues(
       ed., section 10.1. Ghorbani, Krishnan and Xiao, *An Investigation into Neural Net
       Optimization via Hessian Eigenvalue Density*, ICML 2019.
     """
-    op = make_operator(loss, params, args, data, mode, dtype)
+    op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
-    n = tree.size(params)
+    masks, n = dimension(params, blocks)
     k = check_count("k", k, 1)
     if k > n:
         raise ValueError(f"`k` must be at most the number of parameters {n}, got k={k}.")
@@ -236,28 +346,37 @@ def eigenvalues(
         )
     if m > n:
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
+    check_reorth(reorthogonalise)
     return _eigenvalues_jit(
-        op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress,
-        not tree.is_sharded(params), params, args, op.groups, key,
+        op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
+        tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
-def _eigenvalues_impl(loss, mode, dtype, k, which, m, vectors, progress, flat, params, args, groups, key):
-    op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups, op.flat = groups, flat
-    k_start, k_restart = jax.random.split(key)
-    v0 = tree.normal(k_start, op.like, op.dtype)
-    t = lanczos(op.matvec, v0, m, key=k_restart, progress=progress, task="eigenvalues")
-    theta, s = jnp.linalg.eigh(t.matrix())
-    idx = select(theta, k, which)
-    if not vectors:
-        return theta[idx]
-    return theta[idx], op.unpack(tree.combine(s[:, idx], t.basis))
+def _eigenvalues_impl(
+    loss, mode, dtype, k, which, m, vectors, progress, reorth, flat, params, args, groups, masks, key
+):
+    op = Operator(loss, params, args, groups, mode, dtype, flat)
+
+    def one(mask, key):
+        op.mask = mask
+        k_start, k_restart = jax.random.split(key)
+        v0 = op.restrict(tree.normal(k_start, op.like, op.dtype))
+        t = _lanczos(op.matvec, v0, m, k_restart, progress, "eigenvalues", reorth, op.precision, op.restrict)[
+            0
+        ]
+        theta, s = jnp.linalg.eigh(t.matrix())
+        idx = select(theta, k, which)
+        if not vectors:
+            return theta[idx]
+        return theta[idx], op.unpack(tree.combine(s[:, idx], t.basis))
+
+    return map_blocks(one, masks, key)
 
 
 _eigenvalues_jit = jax.jit(
     _eigenvalues_impl,
-    static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress", "flat"),
+    static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress", "reorth", "flat"),
 )
 
 __all__ = ["Tridiagonal", "eigenvalues", "lanczos"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from pipejax._src.hessian import tree
-from pipejax._src.hessian.hvp import Mode, check_count, check_key, make_operator
+from pipejax._src.hessian.blocks import dimension, map_blocks
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
 from pipejax._src.hessian.lanczos import Progress, report
 
 PyTree = Any
@@ -26,6 +27,8 @@ def trace(
     mode: Mode = "fwd_rev",
     dtype: Any = None,
     progress: Progress = False,
+    curvature: Curvature = "hessian",
+    blocks: Sequence[PyTree] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """An unbiased estimate of ``tr(H)`` and its standard error, from ``num_probes`` HVPs.
 
@@ -50,9 +53,14 @@ def trace(
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"``.
       dtype: the dtype of the probes and sums; default the parameters' dtype.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
+      curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
+        :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
+
+      blocks: a list of masks (see :func:`pipejax.hessian.stage_blocks`): the trace of each
+        diagonal block ``H_bb`` (probes masked to the block), e.g. one per pipeline stage.
 
     Returns:
-      ``(estimate, standard_error)``, two scalars.
+      ``(estimate, standard_error)``, two scalars (with ``blocks``: two arrays, one entry per block).
 
     Raises:
       ValueError: too few probes, an unknown ``method``, a non-scalar loss.
@@ -71,20 +79,21 @@ def trace(
       smoothing splines*, 1989. Meyer, Musco, Musco and Woodruff, *Hutch++: Optimal Stochastic
       Trace Estimation*, SOSA 2021.
     """
-    op = make_operator(loss, params, args, data, mode, dtype)
+    op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     if method not in ("hutchinson", "hutch++"):
         raise ValueError(f"`method` must be 'hutchinson' or 'hutch++', got {method!r}.")
     minimum = 2 if method == "hutchinson" else 4
     num_probes = check_count("num_probes", num_probes, minimum, f" for method={method!r}")
-    if method == "hutch++" and num_probes // 3 > tree.size(params):
+    masks, n = dimension(params, blocks)
+    if method == "hutch++" and num_probes // 3 > n:
         raise ValueError(
             f"`num_probes` // 3 (the Hutch++ sketch size) must be at most the number of parameters "
-            f"{tree.size(params)}, got num_probes={num_probes}."
+            f"{n}, got num_probes={num_probes}."
         )
     return _trace_jit(
-        op.loss, op.mode, op.dtype, method, num_probes, progress, not tree.is_sharded(params),
-        params, args, op.groups, key,
+        op.loss, op.mode, op.dtype, method, num_probes, progress, tree.layout(params),
+        params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
@@ -92,7 +101,7 @@ def _samples(op, key, basis, count, progress, done, total):
     """``count`` Hutchinson samples ``z^T P H P z`` with ``P`` the projector off ``basis``'s rows."""
 
     def body(j, out):
-        z = tree.rademacher(jax.random.fold_in(key, j), op.like, op.dtype)
+        z = op.restrict(tree.rademacher(jax.random.fold_in(key, j), op.like, op.dtype))
         if basis is not None:
             z, _ = tree.orthogonalise(basis, z)
         out = out.at[j].set(tree.dot(z, op.matvec(z)))
@@ -107,9 +116,17 @@ def _mean_and_error(samples):
     return jnp.mean(samples), jnp.std(samples, ddof=1) / jnp.sqrt(jnp.asarray(n, samples.dtype))
 
 
-def _trace_impl(loss, mode, dtype, method, num_probes, progress, flat, params, args, groups, key):
-    op = make_operator(loss, params, args, None, mode, dtype)
-    op.groups, op.flat = groups, flat
+def _trace_impl(loss, mode, dtype, method, num_probes, progress, flat, params, args, groups, masks, key):
+    op = Operator(loss, params, args, groups, mode, dtype, flat)
+
+    def one(mask, key):
+        op.mask = mask
+        return _trace_one(op, method, num_probes, progress, key)
+
+    return map_blocks(one, masks, key)
+
+
+def _trace_one(op, method, num_probes, progress, key):
     if method == "hutchinson":
         return _mean_and_error(_samples(op, key, None, num_probes, progress, 0, num_probes))
     s = num_probes // 3
@@ -117,8 +134,8 @@ def _trace_impl(loss, mode, dtype, method, num_probes, progress, flat, params, a
     basis = tree.zeros_basis(op.like, s, op.dtype)
 
     def sketch(j, basis):  # Q: the orthonormalised columns of H S, built one column at a time
-        y = op.matvec(tree.rademacher(jax.random.fold_in(k_sketch, j), op.like, op.dtype))
-        y, _ = tree.orthogonalise(basis, y)
+        probe = op.restrict(tree.rademacher(jax.random.fold_in(k_sketch, j), op.like, op.dtype))
+        y, _ = tree.orthogonalise(basis, op.matvec(probe))
         report(progress, "trace", j + 1, num_probes)
         return tree.set_row(basis, j, tree.scale(1 / jnp.maximum(tree.norm(y), jnp.finfo(op.dtype).tiny), y))
 

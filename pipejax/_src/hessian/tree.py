@@ -191,3 +191,37 @@ def _split(flat: jax.Array, like: PyTree) -> PyTree:
 def _like(x: jax.Array, leaf: jax.Array) -> jax.Array:
     """``x`` laid out like ``leaf`` (adding a sharded zero gives it ``leaf``'s Explicit sharding)."""
     return x + jnp.zeros_like(leaf, x.dtype)
+
+
+def layout(params: PyTree) -> bool | tuple:
+    """How vectors of ``params``' space are kept: ``True`` for flat arrays (nothing is split over
+    devices), else one sharding per leaf (``None`` where unknown, e.g. under a trace): the
+    operator pins its vectors and its basis to these, so that XLA does not pick a different
+    sharding for the basis and reshard it at every step (it printed "Involuntary full
+    rematerialization" for the basis products of a pipelined Flax model on an Auto mesh)."""
+    if not is_sharded(params):
+        return True
+    out = []
+    for a in jax.tree.leaves(params):
+        s = None if isinstance(a, jax.core.Tracer) else getattr(a, "sharding", None)
+        # Explicit axes need nothing: the sharding is part of the arrays' types and follows them
+        auto = isinstance(s, jax.sharding.NamedSharding) and all(
+            t == jax.sharding.AxisType.Auto for t in s.mesh.axis_types
+        )
+        out.append(s if auto else None)
+    return tuple(out)
+
+
+def constrain(v: PyTree, shardings: tuple | None, lead: int = 0) -> PyTree:
+    """``v`` (with ``lead`` leading axes before each leaf's own) pinned to ``shardings``."""
+    if not shardings or all(s is None for s in shardings):
+        return v
+    leaves, treedef = jax.tree.flatten(v)
+
+    def pin(a, s):
+        if s is None:
+            return a
+        spec = jax.sharding.PartitionSpec(*([None] * lead), *s.spec)
+        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(s.mesh, spec))
+
+    return treedef.unflatten([pin(a, s) for a, s in zip(leaves, shardings, strict=True)])

@@ -159,7 +159,9 @@ def reconstruction_error(layer: Layer, params: PyTree, x: PyTree, key: jax.Array
       key: the key for layers with randomness (the same key is used both ways), or ``None``.
 
     Returns:
-      An array of shape ``(batch,)``: the largest absolute error over each example's entries.
+      An array of shape ``(batch,)``: the largest absolute error over each example's entries;
+      ``inf`` for an example whose reconstruction is not finite (an overflow or a NaN in the
+      inverse), so a broken layer is flagged, not hidden behind a NaN.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -174,10 +176,15 @@ def reconstruction_error(layer: Layer, params: PyTree, x: PyTree, key: jax.Array
     y, _ = layer.forward(params, x, key)
     back, _ = layer.inverse(params, y, key)
     errors = [
-        jnp.max(jnp.abs(a - b).reshape(a.shape[0], -1), axis=1)
+        jnp.max(reconstruction_gap(a, b).reshape(a.shape[0], -1), axis=1)
         for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(x), strict=True)
     ]
     return jnp.max(jnp.stack(errors), axis=0)
+
+
+def reconstruction_gap(back: jax.Array, x: jax.Array) -> jax.Array:
+    """``|back - x|``, and ``inf`` where the reconstruction is not finite (NaN would hide in a max)."""
+    return jnp.where(jnp.isfinite(back), jnp.abs(back - x), jnp.asarray(jnp.inf, back.dtype))
 
 
 def as_stage(layer: Layer):

@@ -18,6 +18,7 @@ from pipejax._src.invertible.base import (
     first_leaf,
     fold,
     match_varying,
+    reconstruction_gap,
     zero_logdet,
 )
 from pipejax._src.invertible.reversible import reversible_scan, scan, scan_steps
@@ -308,7 +309,7 @@ class Chain:
             p, k, true = xs
             rebuilt, _ = self._block_inverse(p, h, k)
             errors = [
-                jnp.max(jnp.abs(a - b))
+                jnp.max(reconstruction_gap(a, b))
                 for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(true), strict=True)
             ]
             return rebuilt, jnp.max(jnp.stack(errors))

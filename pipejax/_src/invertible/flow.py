@@ -124,6 +124,29 @@ class Flow:
                 f"{', '.join(map(str, self.event_shape))}), but got shape {jnp.shape(x)}."
             )
 
+    def _check_params(self, params: PyTree, where: str) -> None:
+        """``params`` must have the structure and shapes ``init`` makes for ``event_shape``."""
+        x = jax.ShapeDtypeStruct((2, *self.event_shape), self._dtype(params))
+        expected = jax.eval_shape(self.layer.init, jax.random.key(0), x)
+        fix = (
+            "Make `params` with `flow.init(key, x)` on a batch of shape (batch, *event_shape), or build "
+            "the Flow with the `event_shape` the params were made for."
+        )
+        if jax.tree.structure(params) != jax.tree.structure(expected):
+            raise ValueError(
+                f"`params` of Flow.{where} do not have the structure that `layer.init` makes for "
+                f"event_shape={self.event_shape}: got {jax.tree.structure(params)}, expected "
+                f"{jax.tree.structure(expected)}. {fix}"
+            )
+        got = jax.tree_util.tree_leaves_with_path(params)
+        for (path, leaf), want in zip(got, jax.tree.leaves(expected), strict=True):
+            if tuple(jnp.shape(leaf)) != want.shape:
+                raise ValueError(
+                    f"`params` of Flow.{where} were not made for event_shape={self.event_shape}: leaf "
+                    f"{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))}, but `layer.init` "
+                    f"makes shape {want.shape} for that event shape. {fix}"
+                )
+
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """The layer's parameters, initialised on the batch ``x`` (data-dependent layers use it)."""
         self._check_x(x, "init")
@@ -132,6 +155,7 @@ class Flow:
     def log_prob(self, params: PyTree, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Log-density of each example, shape ``(batch,)``; ``key`` feeds the layers' randomness."""
         self._check_x(x, "log_prob")
+        self._check_params(params, "log_prob")
         z, logdet = self.layer.forward(params, x, key)
         return standard_normal_log_prob(z) + logdet
 
@@ -154,6 +178,7 @@ class Flow:
             raise TypeError("`key` of Flow.sample must be a PRNG key, but got None.")
         if not (isinstance(num_samples, int) and num_samples >= 1):
             raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
+        self._check_params(params, "sample")
         x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), self._dtype(params))
         z_struct = jax.eval_shape(lambda p, x: self.layer.forward(p, x)[0], params, x_struct)
         leaves, treedef = jax.tree.flatten(z_struct)

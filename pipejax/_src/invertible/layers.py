@@ -17,6 +17,21 @@ def _positions(x: jax.Array) -> int:
     return int(np.prod(x.shape[1:-1], dtype=np.int64))
 
 
+def bounded_log_scale(log_scale: jax.Array) -> jax.Array:
+    """``log_scale`` clipped to ``[-b, b]`` with ``b = -log(tiny) / 2`` of its dtype (43.7 in float32).
+
+    A diagonal ``exp(log_scale)`` and its reciprocal then both stay normal numbers: without the
+    bound, float32's ``exp`` underflows to 0 below about -87, the inverse multiplies by ``inf``
+    and returns NaN without an error (and a ``memory="constant"`` chain, which reconstructs its
+    inputs through the inverse, gets NaN gradients). Inside the bound the clip is the identity
+    (bitwise); past it the layer uses the bound in the map *and* in the log-determinant, so it
+    stays exactly invertible with a consistent log-determinant, and the parameter gets a zero
+    gradient there. :func:`pipejax.invertible.reconstruction_error` measures what is left.
+    """
+    bound = -0.5 * float(np.log(jnp.finfo(log_scale.dtype).tiny))
+    return jnp.clip(log_scale, -bound, bound)
+
+
 def _check_channels(name: str, where: str, expected: int, x: jax.Array, arg: str) -> None:
     if x.shape[-1] != expected:
         raise ValueError(
@@ -32,7 +47,9 @@ class ActNorm:
     ``y = (x + bias) * exp(log_scale)`` over the last (channel) axis. :meth:`init` sets ``bias``
     and ``log_scale`` so that the initial batch has zero mean and unit variance per channel; both
     are then ordinary trainable parameters. ``logdet = positions * sum(log_scale)``, where
-    ``positions`` is ``H * W`` for images and 1 for vectors.
+    ``positions`` is ``H * W`` for images and 1 for vectors. ``log_scale`` is used clipped to
+    ``[-b, b]`` (:func:`bounded_log_scale`; ``b`` = 43.7 in float32), so the scale and its
+    reciprocal never under- or overflow.
 
     Attributes:
       eps: added to the initial standard deviation, so constant channels stay finite.
@@ -67,8 +84,9 @@ class ActNorm:
         del key
         check_input(x, "ActNorm", "forward")
         _check_channels("ActNorm", "forward", params["bias"].shape[-1], x, "x")
-        y = (x + channels(params["bias"], x.ndim)) * channels(jnp.exp(params["log_scale"]), x.ndim)
-        return y, constant_logdet(jnp.sum(params["log_scale"]) * _positions(x), x)
+        log_scale = bounded_log_scale(params["log_scale"])
+        y = (x + channels(params["bias"], x.ndim)) * channels(jnp.exp(log_scale), x.ndim)
+        return y, constant_logdet(jnp.sum(log_scale) * _positions(x), x)
 
     def inverse(
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
@@ -77,8 +95,9 @@ class ActNorm:
         del key
         check_input(y, "ActNorm", "inverse", arg="y")
         _check_channels("ActNorm", "inverse", params["bias"].shape[-1], y, "y")
-        x = y * channels(jnp.exp(-params["log_scale"]), y.ndim) - channels(params["bias"], y.ndim)
-        return x, constant_logdet(-jnp.sum(params["log_scale"]) * _positions(y), y)
+        log_scale = bounded_log_scale(params["log_scale"])
+        x = y * channels(jnp.exp(-log_scale), y.ndim) - channels(params["bias"], y.ndim)
+        return x, constant_logdet(-jnp.sum(log_scale) * _positions(y), y)
 
 
 def _permutation(spec: str | int, size: int) -> np.ndarray:
@@ -99,6 +118,9 @@ class InvertibleLinear:
     sum(log_scale)``: no determinant or inverse of ``W`` is ever formed, and ``W`` stays invertible
     whatever values training gives the parameters. The inverse uses two triangular solves of
     ``C x C`` matrices; the permutation is applied to the ``C x C`` matrices, never to the batch.
+    ``log_scale`` is used clipped to ``[-b, b]`` (:func:`bounded_log_scale`; ``b`` = 43.7 in
+    float32, 354 in float64): the diagonal stays bounded away from zero, where float32's ``exp``
+    would underflow (below about -87) and the inverse would return NaN.
 
     ``P`` is not a parameter: it is fixed by ``permutation`` and the number of features, and
     ``init`` returns ``L = U = 0`` and ``log_scale = 0``, so the layer starts as the permutation
@@ -144,7 +166,7 @@ class InvertibleLinear:
         }
 
     def _factors(self, params: PyTree) -> tuple[jax.Array, jax.Array]:
-        lower, upper, log_scale = params["lower"], params["upper"], params["log_scale"]
+        lower, upper, log_scale = params["lower"], params["upper"], bounded_log_scale(params["log_scale"])
         eye = jnp.eye(lower.shape[0], dtype=lower.dtype)
         return jnp.tril(lower, -1) + eye, jnp.triu(upper, 1) + jnp.diag(jnp.exp(log_scale))
 
@@ -161,7 +183,8 @@ class InvertibleLinear:
         positions = self._check(params, x, "forward", "x")
         lower, upper = self._factors(params)
         w = (lower @ upper)[_permutation(self.permutation, x.shape[-1])]  # P L U: rows of L U permuted
-        return jnp.einsum("...c,dc->...d", x, w), constant_logdet(jnp.sum(params["log_scale"]) * positions, x)
+        log_scale = bounded_log_scale(params["log_scale"])
+        return jnp.einsum("...c,dc->...d", x, w), constant_logdet(jnp.sum(log_scale) * positions, x)
 
     def inverse(
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
@@ -175,7 +198,7 @@ class InvertibleLinear:
         lu_inv = solve_triangular(upper, lower_inv, lower=False)  # U^-1 L^-1
         w_inv = lu_inv[:, _permutation(self.permutation, y.shape[-1])]  # (P L U)^-1 = U^-1 L^-1 P^T
         x = jnp.einsum("...d,cd->...c", y, w_inv)
-        return x, constant_logdet(-jnp.sum(params["log_scale"]) * positions, y)
+        return x, constant_logdet(-jnp.sum(bounded_log_scale(params["log_scale"])) * positions, y)
 
 
 @dataclasses.dataclass(frozen=True)
