@@ -67,7 +67,7 @@ def run_by_hand(layers, seq, x, key=None, pipe=None, deterministic=True):
         for index, layer in enumerate(layers):
             x = apply(layer, index, x, None)
         return x
-    xs, _, plan = pj.split_microbatches(x, pipe.chunks)
+    xs, _, plan = pj.split_microbatches(x, pipe.pipeline_options["chunks"])
     sizes = pipe.stage_sizes()
     outs = []
     for i in range(plan.num_micro):
@@ -240,16 +240,16 @@ def test_inside_a_bigger_model_one_adam_step_equals_plain_model():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"balance": [2, 0, 2]}, ValueError, r"every entry must be >= 1.*balance=\[2, 0, 2\]"),
-        ({"balance": [2, 1]}, ValueError, r"sums to 3, but there are 4 layers"),
+        ({"balance": [2, 0, 2]}, ValueError, r"`balance\[1\]` is 0; every entry must be a positive int"),
+        ({"balance": [2, 1]}, ValueError, r"`balance` \[2, 1\] sums to 3 layers, but `layers` has 4"),
         ({}, TypeError, r"exactly one of `balance`.*neither"),
         ({"balance": [2, 2], "num_stages": 2}, TypeError, r"exactly one of `balance`.*both"),
         ({"num_stages": 5}, ValueError, r"between 1 and the number of layers \(4\)"),
-        ({"balance": "22"}, TypeError, r"sequence of ints"),
+        ({"balance": "22"}, TypeError, r"sequence of positive ints"),
         (
             {"balance": [2, 2], "mesh": "mesh-4"},
             ValueError,
-            r"axis 'stage' has size 4, but the layers are cut into 2 stages",
+            r"axis 'stage' has size 4, but the pipeline has 2 stages",
         ),
     ],
 )
@@ -261,7 +261,7 @@ def test_bad_configuration(kwargs, error, match):
 
 
 def test_bad_layers():
-    with pytest.raises(TypeError, match=r"`layers\[1\]` must be a flax.linen.Module.*relu"):
+    with pytest.raises(TypeError, match=r"`layers\[1\]` must be a flax.linen.Module.*Wrap a function"):
         LinenPipeline([nn.Dense(3), nn.relu], num_stages=1)
     with pytest.raises(ValueError, match="empty"):
         LinenPipeline([], num_stages=1)
