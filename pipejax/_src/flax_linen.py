@@ -83,12 +83,13 @@ class LinenPipeline(nn.Module):
     with its own statistics over its real rows (the padding rows of an uneven batch do not
     count), and a call with ``mutable=["batch_stats"]`` updates the running statistics **once**,
     from the statistics of the whole mini-batch: ``new = momentum * old + (1 - momentum) *
-    batch``, with the layer's ``momentum`` and the unbiased variance ``M2 / (N - 1)`` (PyTorch's
-    convention; ``unbiased_variance=False`` tracks the biased ``M2 / N`` that ``nn.BatchNorm``
-    tracks). In evaluation (``use_running_average=True``) the running statistics are used; the
-    schedule and checkpointing are the same in both modes. The variables are ``{"params":
-    {"stages": ...}, "batch_stats": {"stages": StageParams}}``. Without the flag a layer with
-    ``batch_stats`` is a ``ValueError``: a pipeline never updates them once per micro-batch.
+    batch``, with the layer's ``momentum`` and, by default, the biased variance ``M2 / N``: the
+    statistics ``nn.BatchNorm`` tracks on the whole batch (``unbiased_variance=True`` tracks
+    PyTorch's unbiased ``M2 / (N - 1)`` instead). In evaluation (``use_running_average=True``)
+    the running statistics are used; the schedule and checkpointing are the same in both modes.
+    The variables are ``{"params": {"stages": ...}, "batch_stats": {"stages": StageParams}}``.
+    Without the flag a layer with ``batch_stats`` is a ``ValueError``: a pipeline never updates
+    them once per micro-batch.
 
     Attributes:
       layers: the Linen modules, applied in order.
@@ -101,7 +102,7 @@ class LinenPipeline(nn.Module):
       deferred_batch_norm: support ``nn.BatchNorm`` (and the ``batch_stats`` collection) with
         deferred batch norm, as described above (torchgpipe's flag).
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
-        (True, as PyTorch) or the biased ``M2 / N`` (False, as ``nn.BatchNorm``).
+        (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nn.BatchNorm``).
       pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked by
         it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``. Pass them as keyword arguments,
@@ -129,7 +130,7 @@ class LinenPipeline(nn.Module):
     num_stages: int | None = None
     rng_collection: str = "dropout"
     deferred_batch_norm: bool = False
-    unbiased_variance: bool = True
+    unbiased_variance: bool = False
     pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

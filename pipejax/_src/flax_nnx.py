@@ -70,8 +70,9 @@ class NNXPipeline(nnx.Module):
     of an uneven batch do not count), and the call updates the running statistics (the
     pipeline's ``nnx.BatchStat`` variables) **once**, from the statistics of the whole
     mini-batch: ``new = momentum * old + (1 - momentum) * batch``, with the layer's momentum
-    and the unbiased variance ``M2 / (N - 1)`` (PyTorch's convention; ``unbiased_variance=False``
-    tracks the biased ``M2 / N`` of ``nnx.BatchNorm``). In evaluation (``pipe.eval()``, or
+    and, by default, the biased variance ``M2 / N``: the statistics ``nnx.BatchNorm`` tracks on
+    the whole batch (``unbiased_variance=True`` tracks PyTorch's unbiased ``M2 / (N - 1)``). In
+    evaluation (``pipe.eval()``, or
     ``use_running_average=True``) the running statistics are used; the schedule and
     checkpointing are the same in both modes. Without the flag, layers with ``nnx.BatchStat``
     raise ``ValueError``: a pipeline never updates them once per micro-batch.
@@ -94,7 +95,7 @@ class NNXPipeline(nnx.Module):
         statistics, ``False`` the micro-batch's, ``None`` keeps each layer's own setting.
         ``pipe.eval()`` and ``pipe.train()`` set it.
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
-        (True, as PyTorch) or the biased ``M2 / N`` (False, as ``nnx.BatchNorm``).
+        (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nnx.BatchNorm``).
       **pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked
         by it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``. Kept as the attribute ``pipeline_options``.
@@ -135,7 +136,7 @@ class NNXPipeline(nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | None = None,
         deferred_batch_norm: bool = False,
         use_running_average: bool | None = None,
-        unbiased_variance: bool = True,
+        unbiased_variance: bool = False,
         **pipeline_options: Any,
     ):
         common.check_layers(layers, nnx.Module, "an nnx.Module", _NAME, ("flax.linen", "LinenPipeline"))
