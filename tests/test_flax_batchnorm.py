@@ -109,7 +109,7 @@ def test_linen_one_training_call(stages):
         jax.random.key(1), x
     )
     assert set(variables) == {"params", "batch_stats"}
-    state = variables["batch_stats"]["stages"]
+    state = variables["batch_stats"]["stages"].value
     assert isinstance(state, pj.StageParams) and state.num_stages == 2
     if mesh is not None:  # placed like the parameters: device s holds stage s's statistics
         assert state.buffers[0].sharding.spec[0] == "stage"

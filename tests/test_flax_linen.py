@@ -97,7 +97,7 @@ def test_matches_sequential_forward_and_grads(stages, split):
     x, w = data()
     variables = jax.jit(pipe.init)(jax.random.key(0), x)
 
-    packed = variables["params"]["stages"]
+    packed = variables["params"]["stages"].value  # (the box of its sharding metadata)
     assert pipe.stage_sizes() == ((2, 1, 1) if mesh is None else (1, 1, 1, 1))  # uneven: first stage +1
     assert packed.num_stages == len(pipe.stage_sizes())
     if mesh is not None:  # each device holds exactly its stage's row of every buffer
@@ -141,7 +141,7 @@ def test_dropout_uses_documented_keys_and_checkpoint_modes_agree():
             return jnp.sum(y * w), y
 
         (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables, x, key)
-        results[mode] = (y, g["params"]["stages"].buffers)
+        results[mode] = (y, g["params"]["stages"].value.buffers)
 
     ref_y, ref_g = results["always"]
     for mode, (y, g) in results.items():  # recomputation replays the same masks: bitwise
@@ -231,7 +231,7 @@ def test_inside_a_bigger_model_one_adam_step_equals_plain_model():
         "head": new["head"],
     }
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), got, new_ref)
-    assert new["pipe"]["stages"].buffers[0].sharding.spec[0] == "stage"  # still stage-sharded
+    assert new["pipe"]["stages"].value.buffers[0].sharding.spec[0] == "stage"  # still stage-sharded
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_linen_options_match_the_plain_model(kind):
         ref, ref_grads = jax.jit(jax.value_and_grad(loss_ref))(seq)
     np.testing.assert_allclose(value, ref, **TOL)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), pipe.to_sequential(grads), ref_grads)
-    spec = variables["params"]["stages"].buffers[0].sharding.spec
+    spec = variables["params"]["stages"].value.buffers[0].sharding.spec
     assert "stage" in spec and "data" not in spec  # stage-sharded, replicated over the data axis
 
 

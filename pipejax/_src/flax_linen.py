@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 from flax.core import unfreeze
 
@@ -115,7 +116,7 @@ class LinenPipeline(nn.Module):
       >>> pipe = LinenPipeline(layers, balance=[2, 1], chunks=2)
       >>> x = jnp.ones((4, 5))
       >>> variables = pipe.init(jax.random.key(0), x)
-      >>> variables["params"]["stages"]
+      >>> nn.unbox(variables)["params"]["stages"]
       StageParams(num_stages=2, buffers=(float64[2, 120]))
       >>> seq = pipe.to_sequential(variables)
       >>> sorted(seq["params"])
@@ -142,21 +143,22 @@ class LinenPipeline(nn.Module):
     def __call__(self, x: PyTree, **flags: Any) -> PyTree:
         stack = self._stack()
         kwargs = common.route_kwargs([type(layer).__call__ for layer in self.layers], flags)
-        created = []  # the layers' output on `x`, when this call creates the parameters
+        if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
+            created = []
 
-        def init(rng):
-            params, state, y = self._init_layers(rng, stack, kwargs, x)
-            created.append((state, y))
-            return params
+            def init(rng):
+                params, state, y = self._init_layers(rng, stack, kwargs, x)
+                created.append((state, y))
+                return stack_box(stack, params)
 
-        creating = not self.has_variable("params", "stages")
-        params = self.param("stages", init)  # (with existing parameters Flax checks the shapes of `init`)
-        if creating:  # the layers just ran in sequence on `x`: no need to compile the pipeline
+            self.param("stages", init)
             state, y = created[0]
             if state is not None:
-                self.variable("batch_stats", "stages", lambda: state)
-            return y
-        params = _check_packed(params, "params")
+                self.variable("batch_stats", "stages", lambda: stack_box(stack, state))
+            return y  # (the output of that sequential run: init never compiles the pipeline)
+        # Read, not `self.param`: that would trace the layers' initialisation at every call to
+        # compare shapes; the pipeline checks the parameters against its stages itself.
+        params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
         engine = stack.pipeline(_run_layer(self._layers(), self.rng_collection, stack.deferred), kwargs)
         if not stack.deferred:
@@ -179,7 +181,7 @@ class LinenPipeline(nn.Module):
                     "nn.BatchNorm, call `apply(variables, x, mutable=['batch_stats'])` and keep the "
                     "returned batch_stats, or evaluate with `use_running_average=True`."
                 )
-            self.put_variable("batch_stats", "stages", new)
+            self.put_variable("batch_stats", "stages", stack_box(stack, new))
         return y
 
     @nn.nowrap
@@ -258,7 +260,9 @@ class LinenPipeline(nn.Module):
                     f"`variables[{collection!r}]` has entries {unknown} that match no layer; expected "
                     f"names among layers_0 ... layers_{len(self.layers) - 1}."
                 )
-            out[collection] = {"stages": stack.place([tree.get(name, {}) for name in names])}
+            out[collection] = {
+                "stages": stack_box(stack, stack.place([tree.get(name, {}) for name in names]))
+            }
         return out
 
     # -- internals --------------------------------------------------------------------------
@@ -326,12 +330,19 @@ def _run_layer(layers: Sequence[nn.Module], rng_collection: str, deferred: bool)
         rngs = {} if key is None else {rng_collection: key}
         if not jax.tree.leaves(variables.get("batch_stats")):
             variables = {"params": variables["params"]}
+        variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
         records: dict[tuple[str, ...], common.SownMoments] = {}
         with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, index, records)):
             y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
         return y, records
 
     return run
+
+
+def _unboxed(tree: Any) -> Any:
+    """``tree`` with every ``nn.Partitioned``-style box replaced by its value (no constraint)."""
+    is_box = lambda t: isinstance(t, nn.meta.AxisMetadata)
+    return jax.tree.map(lambda t: t.unbox(apply_constraint=False) if is_box(t) else t, tree, is_leaf=is_box)
 
 
 def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: int, records: dict):
@@ -392,9 +403,33 @@ def _check_collections(index: int, layer: nn.Module, variables: Mapping[str, Any
         )
 
 
+@flax.struct.dataclass
+class StagePartitioned(nn.Partitioned):
+    """The box of a :class:`LinenPipeline`'s ``"stages"`` variables: its sharding metadata.
+
+    ``value`` is the :class:`pipejax.StageParams`; ``names`` the partition of each of its buffers,
+    ``("stage", None)`` (``(None, "stage", None)`` for the circular schedule; ``(None, None)``
+    without a mesh). So ``nn.get_partition_spec(variables)`` reports ``P("stage", None)`` for the
+    packed stages (a prefix of the buffers), and Flax's usual recipe (abstract variables ->
+    ``get_partition_spec`` -> shardings -> ``jax.jit(init, out_shardings=...)``) keeps each stage
+    on its device instead of replicating it. Unboxing (``nn.unbox``, ``self.param``) returns the
+    value without a sharding constraint: the pipeline places its parameters itself.
+    """
+
+    def unbox(self, apply_constraint: bool = True) -> Any:
+        return self.value
+
+
+def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
+    """``packed`` boxed with the partition of its buffers."""
+    ndim = packed.buffers[0].ndim if packed.buffers else 2
+    return StagePartitioned(packed, names=tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim))))
+
+
 def _check_packed(value: Any, collection: str) -> StageParams:
     """``value`` (the ``"stages"`` variable) as a :class:`~pipejax.StageParams`, or a clear error."""
-    value = nn.meta.unbox(value)
+    if isinstance(value, nn.meta.AxisMetadata):
+        value = value.unbox(apply_constraint=False)
     if isinstance(value, StageParams):
         return value
     raise ValueError(

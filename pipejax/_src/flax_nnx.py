@@ -174,13 +174,15 @@ class NNXPipeline(nnx.Module):
         )
         self.layer_state = nnx.data(rest)
         placed = stack.place(params)
-        self.packed = nnx.List([nnx.Param(b) for b in placed.buffers])
+        self.packed = nnx.List([nnx.Param(b, **_sharding(stack, b)) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
         self.stats_container = self.stats_layouts = None
         self.packed_batch_stats = nnx.List([])
         if jax.tree.leaves(batch_stats):
             placed = stack.place(batch_stats)
-            self.packed_batch_stats = nnx.List([nnx.BatchStat(b) for b in placed.buffers])
+            self.packed_batch_stats = nnx.List(
+                [nnx.BatchStat(b, **_sharding(stack, b)) for b in placed.buffers]
+            )
             self.stats_container, self.stats_layouts = placed.container, placed.layouts
         if isinstance(rngs, nnx.Rngs):
             self.rngs = rngs[rng_collection].fork()
@@ -389,6 +391,18 @@ def _path_key(path: tuple[Any, ...]) -> str:
 
 
 _NAME = "NNXPipeline"
+
+
+def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
+    """The sharding metadata of a placed buffer's Variable (none without a mesh).
+
+    With it ``nnx.get_partition_spec(nnx.state(model))`` reports ``P("stage", None)`` for the
+    packed stages instead of ``P()`` (replicated).
+    """
+    mesh = stack.placer.mesh
+    if mesh is None:
+        return {}
+    return {"out_sharding": tuple(stack.spec(buffer.ndim)), "mesh": mesh}
 
 
 def _is_var(v) -> bool:

@@ -6,9 +6,11 @@ sequential form of the same layers. See ``docs/flax.md``.
 """
 
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
+from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
 
 __all__ = [
     "LinenPipeline",
     "NNXPipeline",
+    "StagePartitioned",
 ]
