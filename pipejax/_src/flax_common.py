@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax._src.balance import partition
 from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
@@ -247,6 +247,46 @@ class Stack:
         records = [r for stage in stats for r in stage]
         new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
+
+
+def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` with every array that is not on ``mesh`` moved onto it, replicated.
+
+    A jitted train step returns the arrays it does not shard replicated over the mesh. Arrays
+    that start on one device (parameters loaded from elsewhere, the embedding and head of a model
+    built outside ``jax.set_mesh``, ``optimizer.init`` run outside it) therefore come back with
+    another sharding, and the second step compiles again. Put the train state through this once
+    before the first step: arrays already on the mesh (the stage-sharded pipeline parameters)
+    are left as they are, so the first step's shardings are the steady-state ones.
+
+    Args:
+      tree: a pytree of arrays (an ``nnx.State`` too; Python scalars and numpy arrays are left
+        alone, they are not committed to a device).
+      mesh: the pipeline's mesh.
+
+    Returns:
+      ``tree`` with the same structure.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.flax import on_mesh
+      >>> mesh = jax.make_mesh((2,), ("stage",))
+      >>> on_mesh({"w": jnp.ones(3)}, mesh)["w"].sharding.spec
+      P()
+    """
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def put(a):
+        if (
+            isinstance(a, jax.Array)
+            and not isinstance(a, jax.core.Tracer)
+            and a.sharding.device_set != devices
+        ):
+            return jax.device_put(a, replicated)
+        return a
+
+    return jax.tree.map(put, tree)
 
 
 def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline never runs

@@ -172,7 +172,9 @@ class NNXPipeline(nnx.Module):
             tuple(sorted({v.tag for v in jax.tree.leaves(r, is_leaf=_is_var) if isinstance(v, nnx.RngKey)}))
             for r in rest
         )
-        self.layer_state = nnx.data(rest)
+        # Placed replicated over the mesh, as a jitted step returns them: arrays made on one device
+        # (the layers' rng streams, the pipeline's own) would make the second step compile again.
+        self.layer_state = nnx.data(stack.replicated(rest))
         placed = stack.place(params)
         self.packed = nnx.List([nnx.Param(b, **_sharding(stack, b)) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
@@ -184,10 +186,10 @@ class NNXPipeline(nnx.Module):
                 [nnx.BatchStat(b, **_sharding(stack, b)) for b in placed.buffers]
             )
             self.stats_container, self.stats_layouts = placed.container, placed.layouts
-        if isinstance(rngs, nnx.Rngs):
-            self.rngs = rngs[rng_collection].fork()
-        elif isinstance(rngs, nnx.RngStream):
-            self.rngs = rngs.fork()
+        if isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+            stream = (rngs[rng_collection] if isinstance(rngs, nnx.Rngs) else rngs).fork()
+            nnx.update(stream, stack.replicated(nnx.state(stream)))
+            self.rngs = stream
         elif rngs is None:
             self.rngs = nnx.data(None)
         else:

@@ -5,6 +5,7 @@ stages, keep each stage's parameters on its own device, and convert to and from 
 sequential form of the same layers. See ``docs/flax.md``.
 """
 
+from pipejax._src.flax_common import on_mesh as on_mesh
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
 from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
@@ -13,4 +14,5 @@ __all__ = [
     "LinenPipeline",
     "NNXPipeline",
     "StagePartitioned",
+    "on_mesh",
 ]
