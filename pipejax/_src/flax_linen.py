@@ -40,6 +40,7 @@ from typing import Any
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 from flax.core import unfreeze
 
 from pipejax._src import flax_common as common
@@ -265,6 +266,36 @@ class LinenPipeline(nn.Module):
             }
         return out
 
+    @nn.nowrap
+    def from_stacked(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """This module's variables from those of a layer stack built with ``nn.scan``.
+
+        ``nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        length=L)`` keeps one parameter tree of ``Layer`` whose leaves have a leading axis of
+        size ``L``; layer ``l``'s parameters are the slices ``[l]``. This is
+        :meth:`from_sequential` of those slices: pass the stack's variables (``{"params": ...}``,
+        and ``"batch_stats"`` likewise), with the same layers (``L`` of them) in this module.
+
+        Raises:
+          ValueError: if a leaf's leading axis is not the number of layers.
+        """
+        return self.from_sequential(
+            {col: _named(_unstack_tree(tree, len(self.layers), col)) for col, tree in variables.items()}
+        )
+
+    @nn.nowrap
+    def to_stacked(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The variables of the ``nn.scan`` stack of these layers (the inverse of :meth:`from_stacked`).
+
+        Every layer must have the same parameter structure. Returns ``{"params": tree}`` (and
+        ``"batch_stats"``) with leaves stacked on a leading axis of size ``len(layers)``.
+        """
+        seq = self.to_sequential(variables)
+        return {
+            col: _stack_trees([tree[f"layers_{i}"] for i in range(len(self.layers))], col)
+            for col, tree in seq.items()
+        }
+
     # -- internals --------------------------------------------------------------------------
 
     @nn.nowrap
@@ -316,6 +347,31 @@ def _init(self, *args: Any, pipeline_options: Mapping[str, Any] | None = None, *
 
 _init.__wrapped__ = _dataclass_init  # type: ignore[attr-defined]
 LinenPipeline.__init__ = _init  # type: ignore[method-assign]
+
+
+def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:
+    """Layer ``l``'s slice ``[l]`` of every leaf, for each layer of a stacked tree."""
+    tree = unfreeze(tree)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != num_layers:
+            raise ValueError(
+                f"`variables[{what!r}]` must be a layer stack: every leaf stacked on a leading axis "
+                f"of size {num_layers} (the number of layers), as nn.scan(..., variable_axes="
+                f"{{{what!r}: 0}}, length={num_layers}) makes it, but "
+                f"{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}."
+            )
+    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers)]
+
+
+def _stack_trees(trees: Sequence[Any], what: str) -> Any:
+    """The trees of all layers stacked leaf by leaf on a new leading axis."""
+    structures = {jax.tree.structure(t) for t in trees}
+    if len(structures) != 1:
+        raise ValueError(
+            f"The layers' {what!r} have different structures, so they do not form a stack; "
+            "to_stacked needs layers of one kind (as nn.scan makes them)."
+        )
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
 def _named(per_layer: Sequence[Any]) -> dict[str, Any]:

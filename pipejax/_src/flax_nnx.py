@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pipejax._src import flax_common as common
@@ -390,6 +391,62 @@ def _deferred_class(base: type) -> type:
 
 def _path_key(path: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in path)
+
+
+def unstack(stack: nnx.Module) -> list[nnx.Module]:
+    """The layers of an NNX layer stack, as separate modules.
+
+    Flax builds deep models as one module whose variables have a leading layer axis
+    (``nnx.vmap`` over a constructor, with ``nnx.split_rngs``), run with ``nnx.scan``. Layer
+    ``l`` is the same module with the slices ``[l]`` of every variable (rng streams included).
+
+    Args:
+      stack: the stacked module.
+
+    Returns:
+      ``L`` new modules sharing nothing with ``stack``: pass them to :class:`NNXPipeline`.
+
+    Raises:
+      ValueError: if the variables do not share one leading axis.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from pipejax.flax import restack, unstack
+      >>> @nnx.split_rngs(splits=3)
+      ... @nnx.vmap(in_axes=(0,), out_axes=0)
+      ... def create(rngs):
+      ...     return nnx.Linear(2, 2, rngs=rngs)
+      >>> layers = unstack(create(nnx.Rngs(0)))
+      >>> len(layers), layers[0].kernel.shape, restack(layers).kernel.shape
+      (3, (2, 2), (3, 2, 2))
+    """
+    graphdef, state = nnx.split(stack)
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(state)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"`stack` must be a layer stack (every variable stacked on one leading layer axis, as "
+            f"nnx.vmap makes it), but its variables have leading sizes {sorted(sizes, key=str)}."
+        )
+    (size,) = sizes
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(size)]
+
+
+def restack(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """One stacked module from layers of one kind: the inverse of :func:`unstack`.
+
+    ``restack(pipe.to_sequential())`` gives the trained layers back as the stack an
+    ``nnx.scan`` forward pass takes.
+
+    Raises:
+      ValueError: if the layers differ in structure.
+    """
+    splits = [nnx.split(layer) for layer in layers]
+    if len({g for g, _ in splits}) != 1:
+        raise ValueError(
+            "The layers differ in structure, so they do not form a stack; restack needs one kind."
+        )
+    return nnx.merge(splits[0][0], jax.tree.map(lambda *a: jnp.stack(a), *[st for _, st in splits]))
 
 
 _NAME = "NNXPipeline"
