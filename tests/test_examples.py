@@ -4,6 +4,7 @@ A subprocess gives each script its own JAX, initialised with the 4 fake CPU devi
 independent of the strict settings this test process runs under.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -76,11 +77,60 @@ def python_blocks(markdown):
     ],
 )
 def test_docs_code_runs(page):
-    """Every python snippet of the page runs, in order, as one script (their asserts included)."""
+    """Every python snippet of the page runs, in order, as one script (their asserts included).
+
+    The train steps of the pages in ``TRAIN_STEPS`` must compile on their first call only: a
+    prelude counts the XLA compilations of every call of every function the page jits.
+    """
     source = python_blocks((ROOT / page).read_text())
     assert "import pipejax as pj" in source
-    proc = run_python(["-c", source])
+    steps = TRAIN_STEPS.get(page)
+    proc = run_python(["-c", source if steps is None else COUNT_COMPILES + source + REPORT_COMPILES])
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if steps is not None:
+        calls = json.loads(re.search(r"^COMPILES (.*)$", proc.stdout, re.M)[1])
+        for name in steps:
+            counts = calls[name]
+            assert len(counts) >= 3 and counts[0] >= 1, (name, counts)
+            assert counts[1:] == [0] * (len(counts) - 1), f"{page}: {name} compiled again: {counts}"
+
+
+# No surprise recompiles: the training loops of these pages compile once (tests/test_flax_recompile.py
+# checks the same for pretrained weights and NNX modules built outside the mesh).
+TRAIN_STEPS = {
+    "docs/flax.md": ["train_step", "ntrain_step"],
+    "README.md": [],
+    "docs/quickstart.md": ["train_step"],
+}
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COUNT_COMPILES = f"""
+import collections, json, jax
+from flax import nnx
+import pipejax.flax  # (library-internal jits are made at import time, before the wrap)
+_events, _calls, _depth = [], collections.defaultdict(list), []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: _events.append(name) if name == "{COMPILE_EVENT}" else None)
+def _counting(jit):
+    def wrap(fun=None, **kw):
+        if fun is None:
+            return lambda f: wrap(f, **kw)
+        jitted = jit(fun, **kw)
+        def call(*args, **kwargs):  # (nnx.jit calls a jax.jit inside: count the outermost call)
+            if _depth:
+                return jitted(*args, **kwargs)
+            before = len(_events)
+            _depth.append(1)
+            try:
+                out = jitted(*args, **kwargs)
+            finally:
+                _depth.pop()
+            _calls[getattr(fun, "__name__", "?")].append(len(_events) - before)
+            return out
+        return call
+    return wrap
+jax.jit, nnx.jit = _counting(jax.jit), _counting(nnx.jit)
+"""
+REPORT_COMPILES = '\nprint("COMPILES", json.dumps(dict(_calls)))\n'
 
 
 @pytest.mark.slow

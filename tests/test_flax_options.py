@@ -113,40 +113,38 @@ def test_per_example_keys_make_dropout_independent_of_chunks():
     x, _ = data()
     key = jax.random.key(3)
     layers = [Block() for _ in range(3)]
-    outs = []
-    for chunks in (2, 8):
-        pipe = LinenPipeline(layers, balance=[2, 1], chunks=chunks, per_example_keys=True)
-        variables = pipe.init(jax.random.key(1), x)
-        outs.append(
-            jax.jit(lambda v, x, k, pipe=pipe: pipe.apply(v, x, deterministic=False, rngs={"dropout": k}))(
-                variables, x, key
-            )
-        )
-    # The same masks (the same zeros); values to rounding (other micro-batch sizes round differently).
-    np.testing.assert_array_equal(outs[0] == 0, outs[1] == 0)
-    np.testing.assert_allclose(outs[0], outs[1], **TOL)
-    # By hand: example e, layer j of stage s draws from fold_in(fold_in(fold_in(k, e), s), j).
+    pipe = LinenPipeline(layers, balance=[2, 1], chunks=4, per_example_keys=True)
+    variables = pipe.init(jax.random.key(1), x)
+    y = jax.jit(lambda v, x, k: pipe.apply(v, x, deterministic=False, rngs={"dropout": k}))(variables, x, key)
+    # By hand, one example at a time (so no `chunks` at all): example e, layer j of stage s draws
+    # from fold_in(fold_in(fold_in(k, e), s), j).
     pipe_key = nn.apply(lambda m: m.make_rng("dropout"), pipe)(variables, rngs={"dropout": key})
     seq = pipe.to_sequential(variables)["params"]
-    rows = []
-    for e in range(BATCH):
-        h = x[e : e + 1]
-        for index, (s, j) in enumerate([(0, 0), (0, 1), (1, 0)]):
-            k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(pipe_key, e), s), j)
-            h = Block().apply({"params": seq[f"layers_{index}"]}, h, False, rngs={"dropout": k})
-        rows.append(h)
-    np.testing.assert_allclose(outs[0], jnp.concatenate(rows), **TOL)
+
+    @jax.jit
+    def by_hand(seq, x, pipe_key):
+        rows = []
+        for e in range(BATCH):
+            h = x[e : e + 1]
+            for index, (s, j) in enumerate([(0, 0), (0, 1), (1, 0)]):
+                k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(pipe_key, e), s), j)
+                h = Block().apply({"params": seq[f"layers_{index}"]}, h, False, rngs={"dropout": k})
+            rows.append(h)
+        return jnp.concatenate(rows)
+
+    np.testing.assert_allclose(y, by_hand(seq, x, pipe_key), **TOL)
+    assert (y == 0).any()  # dropout was on
 
     nouts = []
-    for chunks in (2, 8):
+    for chunks in (2, 4):
         npipe = NNXPipeline(
             [NBlock(nnx.Rngs(i)) for i in range(3)], balance=[2, 1], chunks=chunks, per_example_keys=True
         )
         nouts.append(nnx.jit(lambda p, x, k: p(x, deterministic=False, rngs=k))(npipe, x, key))
+    # The same masks (the same zeros); values to rounding (other micro-batch sizes round differently).
     np.testing.assert_array_equal(nouts[0] == 0, nouts[1] == 0)
     np.testing.assert_allclose(nouts[0], nouts[1], **TOL)
-    plain = nnx.jit(lambda p, x, k: p(x, deterministic=True, rngs=k))(npipe, x, key)
-    assert not np.allclose(nouts[0], plain)  # dropout was on
+    assert (nouts[0] == 0).any()  # dropout was on
 
 
 def test_options_are_checked_by_the_pipeline():
