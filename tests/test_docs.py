@@ -9,6 +9,7 @@ runs them. The Python blocks of the quickstart run as one script, as the other p
 import ast
 import importlib
 import importlib.util
+import json
 import os
 import pkgutil
 import re
@@ -155,11 +156,14 @@ def python_blocks(markdown):
 
 
 def test_quickstart_code_runs():
+    """The quickstart runs, trains, and its train step compiles on its first call only."""
+    from tests.test_examples import COUNT_COMPILES, REPORT_COMPILES
+
     source = python_blocks((DOCS / "quickstart.md").read_text())
     assert "import pipejax as pj" in source
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-c", source],
+        [sys.executable, "-c", COUNT_COMPILES + source + REPORT_COMPILES],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -171,3 +175,5 @@ def test_quickstart_code_runs():
     assert "(64, 32)" in proc.stdout, proc.stdout
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert last < first, proc.stdout
+    counts = json.loads(re.search(r"^COMPILES (.*)$", proc.stdout, re.M)[1])["train_step"]
+    assert counts[0] >= 1 and counts[1:] == [0] * (len(counts) - 1), f"train_step compiled again: {counts}"

@@ -4,6 +4,7 @@ A subprocess gives each script its own JAX, initialised with the 4 fake CPU devi
 independent of the strict settings this test process runs under.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -19,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_python(args, timeout=300):
     flags = f"--xla_force_host_platform_device_count=4 {PATIENT_COLLECTIVES}"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    # A script's own folder comes first on sys.path, not the checkout: put the checkout there so that
+    # the scripts import this pipejax, not another installed copy.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -73,11 +77,60 @@ def python_blocks(markdown):
     ],
 )
 def test_docs_code_runs(page):
-    """Every python snippet of the page runs, in order, as one script (their asserts included)."""
+    """Every python snippet of the page runs, in order, as one script (their asserts included).
+
+    The train steps of the pages in ``TRAIN_STEPS`` must compile on their first call only: a
+    prelude counts the XLA compilations of every call of every function the page jits.
+    """
     source = python_blocks((ROOT / page).read_text())
     assert "import pipejax as pj" in source
-    proc = run_python(["-c", source])
+    steps = TRAIN_STEPS.get(page)
+    proc = run_python(["-c", source if steps is None else COUNT_COMPILES + source + REPORT_COMPILES])
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if steps is not None:
+        calls = json.loads(re.search(r"^COMPILES (.*)$", proc.stdout, re.M)[1])
+        for name in steps:
+            counts = calls[name]
+            assert len(counts) >= 3 and counts[0] >= 1, (name, counts)
+            assert counts[1:] == [0] * (len(counts) - 1), f"{page}: {name} compiled again: {counts}"
+
+
+# No surprise recompiles: the training loops of these pages compile once (tests/test_flax_recompile.py
+# checks the same for pretrained weights and NNX modules built outside the mesh).
+TRAIN_STEPS = {
+    "docs/flax.md": ["train_step", "ntrain_step"],
+    "README.md": [],
+    "docs/quickstart.md": ["train_step"],
+}
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COUNT_COMPILES = f"""
+import collections, json, jax
+from flax import nnx
+import pipejax.flax  # (library-internal jits are made at import time, before the wrap)
+_events, _calls, _depth = [], collections.defaultdict(list), []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: _events.append(name) if name == "{COMPILE_EVENT}" else None)
+def _counting(jit):
+    def wrap(fun=None, **kw):
+        if fun is None:
+            return lambda f: wrap(f, **kw)
+        jitted = jit(fun, **kw)
+        def call(*args, **kwargs):  # (nnx.jit calls a jax.jit inside: count the outermost call)
+            if _depth:
+                return jitted(*args, **kwargs)
+            before = len(_events)
+            _depth.append(1)
+            try:
+                out = jitted(*args, **kwargs)
+            finally:
+                _depth.pop()
+            _calls[getattr(fun, "__name__", "?")].append(len(_events) - before)
+            return out
+        return call
+    return wrap
+jax.jit, nnx.jit = _counting(jax.jit), _counting(nnx.jit)
+"""
+REPORT_COMPILES = '\nprint("COMPILES", json.dumps(dict(_calls)))\n'
 
 
 @pytest.mark.slow
@@ -96,6 +149,20 @@ def test_train_transformer_lm_short(tmp_path):
     first, last = map(float, re.search(r"train loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < 0.9 * first, out
     assert (out_dir / "loss.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_checkpoint_orbax_short(tmp_path):
+    pytest.importorskip("orbax.checkpoint")  # the optional extra pipejax[checkpoint]
+    script = ROOT / "examples" / "checkpoint_orbax.py"
+    proc = run_python([str(script), "--short", "--out", str(tmp_path / "ckpt")])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    assert "resumed on the same mesh: losses bitwise equal to the uninterrupted run" in out, out
+    saved, restored = re.search(r"eval loss ([\d.]+) \(saved model ([\d.]+)\)", out).groups()
+    assert abs(float(saved) - float(restored)) <= 1e-5 * float(saved), out
+    assert "re-cut for a 2 x 2 data x stage mesh" in out and "checks passed" in out, out
+    assert (tmp_path / "ckpt" / "state").is_dir()
 
 
 @pytest.mark.slow

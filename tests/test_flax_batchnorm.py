@@ -103,13 +103,13 @@ def eval_call(pipe):
 @pytest.mark.parametrize("stages", [None, 2], ids=["no-mesh", "mesh-2"])
 def test_linen_one_training_call(stages):
     mesh = None if stages is None else jax.make_mesh((2,), ("stage",))
-    pipe = linen_pipe(mesh)
+    pipe = linen_pipe(mesh, unbiased_variance=True)
     x = data()
     variables = jax.jit(lambda k, x: pipe.init(k, x, train=True, use_running_average=False))(
         jax.random.key(1), x
     )
     assert set(variables) == {"params", "batch_stats"}
-    state = variables["batch_stats"]["stages"]
+    state = variables["batch_stats"]["stages"].value
     assert isinstance(state, pj.StageParams) and state.num_stages == 2
     if mesh is not None:  # placed like the parameters: device s holds stage s's statistics
         assert state.buffers[0].sharding.spec[0] == "stage"
@@ -129,8 +129,8 @@ def test_linen_one_training_call(stages):
     if mesh is None:
         return  # (the rest is the same without a mesh)
 
-    # unbiased_variance=False tracks what nn.BatchNorm on the whole batch tracks.
-    _, biased = train_call(linen_pipe(mesh, unbiased_variance=False))(variables, x)
+    # The default (unbiased_variance=False) tracks what nn.BatchNorm on the whole batch tracks.
+    _, biased = train_call(linen_pipe(mesh))(variables, x)
     biased = pipe.to_sequential({"params": variables["params"], **biased})["batch_stats"]
     for got, pre, module, name in (
         (biased["layers_0"]["BatchNorm_0"], h, bn(momentum=M1), "BatchNorm_0"),
@@ -314,14 +314,25 @@ def test_nnx_training_eval_and_an_optimizer_step():
 
     pipe = make()
     assert pipe.stage_batch_stats().buffers[0].sharding.spec[0] == "stage"
-    y_ref, h, z = nnx_by_hand(pipe.to_sequential(), x)
+    layers = pipe.to_sequential()
+    y_ref, h, z = nnx_by_hand(layers, x)
     run = nnx.jit(lambda pipe, x: pipe(x))
     y = run(pipe, x)  # nnx.BatchNorm defaults to training mode
     np.testing.assert_allclose(y, y_ref, **tol)
     stats = pipe.layer_batch_stats()
     for got, pre, momentum in ((stats[0]["bn"], h, M1), (stats[2], z, M2)):
         np.testing.assert_allclose(got["mean"][...], (1 - momentum) * pre.mean(0), **tol)
-        np.testing.assert_allclose(got["var"][...], momentum + (1 - momentum) * pre.var(0, ddof=1), **tol)
+        np.testing.assert_allclose(got["var"][...], momentum + (1 - momentum) * pre.var(0), **tol)
+    # By default the statistics are those nnx.BatchNorm tracks on the whole batch (biased variance).
+    whole = nnx.clone(layers[2])
+    whole(jnp.asarray(z, jnp.float32), use_running_average=False)
+    np.testing.assert_allclose(stats[2]["mean"][...], whole.mean[...], **tol)
+    np.testing.assert_allclose(stats[2]["var"][...], whole.var[...], **tol)
+    unbiased = make(unbiased_variance=True)
+    run(unbiased, x)
+    np.testing.assert_allclose(
+        unbiased.layer_batch_stats()[2]["var"][...], M2 + (1 - M2) * z.var(0, ddof=1), **tol
+    )
 
     # Evaluation uses the running statistics (the reference: the whole batch), updates nothing.
     pipe.eval()

@@ -242,13 +242,13 @@ def test_to_sequential_and_view():
 
 def test_bad_configuration():
     layers = make_layers()
-    with pytest.raises(ValueError, match=r"sums to 3, but there are 4 layers"):
+    with pytest.raises(ValueError, match=r"`balance` \[2, 1\] sums to 3 layers, but `layers` has 4"):
         NNXPipeline(layers, balance=[2, 1])
-    with pytest.raises(ValueError, match=r"every entry must be >= 1"):
+    with pytest.raises(ValueError, match=r"every entry must be a positive int"):
         NNXPipeline(layers, balance=[4, 0])
     with pytest.raises(TypeError, match=r"exactly one of `balance`.*neither"):
         NNXPipeline(layers)
-    with pytest.raises(ValueError, match=r"axis 'stage' has size 4, but the layers are cut into 2 stages"):
+    with pytest.raises(ValueError, match=r"axis 'stage' has size 4, but the pipeline has 2 stages"):
         NNXPipeline(layers, num_stages=2, mesh=jax.make_mesh((4,), ("stage",)))
 
 

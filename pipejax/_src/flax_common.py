@@ -1,47 +1,115 @@
-"""What the Linen and NNX adapters share: cutting layers into stages, keys per layer, flags.
+"""The core both Flax adapters share: layers cut into stages, one pipeline over them, BatchNorm.
 
-A pipelined sequence of ``L`` layers is cut into ``n`` stages of consecutive layers. ``balance``
-gives the number of layers of each stage (as in torchgpipe: ``balance=[2, 2]`` puts layers 0-1 on
-stage 0 and layers 2-3 on stage 1); ``num_stages`` splits as evenly as possible, the first
-``L mod n`` stages taking one layer more.
+An adapter (Linen or NNX) supplies two things only:
+
+* **layer ``l`` as a pure function**, ``run_layer(index, variables, x, key, mask, kwargs) -> (y,
+  records)``: ``variables`` is ``{"params": p}`` (and ``"batch_stats"`` with deferred BatchNorm),
+  ``key`` the layer's key (or ``None``), ``mask`` the micro-batch's row mask (``None`` without
+  deferred BatchNorm), ``kwargs`` the keyword arguments of the layer's call, and ``records`` the
+  :class:`SownMoments` of its training BatchNorm calls, keyed by the BatchNorm's path in the
+  layer's ``batch_stats`` tree;
+* **how updated variables are written back**: :meth:`Stack.updated_state` returns the new
+  stage-laid-out statistics and the adapter stores them (a Linen variable, NNX ``BatchStat``s).
+
+Everything else is here, once: the layers are grouped into stages by :func:`pipejax.partition`
+(its balance checks), the stage functions are built from ``partition``'s stages (layer ``j`` of a
+stage draws from ``pj.layer_key(stage_key, j)``), and :func:`pipejax.pipeline` runs them with
+every pipeline option the adapter was given (``chunks``, ``checkpoint``, ``mesh``, ``schedule``,
+``repeats``, ``data_axis_name``, ``per_example_keys``, ...) forwarded unchanged, so the
+pipeline's own validation checks them and an option added to ``pj.pipeline`` reaches the adapters
+without being declared again.
+
+A layer's keyword arguments (``kwargs``) come from one place, :meth:`Stack.pipeline`'s
+``kwargs_per_layer``: today the Python flags of the call (``deterministic=True``); batch-shaped
+side inputs sliced per micro-batch can later be merged into the same dictionaries.
 
 Randomness: stage ``s`` on micro-batch ``i`` receives ``pj.stage_key(key, i, s)`` from the
 pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws from
-:func:`layer_key` of it, ``jax.random.fold_in(stage_key, j)``. Every (micro-batch, stage, layer)
-triple thus has its own key, and recomputing a checkpointed stage replays it.
+``jax.random.fold_in(stage_key, j)``. With ``per_example_keys=True`` the stage receives one key per
+row, and each layer runs row by row (``jax.vmap``) with its row's key, so random draws depend on the
+example, not on ``chunks``.
 
-Deferred BatchNorm (``deferred_batch_norm=True``): the adapters run the pipeline with stage state.
-A stage holds its layers' running statistics as ``state``; a BatchNorm layer in training
-normalises its micro-batch with that micro-batch's own statistics over its real rows (the
-``mask`` the stage receives) and reports the micro-batch's :class:`~pipejax.Moments` as a
-:class:`SownMoments`; after the call :func:`update_running` updates the running statistics once,
-from the moments of all micro-batches merged (:func:`pipejax.batch_norm_update`).
+Deferred BatchNorm (``deferred_batch_norm=True``): the pipeline runs with stage state. A stage
+holds its layers' running statistics as ``state``; a BatchNorm layer in training normalises its
+micro-batch with that micro-batch's own statistics over its real rows (the ``mask`` the stage
+receives) and records the micro-batch's :class:`~pipejax.Moments` as a :class:`SownMoments`;
+after the call :meth:`Stack.updated_state` updates the running statistics once, from the moments
+of all micro-batches merged (:func:`pipejax.batch_norm_update`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pipejax._src.balance import partition
 from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
 from pipejax._src.batchnorm import moments as moments_of
-from pipejax._src.keys import layer_key as layer_key
+from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
+
+PyTree = Any
+
+# Arguments of pj.pipeline that the adapters set themselves (not pipeline options of theirs).
+_OWN = {
+    "stages": "the adapters build the stage functions from `layers`",
+    "num_stages": "give the adapter's own `num_stages=` (an even split of the layers) or `balance=`",
+    "stateful": "the adapters run with stage state exactly when `deferred_batch_norm=True`",
+}
+
+
+class RunLayer(Protocol):
+    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs."""
+
+    def __call__(
+        self,
+        index: int,
+        variables: dict[str, PyTree],
+        x: PyTree,
+        key: jax.Array | None,
+        mask: jax.Array | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[PyTree, dict[tuple[str, ...], SownMoments]]: ...
+
+
+def pipeline_option_names() -> tuple[str, ...]:
+    """The options of :func:`pipejax.pipeline` an adapter forwards (all but ``stages``, ...)."""
+    return tuple(name for name in inspect.signature(pipeline).parameters if name not in _OWN)
+
+
+def check_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """``options`` as a dict, after checking that each names an option of :func:`pipejax.pipeline`.
+
+    Raises:
+      TypeError: for an argument that is not an option of ``pj.pipeline``, or one the adapter sets.
+    """
+    for name in options:
+        if name in _OWN:
+            raise TypeError(f"{owner} does not take `{name}`: {_OWN[name]}.")
+        if name not in pipeline_option_names():
+            raise TypeError(
+                f"{owner} got the unknown argument `{name}`. Besides its own arguments it takes the "
+                f"options of pj.pipeline: {', '.join(pipeline_option_names())}."
+            )
+    return dict(options)
 
 
 def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int | None) -> tuple[int, ...]:
     """The number of layers of each stage, from ``balance`` or ``num_stages`` (exactly one of them).
 
+    ``balance`` is checked by :func:`pipejax.partition`; ``num_stages`` splits as evenly as
+    possible, the first ``num_layers mod num_stages`` stages taking one layer more.
+
     Raises:
       TypeError: if neither or both of ``balance`` and ``num_stages`` are given, or either has the
         wrong type.
-      ValueError: if an entry of ``balance`` is not positive, if ``balance`` does not sum to the
-        number of layers, or if ``num_stages`` is not in ``[1, num_layers]``.
+      ValueError: for a ``balance`` that :func:`pipejax.partition` rejects, or a ``num_stages``
+        outside ``[1, num_layers]``.
     """
     if (balance is None) == (num_stages is None):
         given = "both" if balance is not None else "neither"
@@ -49,69 +117,231 @@ def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int 
             f"Pass exactly one of `balance` (layers per stage, e.g. balance=[2, 2]) and "
             f"`num_stages` (an even split), but {given} was given."
         )
-    if num_stages is not None:
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int):
-            raise TypeError(
-                f"`num_stages` must be an int, but got {type(num_stages).__name__} {num_stages!r}."
-            )
-        if not 1 <= num_stages <= num_layers:
-            raise ValueError(
-                f"`num_stages` must be between 1 and the number of layers ({num_layers}), since "
-                f"every stage needs at least one layer, but got {num_stages}."
-            )
-        base, extra = divmod(num_layers, num_stages)
-        return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
-    if (
-        isinstance(balance, (str, bytes))
-        or not isinstance(balance, Sequence)
-        or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance)
+    if balance is not None:
+        return partition([_no_layer] * num_layers, balance).balance
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+        raise TypeError(f"`num_stages` must be an int, but got {type(num_stages).__name__} {num_stages!r}.")
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"`num_stages` must be between 1 and the number of layers ({num_layers}), since "
+            f"every stage needs at least one layer, but got {num_stages}."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
+
+
+def _no_layer(params, x, key):  # a placeholder layer: partition() checks `balance` against the count
+    raise AssertionError("placeholder layer called")  # internal: never part of a pipeline
+
+
+class Stack:
+    """Layers cut into stages, and the pipelines that run them (see the module docstring).
+
+    Args:
+      num_layers: the number of layers.
+      balance, num_stages: how to cut them (exactly one; see :func:`stage_sizes`).
+      deferred_batch_norm: run with stage state (BatchNorm statistics).
+      unbiased_variance: the variance the running statistics track (``M2 / (N - 1)`` or ``M2 / N``).
+      options: options of :func:`pipejax.pipeline`, forwarded unchanged (checked by it).
+      owner: the adapter's name, for messages.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        balance: Sequence[int] | None,
+        num_stages: int | None,
+        *,
+        deferred_batch_norm: bool,
+        unbiased_variance: bool,
+        options: Mapping[str, Any],
+        owner: str,
     ):
-        raise TypeError(
-            "`balance` must be a sequence of ints (layers per stage, e.g. balance=[2, 2]), but got "
-            f"{balance!r}."
-        )
-    if len(balance) == 0 or any(b < 1 for b in balance):
-        raise ValueError(
-            f"`balance` gives the number of layers of each stage, so every entry must be >= 1 and "
-            f"there must be at least one stage, but got balance={list(balance)}."
-        )
-    if sum(balance) != num_layers:
-        raise ValueError(
-            f"`balance` must sum to the number of layers: balance={list(balance)} sums to "
-            f"{sum(balance)}, but there are {num_layers} layers. Change `balance` so that its "
-            "entries add up to the number of layers."
-        )
-    return tuple(balance)
+        for name, value in (
+            ("deferred_batch_norm", deferred_batch_norm),
+            ("unbiased_variance", unbiased_variance),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, but got {value!r}.")
+        self.sizes = stage_sizes(num_layers, balance, num_stages)
+        self.options = check_options(options, owner)
+        self.deferred = deferred_batch_norm
+        self.unbiased = unbiased_variance
+        # The pipeline's own validation of every option (mesh, schedule, repeats, data axis, ...).
+        self.placer = pipeline([_no_stage] * len(self.sizes), stateful=self.deferred, **self.options)
+        if self.deferred and self.placer.per_example_keys:
+            raise NotImplementedError(
+                f"{owner} with `deferred_batch_norm=True` does not support `per_example_keys=True`: "
+                "per-example keys run each layer row by row, and BatchNorm needs the whole "
+                "micro-batch. Drop one of the two."
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def firsts(self) -> tuple[int, ...]:
+        """The index of each stage's first layer."""
+        return tuple(sum(self.sizes[:s]) for s in range(len(self.sizes)))
+
+    def group(self, items: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """Per-layer items -> per-stage tuples."""
+        return [tuple(g) for g in partition([_no_layer] * self.num_layers, self.sizes).group(list(items))]
+
+    def place(self, per_layer: Sequence[PyTree]) -> StageParams:
+        """Per-layer pytrees laid out for the pipeline (device ``s`` stores stage ``s``'s)."""
+        return self.placer.place(self.group(per_layer))
+
+    def unpack(self, packed: StageParams) -> list[PyTree]:
+        """The per-layer pytrees of ``packed`` (what :meth:`place` took), in layer order."""
+        return [p for stage in _unpack(packed) for p in stage]
+
+    def replicated(self, tree: PyTree) -> PyTree:
+        """``tree`` replicated over the pipeline's mesh (unchanged without a mesh).
+
+        What an adapter creates besides the stage-sharded parameters (rng streams, counters) is
+        placed so, because a jitted train step returns it replicated over the mesh: created on
+        one device, it would make the second step compile again.
+        """
+        mesh = self.placer.mesh
+        if mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+    def spec(self, ndim: int = 2) -> PartitionSpec:
+        """The partition spec of a placed buffer: ``P(stage, None)`` (``P(None, stage, None)`` circular)."""
+        pipe = self.placer
+        if pipe.mesh is None:
+            return PartitionSpec()
+        if pipe.repeats > 1 and ndim == 3:
+            return PartitionSpec(None, pipe.axis_name, None)
+        return PartitionSpec(pipe.axis_name, *([None] * (ndim - 1)))
+
+    def pipeline(
+        self, run_layer: RunLayer, kwargs_per_layer: Sequence[Mapping[str, Any]] | None = None
+    ) -> Pipeline:
+        """The pipeline whose stage ``s`` runs layers ``firsts[s]...`` with :func:`pipejax.partition`.
+
+        Args:
+          run_layer: layer ``l`` as a pure function (see :class:`RunLayer`).
+          kwargs_per_layer: the keyword arguments of each layer's call (``None``: none).
+        """
+        if kwargs_per_layer is None:
+            kwargs_per_layer = [{}] * self.num_layers
+        steps = [_layer_step(run_layer, i, kwargs_per_layer[i]) for i in range(self.num_layers)]
+        part = partition(steps, self.sizes)
+        stages = [_stateful(st) if self.deferred else _stateless(st) for st in part.stages]
+        return pipeline(stages, stateful=self.deferred, **self.options)
+
+    def updated_state(self, state: StageParams, stats: Sequence[Any]) -> StageParams | None:
+        """The running statistics updated once from the moments all micro-batches recorded.
+
+        ``stats`` is what the stateful pipeline returned: per stage, per layer, the records of
+        its BatchNorm calls stacked over the micro-batches. Returns ``None`` when no BatchNorm
+        ran in training (nothing to update).
+        """
+        if not any(isinstance(t, SownMoments) for t in jax.tree.leaves(stats, is_leaf=_is_sown)):
+            return None
+        old = self.unpack(state)
+        records = [r for stage in stats for r in stage]
+        new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
+        return self.place(new)
 
 
-def group(items: Sequence[Any], sizes: Sequence[int]) -> list[tuple[Any, ...]]:
-    """``items`` cut into consecutive groups of ``sizes``."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(tuple(items[start : start + size]))
-        start += size
-    assert start == len(items), (sizes, len(items))  # internal: sizes come from stage_sizes
-    return out
+def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` with every array that is not on ``mesh`` moved onto it, replicated.
+
+    A jitted train step returns the arrays it does not shard replicated over the mesh. Arrays
+    that start on one device (parameters loaded from elsewhere, the embedding and head of a model
+    built outside ``jax.set_mesh``, ``optimizer.init`` run outside it) therefore come back with
+    another sharding, and the second step compiles again. Put the train state through this once
+    before the first step: arrays already on the mesh (the stage-sharded pipeline parameters)
+    are left as they are, so the first step's shardings are the steady-state ones.
+
+    Args:
+      tree: a pytree of arrays (an ``nnx.State`` too; Python scalars and numpy arrays are left
+        alone, they are not committed to a device).
+      mesh: the pipeline's mesh.
+
+    Returns:
+      ``tree`` with the same structure.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.flax import on_mesh
+      >>> mesh = jax.make_mesh((2,), ("stage",))
+      >>> on_mesh({"w": jnp.ones(3)}, mesh)["w"].sharding.spec
+      P()
+    """
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def put(a):
+        if (
+            isinstance(a, jax.Array)
+            and not isinstance(a, jax.core.Tracer)
+            and a.sharding.device_set != devices
+        ):
+            return jax.device_put(a, replicated)
+        return a
+
+    return jax.tree.map(put, tree)
 
 
-def check_mesh(mesh: Mesh | None, axis_name: str, sizes: Sequence[int]) -> None:
-    """Raises ``ValueError`` unless ``mesh`` is ``None`` or has an ``axis_name`` axis of ``len(sizes)``."""
-    if mesh is None or not isinstance(mesh, Mesh) or not isinstance(axis_name, str):
-        return  # the pipeline reports the wrong types
-    n = len(sizes)
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}); "
-            f"the pipeline needs one device per stage along it. Use "
-            f"`jax.make_mesh(({n},), ({axis_name!r},))` or pass `axis_name=`."
-        )
-    if mesh.shape[axis_name] != n:
-        raise ValueError(
-            f"`mesh` axis {axis_name!r} has size {mesh.shape[axis_name]}, but the layers are cut "
-            f"into {n} stages (layers per stage: {list(sizes)}); each device along the stage axis "
-            f"runs one stage, so the sizes must be equal. Use `jax.make_mesh(({n},), "
-            f"({axis_name!r},))`, or change `balance`/`num_stages` to {mesh.shape[axis_name]} stages."
-        )
+def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline never runs
+    raise AssertionError("placeholder stage called")
+
+
+def _layer_step(run_layer: RunLayer, index: int, kwargs: Mapping[str, Any]):
+    """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, records)``."""
+
+    def step(variables, carry, key):
+        h, mask, records = carry
+        if key is not None and _batched(key):  # per-example keys: the layer row by row
+            one = lambda row, k: _first(run_layer(index, variables, _lead(row), k, None, kwargs)[0])
+            return jax.vmap(one)(h, key), mask, (*records, {})
+        y, rec = run_layer(index, variables, h, key, mask, kwargs)
+        return y, mask, (*records, rec or {})
+
+    return step
+
+
+def _stateless(stage):
+    def run(params, x, key):
+        y, _, _ = stage([{"params": p} for p in params], (x, None, ()), key)
+        return y
+
+    return run
+
+
+def _stateful(stage):
+    def run(params, x, key, state, mask):
+        state = (None,) * len(params) if state is None else state  # (no layer has statistics)
+        variables = [{"params": p, "batch_stats": st} for p, st in zip(params, state, strict=True)]
+        y, _, records = stage(variables, (x, mask, ()), key)
+        return y, tuple(r or None for r in records)
+
+    return run
+
+
+def _batched(key: jax.Array) -> bool:
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return key.ndim > (0 if typed else 1)
+
+
+def _lead(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _first(tree):
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+@jax.jit
+def _unpack(packed: StageParams) -> list[Any]:
+    """``packed.unpack()`` as one compiled program (eagerly it would dispatch a slice per leaf)."""
+    return packed.unpack()
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,10 +383,36 @@ def route_kwargs(calls: Sequence[Callable[..., Any]], kwargs: Mapping[str, Any])
     return routed
 
 
-@jax.jit
-def unpack(packed: StageParams) -> list[Any]:
-    """``packed.unpack()`` as one compiled program (eagerly it would dispatch a slice per leaf)."""
-    return packed.unpack()
+def check_layers(layers: Any, base: type, kind: str, adapter: str, other: tuple[str, str]) -> None:
+    """Raises unless ``layers`` is a non-empty sequence of ``base`` instances.
+
+    Args:
+      layers: what the user passed.
+      base: the module class of the adapter's API.
+      kind: how messages name an instance of ``base``, with its article ("an nnx.Module").
+      adapter: the adapter's name.
+      other: ``(module prefix, adapter)`` of the other Flax API, named when its modules are passed.
+
+    Raises:
+      TypeError, ValueError: naming the first bad entry.
+    """
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):  # (nnx.List is one)
+        raise TypeError(
+            f"`layers` must be a sequence of {kind.split(' ', 1)[1]}, but got {type(layers).__name__}. "
+            "For a stack of layers built with nn.scan or nnx.vmap, see `LinenPipeline.from_stacked` and "
+            "`pipejax.flax.unstack`."
+        )
+    if len(layers) == 0:
+        raise ValueError(f"`layers` is empty; {adapter} needs at least one layer ({kind}).")
+    for index, layer in enumerate(layers):
+        if isinstance(layer, base):
+            continue
+        hint = ""
+        if type(layer).__module__.startswith(other[0]):
+            hint = f" For {other[0]} modules use `pipejax.flax.{other[1]}`."
+        elif callable(layer):
+            hint = " Wrap a function in a module whose `__call__(self, x)` applies it."
+        raise TypeError(f"`layers[{index}]` must be {kind}, but got {type(layer).__name__}.{hint}")
 
 
 # --- deferred BatchNorm ------------------------------------------------------------------------
@@ -185,6 +441,10 @@ class SownMoments:
         return f"SownMoments({self.moments!r}, momentum={self.momentum!r})"
 
 
+def _is_sown(t) -> bool:
+    return isinstance(t, SownMoments)
+
+
 def batch_norm_moments(x: jax.Array, row_mask: jax.Array, axis: Any, momentum: float) -> SownMoments:
     """The moments of a BatchNorm input ``x`` over the real rows of a micro-batch."""
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
@@ -196,16 +456,60 @@ def row_mask_for(row_mask: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.reshape(row_mask, (x.shape[0],) + (1,) * (x.ndim - 1))
 
 
-def update_running(mean: jax.Array, var: jax.Array, sown: SownMoments, unbiased: bool) -> BatchStats:
-    """New running ``(mean, var)`` from the moments of every micro-batch (leading axis ``m``)."""
-    return batch_norm_update(BatchStats(mean, var), sown.moments, momentum=sown.momentum, unbiased=unbiased)
+def check_training_call(
+    where: str, mask: Any, axis_name: Any, path: tuple[str, ...], records: Mapping
+) -> None:
+    """Raises for what deferred BatchNorm does not support in a training call.
 
-
-def check_user_mask(mask: Any, layer: str) -> None:
-    """Raises ``NotImplementedError`` for a BatchNorm ``mask=`` in training inside a pipeline."""
+    Raises:
+      NotImplementedError: for a ``mask=`` of the user's, a BatchNorm ``axis_name``, or a second
+        call of the same BatchNorm module in one call of the layer.
+    """
     if mask is not None:
         raise NotImplementedError(
-            f"{layer} was called with `mask=` in training inside a pipeline. Deferred BatchNorm "
+            f"{where} was called with `mask=` in training inside a pipeline. Deferred BatchNorm "
             "masks the padding rows of each micro-batch itself and supports no other mask; drop "
             "`mask=`, or evaluate with `use_running_average=True`."
         )
+    if axis_name is not None:
+        raise NotImplementedError(
+            f"{where} has axis_name={axis_name!r}: statistics synchronised over a device axis are "
+            "not supported inside a pipeline; set axis_name=None."
+        )
+    if path in records:
+        raise NotImplementedError(
+            f"{where} was called twice in one call of the layer; deferred batch norm supports one "
+            "call per BatchNorm module per layer call."
+        )
+
+
+def needs_flag(what: str, adapter: str) -> str:
+    """The message for BatchNorm statistics in an adapter built without ``deferred_batch_norm``."""
+    return (
+        f"{what}, but this {adapter} was built without `deferred_batch_norm=True`. A pipeline "
+        "normalises each micro-batch separately and must not update the running statistics once "
+        f"per micro-batch; build it with `{adapter}(..., deferred_batch_norm=True)`, which updates "
+        "them once per mini-batch."
+    )
+
+
+def _dict_path(path) -> tuple[str, ...]:
+    """The mapping keys of a pytree key path (NNX Variables add a ``.value`` attribute key)."""
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _updated(batch_stats: PyTree, records: Mapping[tuple[str, ...], SownMoments] | None, unbiased: bool):
+    """A layer's statistics with ``mean``/``var`` of every BatchNorm that recorded moments updated.
+
+    ``batch_stats`` is the layer's statistics tree (a Linen dict or an ``nnx.State``): a BatchNorm
+    at path ``p`` keeps its running statistics at ``p + ("mean",)`` and ``p + ("var",)``.
+    """
+    if not records:
+        return batch_stats
+    leaves = {_dict_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(batch_stats)[0]}
+    new = {}
+    for path, sown in records.items():
+        running = BatchStats(leaves[(*path, "mean")], leaves[(*path, "var")])
+        stats = batch_norm_update(running, sown.moments, momentum=sown.momentum, unbiased=unbiased)
+        new[(*path, "mean")], new[(*path, "var")] = stats.mean, stats.var
+    return jax.tree_util.tree_map_with_path(lambda p, a: new.get(_dict_path(p), a), batch_stats)

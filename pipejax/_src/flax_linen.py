@@ -11,8 +11,12 @@ mesh, device ``s`` stores only stage ``s``'s parameters). :meth:`LinenPipeline.t
 and :meth:`LinenPipeline.from_sequential` convert to and from the variables of
 ``nn.Sequential(layers)``: ``{"params": {"layers_0": ..., "layers_1": ...}}``.
 
-Each stage is a pure function of its parameters: layer ``j`` of the stage runs as
-``layer.apply({"params": p_j}, h, rngs={rng_collection: layer_key}, **flags)``.
+This module supplies only what is Linen about it: layer ``l`` as a pure function,
+``layer.apply({"params": p_l}, h, rngs={rng_collection: layer_key}, **flags)``, and where the
+updated BatchNorm statistics go (a Linen variable). Grouping into stages, the pipeline and the
+BatchNorm update are the core the NNX adapter shares (:mod:`pipejax._src.flax_common`), and every
+keyword argument that is not a field of the module is an option of :func:`pipejax.pipeline`
+(``chunks``, ``mesh``, ``schedule``, ``data_axis_name``, ...), forwarded unchanged.
 
 BatchNorm (``deferred_batch_norm=True``). The module then also owns ``{"batch_stats": {"stages":
 StageParams}}``: every layer's ``batch_stats``, laid out per stage like the parameters. The
@@ -22,30 +26,27 @@ pipeline runs with stage state (``pj.pipeline(..., stateful=True)``): layer ``j`
 deeply nested. In evaluation (``use_running_average=True``) the call runs unchanged. In training
 the BatchNorm runs on the micro-batch with its padding rows masked (its own ``mask=`` argument),
 as a separate pure ``apply`` whose running-statistics update is dropped, and the micro-batch's
-:class:`~pipejax.Moments` are sown into a private collection that the stage returns as its
+:class:`~pipejax.Moments` are recorded under the BatchNorm's path and returned as the stage's
 stats. After the pipeline call, the running statistics are updated once from the moments of all
 micro-batches (Chan's merge, :func:`pipejax.batch_norm_update`), when ``batch_stats`` is mutable.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
+import jax.numpy as jnp
 from flax.core import unfreeze
-from jax.sharding import Mesh
 
 from pipejax._src import flax_common as common
-from pipejax._src.flax_common import SownMoments
-from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
 
 PyTree = Any
-
-_SOWN = "pipejax_deferred_batch_norm"  # the collection a BatchNorm call's moments are sown into
-_SOWN_NAME = "moments"
 
 
 class LinenPipeline(nn.Module):
@@ -84,12 +85,13 @@ class LinenPipeline(nn.Module):
     with its own statistics over its real rows (the padding rows of an uneven batch do not
     count), and a call with ``mutable=["batch_stats"]`` updates the running statistics **once**,
     from the statistics of the whole mini-batch: ``new = momentum * old + (1 - momentum) *
-    batch``, with the layer's ``momentum`` and the unbiased variance ``M2 / (N - 1)`` (PyTorch's
-    convention; ``unbiased_variance=False`` tracks the biased ``M2 / N`` that ``nn.BatchNorm``
-    tracks). In evaluation (``use_running_average=True``) the running statistics are used; the
-    schedule and checkpointing are the same in both modes. The variables are ``{"params":
-    {"stages": ...}, "batch_stats": {"stages": StageParams}}``. Without the flag a layer with
-    ``batch_stats`` is a ``ValueError``: a pipeline never updates them once per micro-batch.
+    batch``, with the layer's ``momentum`` and, by default, the biased variance ``M2 / N``: the
+    statistics ``nn.BatchNorm`` tracks on the whole batch (``unbiased_variance=True`` tracks
+    PyTorch's unbiased ``M2 / (N - 1)`` instead). In evaluation (``use_running_average=True``)
+    the running statistics are used; the schedule and checkpointing are the same in both modes.
+    The variables are ``{"params": {"stages": ...}, "batch_stats": {"stages": StageParams}}``.
+    Without the flag a layer with ``batch_stats`` is a ``ValueError``: a pipeline never updates
+    them once per micro-batch.
 
     Attributes:
       layers: the Linen modules, applied in order.
@@ -97,16 +99,16 @@ class LinenPipeline(nn.Module):
         torchgpipe. Give this or ``num_stages``.
       num_stages: an even split into this many stages (the first ``len(layers) % num_stages``
         stages take one layer more).
-      chunks: micro-batches per mini-batch (see :func:`pipejax.pipeline`).
-      checkpoint: ``"always"``, ``"except_last"``, ``"never"`` or a ``jax.checkpoint`` policy.
-      mesh: a mesh with an axis ``axis_name`` of one device per stage, or ``None``.
-      axis_name: the stage axis of ``mesh``.
       rng_collection: the name of the rng stream the module draws its key from and hands to the
         layers.
       deferred_batch_norm: support ``nn.BatchNorm`` (and the ``batch_stats`` collection) with
         deferred batch norm, as described above (torchgpipe's flag).
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
-        (True, as PyTorch) or the biased ``M2 / N`` (False, as ``nn.BatchNorm``).
+        (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nn.BatchNorm``).
+      pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked by
+        it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
+        ``data_axis_name``, ``per_example_keys``. Pass them as keyword arguments,
+        ``LinenPipeline(layers, balance=[2, 2], chunks=4, mesh=mesh)``; they are collected here.
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -115,7 +117,7 @@ class LinenPipeline(nn.Module):
       >>> pipe = LinenPipeline(layers, balance=[2, 1], chunks=2)
       >>> x = jnp.ones((4, 5))
       >>> variables = pipe.init(jax.random.key(0), x)
-      >>> variables["params"]["stages"]
+      >>> nn.unbox(variables)["params"]["stages"]
       StageParams(num_stages=2, buffers=(float64[2, 120]))
       >>> seq = pipe.to_sequential(variables)
       >>> sorted(seq["params"])
@@ -128,60 +130,65 @@ class LinenPipeline(nn.Module):
     layers: Sequence[nn.Module]
     balance: Sequence[int] | None = None
     num_stages: int | None = None
-    chunks: int = 1
-    checkpoint: str | Callable[..., Any] = "except_last"
-    mesh: Mesh | None = None
-    axis_name: str = "stage"
     rng_collection: str = "dropout"
     deferred_batch_norm: bool = False
-    unbiased_variance: bool = True
+    unbiased_variance: bool = False
+    pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        _check_layers(self.layers)
-        sizes = common.stage_sizes(len(self.layers), self.balance, self.num_stages)
-        common.check_mesh(self.mesh, self.axis_name, sizes)
-        for name in ("deferred_batch_norm", "unbiased_variance"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, but got {getattr(self, name)!r}.")
+        common.check_layers(self.layers, nn.Module, "a flax.linen.Module", _NAME, ("flax.nnx", "NNXPipeline"))
+        self._stack()  # checks balance, num_stages, the flags and every pipeline option now
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: PyTree, **flags: Any) -> PyTree:
-        stages = self._stage_layers()
-        flags_per_layer = common.group(
-            common.route_kwargs([type(layer).__call__ for layer in self.layers], flags), self.stage_sizes()
-        )
-        engine = self._engine(stages, flags_per_layer)
-        created = []  # the layers' output on `x`, when this call creates the parameters
+        stack = self._stack()
+        kwargs = common.route_kwargs([type(layer).__call__ for layer in self.layers], flags)
+        if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
+            created = []
 
-        def init(rng):
-            params, state, y = self._init_stages(rng, engine, stages, flags_per_layer, x)
-            created.append((state, y))
-            return params
+            def init(rng):
+                params, state, y = self._init_layers(rng, stack, kwargs, x)
+                created.append((state, y))
+                return stack_box(stack, params)
 
-        creating = not self.has_variable("params", "stages")
-        params = self.param("stages", init)  # (with existing parameters Flax checks the shapes of `init`)
-        if creating:  # the layers just ran in sequence on `x`: no need to compile the pipeline
+            self.param("stages", init)
             state, y = created[0]
             if state is not None:
-                self.variable("batch_stats", "stages", lambda: state)
-            return y
+                self.variable("batch_stats", "stages", lambda: stack_box(stack, state))
+            return y  # (the output of that sequential run: init never compiles the pipeline)
+        # Read, not `self.param`: that would trace the layers' initialisation at every call to
+        # compare shapes; the pipeline checks the parameters against its stages itself.
+        params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
-        if not self.deferred_batch_norm:
+        engine = stack.pipeline(_run_layer(self._layers(), self.rng_collection, stack.deferred), kwargs)
+        if not stack.deferred:
             if self.has_variable("batch_stats", "stages"):
                 raise ValueError(
-                    _NEEDS_FLAG.format(what="The variables hold 'batch_stats' (BatchNorm running statistics)")
+                    common.needs_flag(
+                        "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
+                    )
                 )
             return engine(params, x, key)
         state = self.get_variable("batch_stats", "stages")
+        state = None if state is None else _check_packed(state, "batch_stats")
         y, stats = engine(params, x, key, state=state)
-        self._update_batch_stats(engine, state, stats)
+        new = None if state is None else stack.updated_state(state, stats)
+        if new is not None:  # some BatchNorm ran in training: update its statistics once
+            if not self.is_mutable_collection("batch_stats"):
+                raise ValueError(
+                    "BatchNorm layers of the pipeline ran in training mode, which updates the "
+                    "running statistics, but the 'batch_stats' collection is not mutable. As for "
+                    "nn.BatchNorm, call `apply(variables, x, mutable=['batch_stats'])` and keep the "
+                    "returned batch_stats, or evaluate with `use_running_average=True`."
+                )
+            self.put_variable("batch_stats", "stages", stack_box(stack, new))
         return y
 
     @nn.nowrap
     def stage_sizes(self) -> tuple[int, ...]:
         """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
-        return common.stage_sizes(len(self.layers), self.balance, self.num_stages)
+        return self._stack().sizes
 
     # -- the mapping to and from nn.Sequential(layers) ---------------------------------------
 
@@ -199,20 +206,17 @@ class LinenPipeline(nn.Module):
           without parameters have no entry), as ``nn.Sequential(layers).init`` lays them out; and
           ``"batch_stats"`` in the same form if ``variables`` hold them.
         """
+        stack = self._stack()
         packed = _stage_params_of(variables)
-        if packed.num_stages != len(self.stage_sizes()):
+        if packed.num_stages != len(stack.sizes):
             raise ValueError(
                 f"`variables` hold {packed.num_stages} stages, but this module has "
-                f"{len(self.stage_sizes())} stages (layers per stage: {list(self.stage_sizes())})."
+                f"{len(stack.sizes)} stages (layers per stage: {list(stack.sizes)})."
             )
-        per_layer = [p for stage in common.unpack(packed) for p in stage]
-        out = {"params": {f"layers_{index}": p for index, p in enumerate(per_layer) if jax.tree.leaves(p)}}
+        out = {"params": _named(stack.unpack(packed))}
         state = _batch_stats_of(variables)
         if state is not None:
-            per_layer = [st for stage in common.unpack(state) for st in stage]
-            out["batch_stats"] = {
-                f"layers_{index}": st for index, st in enumerate(per_layer) if jax.tree.leaves(st)
-            }
+            out["batch_stats"] = _named(stack.unpack(state))
         return out
 
     @nn.nowrap
@@ -244,9 +248,9 @@ class LinenPipeline(nn.Module):
             )
         if "batch_stats" in variables and not self.deferred_batch_norm:
             raise ValueError(
-                _NEEDS_FLAG.format(what="`variables` hold 'batch_stats' (BatchNorm running statistics)")
+                common.needs_flag("`variables` hold 'batch_stats' (BatchNorm running statistics)", _NAME)
             )
-        engine = self._engine(self._stage_layers(), None)
+        stack = self._stack()
         out = {}
         for collection in variables:
             tree = unfreeze(variables[collection])
@@ -257,127 +261,153 @@ class LinenPipeline(nn.Module):
                     f"`variables[{collection!r}]` has entries {unknown} that match no layer; expected "
                     f"names among layers_0 ... layers_{len(self.layers) - 1}."
                 )
-            per_layer = [tree.get(name, {}) for name in names]
-            out[collection] = {"stages": engine.place(self._group(per_layer))}
+            out[collection] = {
+                "stages": stack_box(stack, stack.place([tree.get(name, {}) for name in names]))
+            }
         return out
+
+    @nn.nowrap
+    def from_stacked(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """This module's variables from those of a layer stack built with ``nn.scan``.
+
+        ``nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        length=L)`` keeps one parameter tree of ``Layer`` whose leaves have a leading axis of
+        size ``L``; layer ``l``'s parameters are the slices ``[l]``. This is
+        :meth:`from_sequential` of those slices: pass the stack's variables (``{"params": ...}``,
+        and ``"batch_stats"`` likewise), with the same layers (``L`` of them) in this module.
+
+        Raises:
+          ValueError: if a leaf's leading axis is not the number of layers.
+        """
+        return self.from_sequential(
+            {col: _named(_unstack_tree(tree, len(self.layers), col)) for col, tree in variables.items()}
+        )
+
+    @nn.nowrap
+    def to_stacked(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The variables of the ``nn.scan`` stack of these layers (the inverse of :meth:`from_stacked`).
+
+        Every layer must have the same parameter structure. Returns ``{"params": tree}`` (and
+        ``"batch_stats"``) with leaves stacked on a leading axis of size ``len(layers)``.
+        """
+        seq = self.to_sequential(variables)
+        return {
+            col: _stack_trees([tree[f"layers_{i}"] for i in range(len(self.layers))], col)
+            for col, tree in seq.items()
+        }
 
     # -- internals --------------------------------------------------------------------------
 
     @nn.nowrap
-    def _group(self, items: Sequence[Any]) -> list[tuple[Any, ...]]:
-        return common.group(items, self.stage_sizes())
-
-    @nn.nowrap
-    def _stage_layers(self) -> list[tuple[nn.Module, ...]]:
-        """Unbound copies of the layers, grouped by stage: pure functions via ``init``/``apply``."""
-        return self._group([layer.copy(parent=None, name=None) for layer in self.layers])
-
-    @nn.nowrap
-    def _engine(self, stages, flags_per_layer) -> Pipeline:
-        if flags_per_layer is None:
-            flags_per_layer = [({},) * len(stage) for stage in stages]
-        firsts = [sum(self.stage_sizes()[:s]) for s in range(len(stages))]
-        fns = [
-            _stage_fn(layers, flags, self.rng_collection, first, self.deferred_batch_norm)
-            for layers, flags, first in zip(stages, flags_per_layer, firsts, strict=True)
-        ]
-        return pipeline(
-            fns,
-            chunks=self.chunks,
-            checkpoint=self.checkpoint,
-            mesh=self.mesh,
-            axis_name=self.axis_name,
-            stateful=self.deferred_batch_norm,
+    def _stack(self) -> common.Stack:
+        return common.Stack(
+            len(self.layers),
+            self.balance,
+            self.num_stages,
+            deferred_batch_norm=self.deferred_batch_norm,
+            unbiased_variance=self.unbiased_variance,
+            options=self.pipeline_options,
+            owner=_NAME,
         )
 
     @nn.nowrap
-    def _init_stages(self, rng, engine, stages, flags_per_layer, x) -> tuple[StageParams, Any, PyTree]:
-        per_stage, per_stage_state, h, index = [], [], x, 0
-        for layers, flags in zip(stages, flags_per_layer, strict=True):
-            params, state = [], []
-            for layer, kw in zip(layers, flags, strict=True):
-                k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
-                h, variables = layer.init_with_output(
-                    {"params": k_params, self.rng_collection: k_rng}, h, **kw
-                )
-                variables = unfreeze(variables)
-                _check_collections(index, layer, variables, self.deferred_batch_norm)
-                params.append(variables.get("params", {}))
-                state.append(variables.get("batch_stats", {}))
-                index += 1
-            per_stage.append(tuple(params))
-            per_stage_state.append(tuple(state))
-        placed_state = engine.place(per_stage_state) if jax.tree.leaves(per_stage_state) else None
-        return engine.place(per_stage), placed_state, h
+    def _layers(self) -> list[nn.Module]:
+        """Unbound copies of the layers: pure functions via ``init``/``apply``."""
+        return [layer.copy(parent=None, name=None) for layer in self.layers]
 
     @nn.nowrap
-    def _update_batch_stats(self, engine: Pipeline, state: Any, stats: list[Any]) -> None:
-        """Updates ``batch_stats`` once from the moments every training BatchNorm call sowed."""
-        sown = jax.tree.leaves(stats, is_leaf=lambda t: isinstance(t, SownMoments))
-        if not any(isinstance(t, SownMoments) for t in sown):
-            return  # every BatchNorm ran with its running statistics (or there is none)
-        if not self.is_mutable_collection("batch_stats"):
-            raise ValueError(
-                "BatchNorm layers of the pipeline ran in training mode, which updates the "
-                "running statistics, but the 'batch_stats' collection is not mutable. As for "
-                "nn.BatchNorm, call `apply(variables, x, mutable=['batch_stats'])` and keep the "
-                "returned batch_stats, or evaluate with `use_running_average=True`."
-            )
-        old = common.unpack(state)
-        new = [
-            tuple(_updated(st, sw, self.unbiased_variance) for st, sw in zip(stage_st, stage_sw, strict=True))
-            for stage_st, stage_sw in zip(old, stats, strict=True)
-        ]
-        self.put_variable("batch_stats", "stages", engine.place(new))
+    def _init_layers(self, rng, stack, kwargs, x) -> tuple[StageParams, Any, PyTree]:
+        params, state, h = [], [], x
+        for index, (layer, kw) in enumerate(zip(self._layers(), kwargs, strict=True)):
+            k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
+            h, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
+            variables = unfreeze(variables)
+            _check_collections(index, layer, variables, self.deferred_batch_norm)
+            params.append(variables.get("params", {}))
+            state.append(variables.get("batch_stats", {}))
+        placed_state = stack.place(state) if jax.tree.leaves(state) else None
+        return stack.place(params), placed_state, h
 
 
-def _stage_fn(
-    layers: Sequence[nn.Module],
-    flags: Sequence[dict[str, Any]],
-    rng_collection: str,
-    first: int,
-    deferred: bool,
-):
-    """Stage ``stage(params, x, key)``: ``params[j]`` are layer ``j``'s parameters.
+_NAME = "LinenPipeline"
+_FIELDS = ("layers", "balance", "num_stages", "rng_collection", "deferred_batch_norm", "unbiased_variance")
+_dataclass_init = LinenPipeline.__init__
 
-    With ``deferred`` (deferred BatchNorm), ``stage(params, x, key, state, mask) -> (y, stats)``:
-    ``state[j]`` is layer ``j``'s ``batch_stats`` and ``stats[j]`` what its training BatchNorm
-    calls sowed (``None`` if nothing). ``first`` is the index of the stage's first layer.
+
+def _init(self, *args: Any, pipeline_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    """``LinenPipeline(layers, *, balance, num_stages, ..., **pipeline_options)``.
+
+    Keyword arguments that are not fields of the module are options of :func:`pipejax.pipeline`;
+    they are collected into ``pipeline_options`` (the pipeline checks them).
     """
-
-    def run(j, layer, p, x, key, kw, state, mask):
-        k = common.layer_key(key, j)
-        rngs = {} if k is None else {rng_collection: k}
-        variables = {"params": p}
-        if state is not None and jax.tree.leaves(state[j]):
-            variables["batch_stats"] = state[j]
-        with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, first + j)):
-            if not deferred:
-                return layer.apply(variables, x, rngs=rngs, **kw), None
-            x, sown = layer.apply(variables, x, rngs=rngs, mutable=[_SOWN], **kw)
-        return x, sown.get(_SOWN)
-
-    def stage(params, x, key):
-        for j, (layer, p, kw) in enumerate(zip(layers, params, flags, strict=True)):
-            x, _ = run(j, layer, p, x, key, kw, None, None)
-        return x
-
-    def stateful_stage(params, x, key, state, mask):
-        stats = []
-        for j, (layer, p, kw) in enumerate(zip(layers, params, flags, strict=True)):
-            x, sown = run(j, layer, p, x, key, kw, state, mask)
-            stats.append(sown)
-        return x, tuple(stats)
-
-    return stateful_stage if deferred else stage
+    own = {k: v for k, v in kwargs.items() if k in (*_FIELDS, "parent", "name")}
+    options = {**(pipeline_options or {}), **{k: v for k, v in kwargs.items() if k not in own}}
+    _dataclass_init(self, *args, pipeline_options=options, **own)
 
 
-def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: int):
+_init.__wrapped__ = _dataclass_init  # type: ignore[attr-defined]
+LinenPipeline.__init__ = _init  # type: ignore[method-assign]
+
+
+def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:
+    """Layer ``l``'s slice ``[l]`` of every leaf, for each layer of a stacked tree."""
+    tree = unfreeze(tree)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != num_layers:
+            raise ValueError(
+                f"`variables[{what!r}]` must be a layer stack: every leaf stacked on a leading axis "
+                f"of size {num_layers} (the number of layers), as nn.scan(..., variable_axes="
+                f"{{{what!r}: 0}}, length={num_layers}) makes it, but "
+                f"{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}."
+            )
+    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers)]
+
+
+def _stack_trees(trees: Sequence[Any], what: str) -> Any:
+    """The trees of all layers stacked leaf by leaf on a new leading axis."""
+    structures = {jax.tree.structure(t) for t in trees}
+    if len(structures) != 1:
+        raise ValueError(
+            f"The layers' {what!r} have different structures, so they do not form a stack; "
+            "to_stacked needs layers of one kind (as nn.scan makes them)."
+        )
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def _named(per_layer: Sequence[Any]) -> dict[str, Any]:
+    """``{"layers_<l>": tree}`` for every layer with a non-empty tree (``nn.Sequential``'s names)."""
+    return {f"layers_{index}": t for index, t in enumerate(per_layer) if jax.tree.leaves(t)}
+
+
+def _run_layer(layers: Sequence[nn.Module], rng_collection: str, deferred: bool) -> common.RunLayer:
+    """Layer ``index`` as a pure function: ``layer.apply`` with its key as the ``rng_collection`` rng."""
+
+    def run(index, variables, x, key, mask, kwargs):
+        rngs = {} if key is None else {rng_collection: key}
+        if not jax.tree.leaves(variables.get("batch_stats")):
+            variables = {"params": variables["params"]}
+        variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
+        records: dict[tuple[str, ...], common.SownMoments] = {}
+        with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, index, records)):
+            y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
+        return y, records
+
+    return run
+
+
+def _unboxed(tree: Any) -> Any:
+    """``tree`` with every ``nn.Partitioned``-style box replaced by its value (no constraint)."""
+    is_box = lambda t: isinstance(t, nn.meta.AxisMetadata)
+    return jax.tree.map(lambda t: t.unbox(apply_constraint=False) if is_box(t) else t, tree, is_leaf=is_box)
+
+
+def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: int, records: dict):
     """A Linen method interceptor that runs every ``nn.BatchNorm`` call as deferred batch norm.
 
     Evaluation calls run unchanged. A training call normalises the micro-batch with its own
     statistics over the real rows (``row_mask``), through a separate pure ``apply`` of the layer
-    whose update of the running statistics is dropped, and sows the micro-batch's moments.
+    whose update of the running statistics is dropped, and records the micro-batch's moments
+    under the BatchNorm's path.
     """
     busy = []  # set while the interceptor runs the BatchNorm itself, which it must not intercept
 
@@ -387,9 +417,8 @@ def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: i
             return next_fun(*args, **kwargs)
         where = f"Layer {index}'s {type(module).__name__} (at {'/'.join(module.path) or 'the layer itself'})"
         if not deferred:
-            raise ValueError(_NEEDS_FLAG.format(what=f"{where} is an nn.BatchNorm"))
-        variables = {k: v for k, v in module.variables.items() if k != _SOWN}
-        if "batch_stats" not in variables:
+            raise ValueError(common.needs_flag(f"{where} is an nn.BatchNorm", _NAME))
+        if "batch_stats" not in module.variables:
             raise ValueError(
                 f"{where} has no 'batch_stats'. Pass the LinenPipeline's batch_stats with its "
                 "params, as `init` returns them: apply({'params': ..., 'batch_stats': ...}, x)."
@@ -398,80 +427,27 @@ def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: i
         use_running_average = args[1] if len(args) > 1 else kwargs.get("use_running_average")
         if nn.merge_param("use_running_average", module.use_running_average, use_running_average):
             return next_fun(*args, **kwargs)
-        common.check_user_mask(kwargs.get("mask"), where)
-        if module.axis_name is not None:
-            raise NotImplementedError(
-                f"{where} has axis_name={module.axis_name!r}: statistics synchronised over a "
-                "device axis are not supported inside a pipeline; set axis_name=None."
-            )
-        if module.has_variable(_SOWN, _SOWN_NAME):
-            raise NotImplementedError(
-                f"{where} was called twice in one call of the layer; deferred batch norm supports "
-                "one call per BatchNorm module per layer call."
-            )
+        path = tuple(module.path)
+        common.check_training_call(where, kwargs.get("mask"), module.axis_name, path, records)
         clone = module.copy(parent=None, name=None, use_running_average=False)
         busy.append(True)
         try:
-            y, _ = clone.apply(variables, x, mask=common.row_mask_for(row_mask, x), mutable=["batch_stats"])
+            y, _ = clone.apply(
+                dict(module.variables), x, mask=common.row_mask_for(row_mask, x), mutable=["batch_stats"]
+            )
         finally:
             busy.pop()
-        module.sow(_SOWN, _SOWN_NAME, common.batch_norm_moments(x, row_mask, module.axis, module.momentum))
+        records[path] = common.batch_norm_moments(x, row_mask, module.axis, module.momentum)
         return y
 
     return intercept
 
 
-def _updated(batch_stats: Any, sown: Any, unbiased: bool) -> Any:
-    """A layer's ``batch_stats`` updated at every BatchNorm that sowed moments into ``sown``."""
-    if sown is None:
-        return batch_stats
-    out = dict(batch_stats)
-    for name, sub in sown.items():
-        if name == _SOWN_NAME:
-            (moments,) = sub  # one call per BatchNorm module (the interceptor checks)
-            new = common.update_running(batch_stats["mean"], batch_stats["var"], moments, unbiased)
-            out["mean"], out["var"] = new.mean, new.var
-        else:
-            out[name] = _updated(batch_stats[name], sub, unbiased)
-    return out
-
-
-_NEEDS_FLAG = (
-    "{what}, but this LinenPipeline was built without "
-    "`deferred_batch_norm=True`. A pipeline normalises each micro-batch separately and must not "
-    "update the running statistics once per micro-batch; build it with "
-    "`LinenPipeline(..., deferred_batch_norm=True)`, which updates them once per mini-batch."
-)
-
-
-def _check_layers(layers) -> None:
-    if isinstance(layers, (str, bytes, nn.Module)) or not isinstance(layers, Sequence):
-        raise TypeError(
-            f"`layers` must be a sequence of Linen modules (e.g. [nn.Dense(64), nn.Dense(10)]), "
-            f"but got {type(layers).__name__}."
-        )
-    if len(layers) == 0:
-        raise ValueError("`layers` is empty; a pipeline needs at least one Linen module.")
-    for index, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            hint = ""
-            if callable(layer):
-                hint = (
-                    " Wrap a function in a module, e.g. `class Relu(nn.Module)` whose "
-                    "`__call__(self, x)` returns `nn.relu(x)`."
-                )
-            if type(layer).__module__.startswith("flax.nnx"):
-                hint = " For Flax NNX modules use `pipejax.flax.NNXPipeline`."
-            raise TypeError(
-                f"`layers[{index}]` must be a flax.linen.Module, but got {type(layer).__name__}.{hint}"
-            )
-
-
 def _check_collections(index: int, layer: nn.Module, variables: Mapping[str, Any], deferred: bool) -> None:
     if "batch_stats" in variables and not deferred:
         raise ValueError(
-            _NEEDS_FLAG.format(
-                what=f"Layer {index} ({type(layer).__name__}) creates 'batch_stats' (BatchNorm statistics)"
+            common.needs_flag(
+                f"Layer {index} ({type(layer).__name__}) creates 'batch_stats' (BatchNorm statistics)", _NAME
             )
         )
     extra = sorted(set(variables) - {"params", "batch_stats"})
@@ -483,24 +459,61 @@ def _check_collections(index: int, layer: nn.Module, variables: Mapping[str, Any
         )
 
 
+@flax.struct.dataclass
+class StagePartitioned(nn.Partitioned):
+    """The box of a :class:`LinenPipeline`'s ``"stages"`` variables: its sharding metadata.
+
+    ``value`` is the :class:`pipejax.StageParams`; ``names`` the partition of each of its buffers,
+    ``("stage", None)`` (``(None, "stage", None)`` for the circular schedule; ``(None, None)``
+    without a mesh). So ``nn.get_partition_spec(variables)`` reports ``P("stage", None)`` for the
+    packed stages (a prefix of the buffers), and Flax's usual recipe (abstract variables ->
+    ``get_partition_spec`` -> shardings -> ``jax.jit(init, out_shardings=...)``) keeps each stage
+    on its device instead of replicating it. Unboxing (``nn.unbox``, ``self.param``) returns the
+    value without a sharding constraint: the pipeline places its parameters itself.
+    """
+
+    def unbox(self, apply_constraint: bool = True) -> Any:
+        return self.value
+
+
+def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
+    """``packed`` boxed with the partition of its buffers."""
+    ndim = packed.buffers[0].ndim if packed.buffers else 2
+    return StagePartitioned(packed, names=tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim))))
+
+
+def _check_packed(value: Any, collection: str) -> StageParams:
+    """``value`` (the ``"stages"`` variable) as a :class:`~pipejax.StageParams`, or a clear error."""
+    if isinstance(value, nn.meta.AxisMetadata):
+        value = value.unbox(apply_constraint=False)
+    if isinstance(value, StageParams):
+        return value
+    raise ValueError(
+        f"The LinenPipeline's {collection!r} entry 'stages' must be a pipejax.StageParams (what `init` "
+        f"and `from_sequential` return), but got {type(value).__name__}: "
+        f"{jax.tree.map(lambda a: getattr(a, 'shape', a), value)!r}. A checkpoint restored without a "
+        "target comes back as plain dicts and lists; restore with a target of the saved structure, "
+        "e.g. orbax's `restore(path, target)` with `target = jax.tree.map(ocp.utils.to_shape_dtype_struct, "
+        "state)` (see docs/flax.md, 'Checkpoints with orbax')."
+    )
+
+
 def _batch_stats_of(variables: Any) -> StageParams | None:
     try:
         state = variables["batch_stats"]["stages"]
     except (KeyError, TypeError, IndexError):
         return None
-    return state if isinstance(state, StageParams) else None
+    return _check_packed(state, "batch_stats")
 
 
 def _stage_params_of(variables: Any) -> StageParams:
     try:
         packed = variables["params"]["stages"]
     except (KeyError, TypeError, IndexError):
-        packed = None
-    if not isinstance(packed, StageParams):
         raise ValueError(
             "`variables` must be this LinenPipeline's own variables, {'params': {'stages': "
             "StageParams}} (inside a bigger model, pass its subtree, e.g. "
             "{'params': variables['params']['LinenPipeline_0']}), but got "
             f"{jax.tree.map(lambda a: getattr(a, 'shape', a), variables)!r}."
-        )
-    return packed
+        ) from None
+    return _check_packed(packed, "params")

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from pipejax._src import flax_common as common
-from pipejax._src.flax_common import SownMoments
-from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
 
 PyTree = Any
@@ -73,8 +71,9 @@ class NNXPipeline(nnx.Module):
     of an uneven batch do not count), and the call updates the running statistics (the
     pipeline's ``nnx.BatchStat`` variables) **once**, from the statistics of the whole
     mini-batch: ``new = momentum * old + (1 - momentum) * batch``, with the layer's momentum
-    and the unbiased variance ``M2 / (N - 1)`` (PyTorch's convention; ``unbiased_variance=False``
-    tracks the biased ``M2 / N`` of ``nnx.BatchNorm``). In evaluation (``pipe.eval()``, or
+    and, by default, the biased variance ``M2 / N``: the statistics ``nnx.BatchNorm`` tracks on
+    the whole batch (``unbiased_variance=True`` tracks PyTorch's unbiased ``M2 / (N - 1)``). In
+    evaluation (``pipe.eval()``, or
     ``use_running_average=True``) the running statistics are used; the schedule and
     checkpointing are the same in both modes. Without the flag, layers with ``nnx.BatchStat``
     raise ``ValueError``: a pipeline never updates them once per micro-batch.
@@ -86,10 +85,6 @@ class NNXPipeline(nnx.Module):
         torchgpipe. Give this or ``num_stages``.
       num_stages: an even split into this many stages (the first ``len(layers) % num_stages``
         stages take one layer more).
-      chunks: micro-batches per mini-batch (see :func:`pipejax.pipeline`).
-      checkpoint: ``"always"``, ``"except_last"``, ``"never"`` or a ``jax.checkpoint`` policy.
-      mesh: a mesh with an axis ``axis_name`` of one device per stage, or ``None``.
-      axis_name: the stage axis of ``mesh``.
       deterministic: the default for calls: ``True`` turns dropout off in every layer, ``False``
         on, ``None`` keeps each layer's own setting.
       rng_collection: the stream taken from an ``nnx.Rngs`` given as ``rngs``.
@@ -101,7 +96,10 @@ class NNXPipeline(nnx.Module):
         statistics, ``False`` the micro-batch's, ``None`` keeps each layer's own setting.
         ``pipe.eval()`` and ``pipe.train()`` set it.
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
-        (True, as PyTorch) or the biased ``M2 / N`` (False, as ``nnx.BatchNorm``).
+        (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nnx.BatchNorm``).
+      **pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked
+        by it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
+        ``data_axis_name``, ``per_example_keys``. Kept as the attribute ``pipeline_options``.
 
     Raises:
       TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax.md``), and
@@ -134,31 +132,27 @@ class NNXPipeline(nnx.Module):
         *,
         balance: Sequence[int] | None = None,
         num_stages: int | None = None,
-        chunks: int = 1,
-        checkpoint: str | Callable[..., Any] = "except_last",
-        mesh: Mesh | None = None,
-        axis_name: str = "stage",
         deterministic: bool | None = None,
         rng_collection: str = "dropout",
         rngs: nnx.Rngs | nnx.RngStream | None = None,
         deferred_batch_norm: bool = False,
         use_running_average: bool | None = None,
-        unbiased_variance: bool = True,
+        unbiased_variance: bool = False,
+        **pipeline_options: Any,
     ):
-        _check_layers(layers)
-        for name, value in (
-            ("deferred_batch_norm", deferred_batch_norm),
-            ("unbiased_variance", unbiased_variance),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, but got {value!r}.")
+        common.check_layers(layers, nnx.Module, "an nnx.Module", _NAME, ("flax.linen", "LinenPipeline"))
         layers = list(layers)
-        self._sizes = common.stage_sizes(len(layers), balance, num_stages)
-        common.check_mesh(mesh, axis_name, self._sizes)
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.mesh = mesh
-        self.axis_name = axis_name
+        stack = common.Stack(
+            len(layers),
+            balance,
+            num_stages,
+            deferred_batch_norm=deferred_batch_norm,
+            unbiased_variance=unbiased_variance,
+            options=pipeline_options,
+            owner=_NAME,
+        )
+        self._stack = nnx.static(stack)
+        self.pipeline_options = nnx.static(stack.options)
         self.deterministic = deterministic
         self.rng_collection = rng_collection
         self.deferred_batch_norm = deferred_batch_norm
@@ -179,20 +173,24 @@ class NNXPipeline(nnx.Module):
             tuple(sorted({v.tag for v in jax.tree.leaves(r, is_leaf=_is_var) if isinstance(v, nnx.RngKey)}))
             for r in rest
         )
-        self.layer_state = nnx.data(rest)
-        placed = self._engine().place(common.group(params, self._sizes))
-        self.packed = nnx.List([nnx.Param(b) for b in placed.buffers])
+        # Placed replicated over the mesh, as a jitted step returns them: arrays made on one device
+        # (the layers' rng streams, the pipeline's own) would make the second step compile again.
+        self.layer_state = nnx.data(stack.replicated(rest))
+        placed = stack.place(params)
+        self.packed = nnx.List([nnx.Param(b, **_sharding(stack, b)) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
         self.stats_container = self.stats_layouts = None
         self.packed_batch_stats = nnx.List([])
         if jax.tree.leaves(batch_stats):
-            placed = self._engine().place(common.group(batch_stats, self._sizes))
-            self.packed_batch_stats = nnx.List([nnx.BatchStat(b) for b in placed.buffers])
+            placed = stack.place(batch_stats)
+            self.packed_batch_stats = nnx.List(
+                [nnx.BatchStat(b, **_sharding(stack, b)) for b in placed.buffers]
+            )
             self.stats_container, self.stats_layouts = placed.container, placed.layouts
-        if isinstance(rngs, nnx.Rngs):
-            self.rngs = rngs[rng_collection].fork()
-        elif isinstance(rngs, nnx.RngStream):
-            self.rngs = rngs.fork()
+        if isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+            stream = (rngs[rng_collection] if isinstance(rngs, nnx.Rngs) else rngs).fork()
+            nnx.update(stream, stack.replicated(nnx.state(stream)))
+            self.rngs = stream
         elif rngs is None:
             self.rngs = nnx.data(None)
         else:
@@ -209,22 +207,18 @@ class NNXPipeline(nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         **flags: Any,
     ) -> PyTree:
-        flags_per_layer = common.route_kwargs(self.calls, flags)
+        stack = self._stack
+        kwargs = common.route_kwargs(self.calls, flags)
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
-        engine = self._engine(self._stage_fns(det, ura, flags_per_layer))
-        if not self.deferred_batch_norm:
+        engine = stack.pipeline(self._run_layer(det, ura), kwargs)
+        if not stack.deferred:
             return engine(self.stage_params(), x, self._key(rngs))
         state = self.stage_batch_stats()
         y, stats = engine(self.stage_params(), x, self._key(rngs), state=state)
-        sown = jax.tree.leaves(stats, is_leaf=lambda t: isinstance(t, SownMoments))
-        if any(isinstance(t, SownMoments) for t in sown):  # some BatchNorm trained: update once
-            old = common.unpack(state)
-            new = [
-                tuple(_updated(st, sw, self.unbiased_variance) for st, sw in zip(sts, sws, strict=True))
-                for sts, sws in zip(old, stats, strict=True)
-            ]
-            for var, buffer in zip(self.packed_batch_stats, engine.place(new).buffers, strict=True):
+        new = stack.updated_state(state, stats)
+        if new is not None:  # some BatchNorm ran in training: its statistics change once
+            for var, buffer in zip(self.packed_batch_stats, new.buffers, strict=True):
                 var[...] = buffer
         return y
 
@@ -242,7 +236,7 @@ class NNXPipeline(nnx.Module):
 
     def stage_sizes(self) -> tuple[int, ...]:
         """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
-        return self._sizes
+        return self._stack.sizes
 
     def stage_params(self) -> StageParams:
         """The parameters as the pipeline takes them: a :class:`pipejax.StageParams`."""
@@ -261,7 +255,7 @@ class NNXPipeline(nnx.Module):
         state = self.stage_batch_stats()
         if state is None:
             return [nnx.State({}) for _ in self.graphdefs]
-        return [st for stage in common.unpack(state) for st in stage]
+        return self._stack.unpack(state)
 
     def layer_params(self, state: Any = None) -> list[nnx.State]:
         """Each layer's ``nnx.Param`` state, read out of the packed parameters.
@@ -286,7 +280,7 @@ class NNXPipeline(nnx.Module):
                     f"with {len(self.container.dtypes)} array(s)), but got {type(state).__name__}."
                 )
             packed = StageParams(buffers, self.container, self.layouts)
-        return [p for stage in common.unpack(packed) for p in stage]
+        return self._stack.unpack(packed)
 
     def to_sequential(self) -> list[nnx.Module]:
         """The layers as separate modules, with the pipeline's current parameters.
@@ -329,81 +323,37 @@ class NNXPipeline(nnx.Module):
             )
         return self.rngs()
 
-    def _stage_fns(self, det, ura, flags_per_layer):
-        layers = list(
-            zip(
-                range(len(self.graphdefs)),
-                self.graphdefs,
-                self.layer_state,
-                self.stream_names,
-                flags_per_layer,
-                strict=True,
-            )
-        )
-        return [
-            _stage_fn(stage, det, ura, self.deferred_batch_norm)
-            for stage in common.group(layers, self._sizes)
-        ]
+    def _run_layer(self, det: bool | None, ura: bool | None) -> common.RunLayer:
+        """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key."""
+        deferred = self._stack.deferred
+        graphdefs, layer_state, stream_names = self.graphdefs, self.layer_state, self.stream_names
 
-    def _engine(self, fns=None) -> Pipeline:
-        """The pipeline over ``fns``; without them, one for :meth:`Pipeline.place` only."""
-        if fns is None:
-            fns = [_stage_fn((), None, None, self.deferred_batch_norm)] * len(self._sizes)
-        return pipeline(
-            fns,
-            chunks=self.chunks,
-            checkpoint=self.checkpoint,
-            mesh=self.mesh,
-            axis_name=self.axis_name,
-            stateful=self.deferred_batch_norm,
-        )
+        def run(index, variables, x, key, mask, kwargs):
+            # Fresh Variables for the rest: the stored ones belong to the module, outside this trace.
+            states = [variables["params"]]
+            if "batch_stats" in variables:
+                states.append(variables["batch_stats"])
+            layer = nnx.merge(graphdefs[index], *states, jax.tree.map(lambda a: a, layer_state[index]))
+            if det is not None:
+                layer.set_attributes(deterministic=det, raise_if_not_found=False)
+            if ura is not None:
+                layer.set_attributes(use_running_average=ura, raise_if_not_found=False)
+            if stream_names[index] and key is not None:
+                nnx.reseed(layer, **{name: key for name in stream_names[index]})
+            records: dict[tuple[str, ...], common.SownMoments] = {}
+            for path, module in nnx.iter_graph(layer):
+                if isinstance(module, nnx.BatchNorm):
+                    path = tuple(str(p) for p in path)
+                    where = (
+                        f"Layer {index}'s {type(module).__name__} (at {'/'.join(path) or 'the layer itself'})"
+                    )
+                    if not deferred:
+                        raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
+                    object.__setattr__(module, "__class__", _deferred_class(type(module)))
+                    object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
+            return layer(x, **kwargs), records
 
-
-def _stage_fn(layers, det, ura, deferred):
-    """Stage ``stage(params, x, key)``; ``params[j]`` is layer ``j``'s ``nnx.Param`` state.
-
-    With ``deferred`` (deferred BatchNorm), ``stage(params, x, key, state, mask) -> (y, stats)``:
-    ``state[j]`` is layer ``j``'s ``nnx.BatchStat`` state and ``stats[j]`` the moments its
-    BatchNorm layers recorded in training, keyed by their path in the layer.
-    """
-
-    def run(j, p, x, key, state, mask):
-        index, graphdef, rest, names, kw = layers[j]
-        # Fresh Variables for the rest: the stored ones belong to the module, outside this trace.
-        states = (p,) if state is None else (p, state[j])
-        layer = nnx.merge(graphdef, *states, jax.tree.map(lambda a: a, rest))
-        if det is not None:
-            layer.set_attributes(deterministic=det, raise_if_not_found=False)
-        if ura is not None:
-            layer.set_attributes(use_running_average=ura, raise_if_not_found=False)
-        k = common.layer_key(key, j)
-        if names and k is not None:
-            nnx.reseed(layer, **{name: k for name in names})
-        records: dict[str, SownMoments] = {}
-        for path, module in nnx.iter_graph(layer):
-            if isinstance(module, nnx.BatchNorm):
-                where = (
-                    f"Layer {index}'s {type(module).__name__} (at {_path_key(path) or 'the layer itself'})"
-                )
-                if not deferred:
-                    raise ValueError(_NEEDS_FLAG.format(what=f"{where} is an nnx.BatchNorm"))
-                object.__setattr__(module, "__class__", _deferred_class(type(module)))
-                object.__setattr__(module, _CTX, _Deferred(mask, _path_key(path), records, where))
-        return layer(x, **kw), records
-
-    def stage(params, x, key):
-        for j, p in enumerate(params):
-            x, _ = run(j, p, x, key, None, None)
-        return x
-
-    def stateful_stage(params, x, key, state, mask):
-        stats = []
-        for j, p in enumerate(params):
-            x, records = run(j, p, x, key, state, mask)
-            stats.append(records or None)
-        return x, tuple(stats)
-
-    return stateful_stage if deferred else stage
+        return run
 
 
 _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
@@ -412,7 +362,7 @@ _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm read
 class _Deferred:
     """What a switched BatchNorm needs: the row mask, its path, and where to record its moments."""
 
-    def __init__(self, mask, path: str, records: dict[str, SownMoments], where: str):
+    def __init__(self, mask, path: tuple[str, ...], records: dict, where: str):
         self.mask, self.path, self.records, self.where = mask, path, records, where
 
 
@@ -427,17 +377,7 @@ def _deferred_class(base: type) -> type:
         )
         if not train:  # evaluation (or no setting, which BatchNorm reports itself): unchanged
             return base.__call__(self, x, use_running_average, mask=mask)
-        common.check_user_mask(mask, ctx.where)
-        if self.axis_name is not None:
-            raise NotImplementedError(
-                f"{ctx.where} has axis_name={self.axis_name!r}: statistics synchronised over a "
-                "device axis are not supported inside a pipeline; set axis_name=None."
-            )
-        if ctx.path in ctx.records:
-            raise NotImplementedError(
-                f"{ctx.where} was called twice in one call of the layer; deferred batch norm "
-                "supports one call per BatchNorm module per layer call."
-            )
+        common.check_training_call(ctx.where, mask, self.axis_name, ctx.path, ctx.records)
         y = base.__call__(self, x, use_running_average, mask=common.row_mask_for(ctx.mask, x))
         ctx.records[ctx.path] = common.batch_norm_moments(x, ctx.mask, self.axis, self.momentum)
         return y
@@ -453,47 +393,79 @@ def _path_key(path: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _updated(state: nnx.State, records: dict[str, SownMoments] | None, unbiased: bool) -> nnx.State:
-    """A layer's ``nnx.BatchStat`` state updated at every BatchNorm that recorded moments."""
-    if not records:
-        return state
-    flat = dict(nnx.to_flat_state(state))
-    modules = {_path_key(p[:-1]): p[:-1] for p in flat if p[-1] == "mean"}  # BatchNorm paths
-    for path, sown in records.items():
-        mean, var = (*modules[path], "mean"), (*modules[path], "var")
-        new = common.update_running(flat[mean].get_value(), flat[var].get_value(), sown, unbiased)
-        flat[mean], flat[var] = flat[mean].replace(new.mean), flat[var].replace(new.var)
-    return nnx.from_flat_state(list(flat.items()))
+def unstack(stack: nnx.Module) -> list[nnx.Module]:
+    """The layers of an NNX layer stack, as separate modules.
+
+    Flax builds deep models as one module whose variables have a leading layer axis
+    (``nnx.vmap`` over a constructor, with ``nnx.split_rngs``), run with ``nnx.scan``. Layer
+    ``l`` is the same module with the slices ``[l]`` of every variable (rng streams included).
+
+    Args:
+      stack: the stacked module.
+
+    Returns:
+      ``L`` new modules sharing nothing with ``stack``: pass them to :class:`NNXPipeline`.
+
+    Raises:
+      ValueError: if the variables do not share one leading axis.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from pipejax.flax import restack, unstack
+      >>> @nnx.split_rngs(splits=3)
+      ... @nnx.vmap(in_axes=(0,), out_axes=0)
+      ... def create(rngs):
+      ...     return nnx.Linear(2, 2, rngs=rngs)
+      >>> layers = unstack(create(nnx.Rngs(0)))
+      >>> len(layers), layers[0].kernel.shape, restack(layers).kernel.shape
+      (3, (2, 2), (3, 2, 2))
+    """
+    graphdef, state = nnx.split(stack)
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(state)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"`stack` must be a layer stack (every variable stacked on one leading layer axis, as "
+            f"nnx.vmap makes it), but its variables have leading sizes {sorted(sizes, key=str)}."
+        )
+    (size,) = sizes
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(size)]
 
 
-_NEEDS_FLAG = (
-    "{what}, but this NNXPipeline was built without `deferred_batch_norm=True`. A pipeline "
-    "normalises each micro-batch separately and must not update the running statistics once per "
-    "micro-batch; build it with `NNXPipeline(..., deferred_batch_norm=True)`, which updates them "
-    "once per mini-batch."
-)
+def restack(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """One stacked module from layers of one kind: the inverse of :func:`unstack`.
+
+    ``restack(pipe.to_sequential())`` gives the trained layers back as the stack an
+    ``nnx.scan`` forward pass takes.
+
+    Raises:
+      ValueError: if the layers differ in structure.
+    """
+    splits = [nnx.split(layer) for layer in layers]
+    if len({g for g, _ in splits}) != 1:
+        raise ValueError(
+            "The layers differ in structure, so they do not form a stack; restack needs one kind."
+        )
+    return nnx.merge(splits[0][0], jax.tree.map(lambda *a: jnp.stack(a), *[st for _, st in splits]))
+
+
+_NAME = "NNXPipeline"
+
+
+def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
+    """The sharding metadata of a placed buffer's Variable (none without a mesh).
+
+    With it ``nnx.get_partition_spec(nnx.state(model))`` reports ``P("stage", None)`` for the
+    packed stages instead of ``P()`` (replicated).
+    """
+    mesh = stack.placer.mesh
+    if mesh is None:
+        return {}
+    return {"out_sharding": tuple(stack.spec(buffer.ndim)), "mesh": mesh}
 
 
 def _is_var(v) -> bool:
     return isinstance(v, nnx.Variable)
-
-
-def _check_layers(layers) -> None:
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):  # nnx.List is one
-        raise TypeError(
-            "`layers` must be a sequence of nnx.Module (e.g. [nnx.Linear(4, 4, rngs=rngs), ...]), "
-            f"but got {type(layers).__name__}."
-        )
-    if len(layers) == 0:
-        raise ValueError("`layers` is empty; a pipeline needs at least one nnx.Module.")
-    for index, layer in enumerate(layers):
-        if not isinstance(layer, nnx.Module):
-            hint = ""
-            if type(layer).__module__.startswith("flax.linen"):
-                hint = " For Flax Linen modules use `pipejax.flax.LinenPipeline`."
-            elif callable(layer):
-                hint = " Wrap a function in an nnx.Module whose `__call__(self, x)` applies it."
-            raise TypeError(f"`layers[{index}]` must be an nnx.Module, but got {type(layer).__name__}.{hint}")
 
 
 def _check_state(index: int, layer: nnx.Module, batch_stats: nnx.State, rest: Any, deferred: bool) -> None:
@@ -523,5 +495,5 @@ def _check_state(index: int, layer: nnx.Module, batch_stats: nnx.State, rest: An
         )
     if not deferred:
         raise ValueError(
-            _NEEDS_FLAG.format(what=f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics")
+            common.needs_flag(f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics", _NAME)
         )

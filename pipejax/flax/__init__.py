@@ -5,10 +5,18 @@ stages, keep each stage's parameters on its own device, and convert to and from 
 sequential form of the same layers. See ``docs/flax.md``.
 """
 
+from pipejax._src.flax_common import on_mesh as on_mesh
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
+from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
+from pipejax._src.flax_nnx import restack as restack
+from pipejax._src.flax_nnx import unstack as unstack
 
 __all__ = [
     "LinenPipeline",
     "NNXPipeline",
+    "StagePartitioned",
+    "on_mesh",
+    "restack",
+    "unstack",
 ]
