@@ -193,8 +193,8 @@ class Heterogeneous:
     def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
         """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
 
-        ``guard``: ``(working, prev, inner)``; where ``working`` is False (a bubble) nothing runs
-        and ``prev`` is returned; ``inner`` wraps each stage branch (see ``checkpoint.Phase``).
+        ``guard``: ``(working, prev)``; where ``working`` is False (a bubble) nothing runs and
+        ``prev`` is returned.
         On a mesh the bubble is one more branch of the stage switch (one level of control flow,
         not a ``cond`` around a ``switch``).
         """
@@ -219,9 +219,9 @@ class Heterogeneous:
             branches = [branch(t) for t in range(self.S)]
             index = s
             if guard is not None:
-                working, prev, inner = guard
+                working, prev = guard
                 index = jnp.where(working, s, self.S)
-                branches = [inner(b) for b in branches] + [lambda *args: prev]
+                branches.append(lambda *args: prev)
             return lax.switch(index, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
         # a virtual device (no mesh) runs its own stage d on raw activations: a direct call
         assert guard is None and self.v == 1, "virtual devices run one stage each, without bubbles"
@@ -274,12 +274,9 @@ class Homogeneous:
         """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0); ``guard``
         as for :meth:`Heterogeneous.compute`, with a ``lax.cond``."""
         if guard is not None:
-            working, prev, inner = guard
-
-            def run(params, state, x_in):
-                return self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
-
-            return lax.cond(working, inner(run), lambda *_: prev, params, state, x_in)
+            working, prev = guard
+            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
+            return lax.cond(working, run, lambda: prev)
         x = x_in  # on a mesh the devices deliver stage 0's micro-batch as the message
         if self.local:
             x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
@@ -364,7 +361,7 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         key_for = lambda t: stage_keys(cfg, key, global_micro(ic), t, micro_size)
         like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
         # guard: on a bubble (i < 0) the stage does not run and the device keeps its last output
-        guard = (i >= 0, prev, phase.inner) if phase.guard else None
+        guard = (i >= 0, prev) if phase.guard else None
         return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard)
 
     def step(d, params, state, inbox, prev, i, s):
