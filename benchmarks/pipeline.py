@@ -660,6 +660,23 @@ def count_primitives(jaxpr) -> collections.Counter:
     return counts
 
 
+def microbatched_loss(stages, chunks):
+    """``sum(f(x)**2)`` of the stages run over ``chunks`` micro-batches in a plain ``lax.scan``:
+    the hand-written reference the pipeline is compared with (no pipeline)."""
+
+    def loss(ps, x):
+        xs = x.reshape((chunks, x.shape[0] // chunks, -1))
+
+        def body(total, xi):
+            for stage, p in zip(stages, ps, strict=True):
+                xi = stage(p, xi, None)
+            return total + jnp.sum(xi**2), None
+
+        return jax.lax.scan(body, jnp.zeros((), x.dtype), xs)[0]
+
+    return loss
+
+
 def compile_times(build, reps_results, sizes, name) -> None:
     """Trace, lower and XLA-compile ``build()``'s jitted function once, after clearing caches."""
     jax.clear_caches()
@@ -777,19 +794,7 @@ def bench_compile(cfg) -> None:
         return build
 
     def scanned():  # context: the same stages over the micro-batches in a plain lax.scan
-        stages = make_stages()
-
-        def loss(ps, x):
-            xs = x.reshape((chunks, batch // chunks, -1))
-
-            def body(total, xi):
-                for stage, p in zip(stages, ps, strict=True):
-                    xi = stage(p, xi, None)
-                return total + jnp.sum(xi**2), None
-
-            return jax.lax.scan(body, jnp.zeros((), x.dtype), xs)[0]
-
-        return jax.jit(jax.grad(loss)), (params, x)
+        return jax.jit(jax.grad(microbatched_loss(make_stages(), chunks))), (params, x)
 
     label = lambda mode, where, c=chunks: (
         f"{mode}, mesh={f'{n} devices' if where == 'mesh' else 'None'}, chunks={c}"
@@ -985,17 +990,10 @@ def bench_local(cfg) -> None:
             x = stage(p, x, None)
         return jnp.sum(x**2)
 
-    def scanned(ps, x):  # the stages over the micro-batches, as a plain lax.scan
-        xs = x.reshape((chunks, batch // chunks, -1))
-
-        def body(total, xi):
-            for stage, p in zip(stages, ps, strict=True):
-                xi = stage(p, xi, None)
-            return total + jnp.sum(xi**2), None
-
-        return jax.lax.scan(body, jnp.zeros((), x.dtype), xs)[0]
-
-    variants = {"composed (whole batch)": composed, "micro-batched lax.scan": scanned}
+    variants = {
+        "composed (whole batch)": composed,
+        "micro-batched lax.scan": microbatched_loss(stages, chunks),
+    }
     for mode in MODES:
         apply = pj.pipeline(stages, chunks=chunks, checkpoint=mode, mesh=None)
         variants[mode] = lambda p, x, apply=apply: jnp.sum(apply(p, x) ** 2)
