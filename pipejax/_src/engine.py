@@ -492,9 +492,13 @@ class MeshDevices:
         slot ``j`` holds micro-batch ``r k + j``, and at tick ``t = r k + j`` it holds micro-batch
         ``t``: the one stage 0 starts then. Cost: one ``ppermute`` of one micro-batch per tick;
         a device stores ``k`` micro-batches of ``x`` instead of ``m``. (With a data axis ``x`` is
-        split over that axis only.)
+        split over that axis only, and on Auto axes the batch stays replicated: see below.)
         """
-        return self.cfg.data_axis_name is None and ctx.D > 1
+        # On Auto axes XLA's sharding propagation is left to reshard the queue around the
+        # micro-batch reshapes, and did so in forward-over-reverse programs (an "involuntary full
+        # rematerialization" in Lanczos through a pipeline); Explicit axes reshard where told.
+        explicit = compat.is_explicit(self.mesh, self.cfg.axis_name)
+        return self.cfg.data_axis_name is None and ctx.D > 1 and explicit
 
     def _body(self, ctx, schedule, phases, inputs):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
