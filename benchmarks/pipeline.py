@@ -331,7 +331,7 @@ def bench_memory(cfg) -> None:
         "* corrected: k*A' + (T-k)*(R + A) + m*O (+ R with always, for the recomputation):\n"
         "             k checkpointed ticks keep their input A' (A' = A, or 0 if n = 1, where the\n"
         "             input is read from the batch), the other T - k ticks keep R and their input;\n"
-        "             k = T (always), n-1 (never), max(m-1, n-1) (except_last). Parameter-sized\n"
+        "             k = T (always), 0 (never), max(T - n, 0) (except_last). Parameter-sized\n"
         "             buffers (gradient accumulators, loop-state copies) are not modelled: see the\n"
         "             column (meas-corr)/P.\n\n"
         "'phases' lists the engine's scan phases in tick counts (c: checkpointed, p: not).\n"
