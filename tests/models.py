@@ -14,6 +14,7 @@ The reference for both is :func:`compose`: the stages applied in turn to the who
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -263,3 +264,17 @@ def assert_modes_agree(got, reference, mode):
         return
     assert_trees_equal((value, g_x), (reference[0], reference[1][1]))
     assert_trees_close(g_params, reference[1][0], rtol=1e-13, atol=1e-15)
+
+
+def random_mlp(sizes, batch, seed=0):
+    """``(params, x, y)`` of a dense classifier with layer widths ``sizes``: per layer ``{"w": (a, b)
+    scaled by 1/sqrt(a), "b": (b,)}``, inputs ``(batch, sizes[0])`` and integer labels below
+    ``sizes[-1]``, from one numpy generator (float64 under the tests' x64)."""
+    rng = np.random.default_rng(seed)
+    params = [
+        {"w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a)), "b": jnp.asarray(rng.standard_normal(b))}
+        for a, b in itertools.pairwise(sizes)
+    ]
+    x = jnp.asarray(rng.standard_normal((batch, sizes[0])))
+    y = jnp.asarray(rng.integers(0, sizes[-1], batch))
+    return params, x, y

@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
 from pipejax import hessian as ph
+from tests import models
 
 SIZES = (6, 10, 8, 4)
 BATCH = 32
@@ -40,13 +41,7 @@ def plain_loss(params, x, y):
 
 @pytest.fixture(scope="module")
 def setup():
-    rng = np.random.default_rng(0)
-    params = [
-        {"w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a)), "b": jnp.asarray(rng.standard_normal(b))}
-        for a, b in itertools.pairwise(SIZES)
-    ]
-    x = jnp.asarray(rng.standard_normal((BATCH, SIZES[0])))
-    y = jnp.asarray(rng.integers(0, SIZES[-1], BATCH))
+    params, x, y = models.random_mlp(SIZES, BATCH)
     flat, unravel = ravel_pytree(params)
     dense = np.asarray(jax.hessian(lambda f: plain_loss(unravel(f), x, y))(flat))
     ends = np.cumsum([a * b + b for a, b in itertools.pairwise(SIZES)])

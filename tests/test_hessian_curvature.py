@@ -5,7 +5,6 @@ The model is a small MLP (8 -> 16 -> 5, tanh, softmax cross-entropy; 229 paramet
 gradients (``jax.jacrev``) are cheap to form, and every spectrum function is checked against them.
 """
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from pipejax import hessian as ph
+from tests import models
 
 SIZES = (8, 16, 5)
 BATCH = 24
@@ -37,13 +37,7 @@ LOSS = ph.composite(logits, ce)
 
 @pytest.fixture(scope="module")
 def model():
-    rng = np.random.default_rng(0)
-    params = [
-        {"w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a)), "b": jnp.asarray(rng.standard_normal(b))}
-        for a, b in itertools.pairwise(SIZES)
-    ]
-    x = jnp.asarray(rng.standard_normal((BATCH, SIZES[0])))
-    y = jnp.asarray(rng.integers(0, SIZES[-1], BATCH))
+    params, x, y = models.random_mlp(SIZES, BATCH)
     flat, unravel = ravel_pytree(params)
     z = logits(params, x, y)
     jac = np.asarray(jax.jacfwd(lambda f: logits(unravel(f), x, y))(flat)).reshape(z.size, flat.size)
