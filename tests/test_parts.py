@@ -148,7 +148,8 @@ def test_container_pack_unpack_round_trip_mixed_dtypes():
     # One buffer per dtype, as long as the largest demand on it.
     need = {}
     for layout in layouts:
-        for dtype, n in layout.demand().items():
+        for (dtype, split), n in layout.demand().items():
+            assert split == ()  # no leaf is split over mesh axes
             need[dtype] = max(need.get(dtype, 0), n)
     assert dict(zip(box.dtypes, box.sizes, strict=True)) == need
     assert box.nbytes() == sum(d.itemsize * n for d, n in need.items())
@@ -159,7 +160,7 @@ def test_container_pack_unpack_round_trip_mixed_dtypes():
         models.assert_trees_equal(box.unpack(buffers, layout), tree)
         # Unused space is zero.
         for buf, dtype in zip(buffers, box.dtypes, strict=True):
-            used = layout.demand().get(dtype, 0)
+            used = layout.demand().get((dtype, ()), 0)
             assert not np.any(np.asarray(buf)[used:])
     assert layouts[0].structs()["f32"] == jax.ShapeDtypeStruct((2, 3), jnp.float32)
     assert "float32[2, 3]" in layouts[0].describe()

@@ -445,9 +445,11 @@ class LocalDevices:
 class MeshDevices:
     """The table's devices as the devices of the mesh's stage axis, under ``jax.shard_map``."""
 
-    def __init__(self, cfg: Config, mesh, repeats: int, data_size: int):
+    def __init__(self, cfg: Config, mesh, repeats: int, data_size: int, param_specs=None):
         self.cfg, self.mesh, self.repeats, self.data_size = cfg, mesh, repeats, data_size
         self.axes = (cfg.axis_name,) if cfg.data_axis_name is None else (cfg.axis_name, cfg.data_axis_name)
+        # per parameter leaf its full PartitionSpec (stage axis and the axes inside a stage), or None
+        self.param_specs = param_specs
 
     def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         axis, data = self.cfg.axis_name, self.cfg.data_axis_name
@@ -456,8 +458,18 @@ class MeshDevices:
         batch_spec = rep if data is None else PartitionSpec(data)
         stats_spec = rep if data is None else PartitionSpec(None, None, data)
         params, state, xs, mask, key = inputs
-        params = compat.constrain(params, self.mesh, stage_spec, axis)
-        state = compat.constrain(state, self.mesh, stage_spec, axis)
+        # Stage-sharded leaves keep whatever sharding they have over the other mesh axes (tensor /
+        # FSDP sharding inside a stage); the shard_map below is manual over the stage (and data)
+        # axes only, so XLA partitions each stage's computation over the rest.
+        param_in = stage_spec
+        if self.param_specs is None:
+            params = compat.constrain(params, self.mesh, stage_spec, axis, keep_others=True)
+        else:  # each leaf exactly as `param_specs` says; the shard_map sees only its manual axes
+            params = jax.tree.map(
+                lambda a, sp: compat.constrain(a, self.mesh, sp, axis), params, self.param_specs
+            )
+            param_in = jax.tree.map(self._manual, self.param_specs, is_leaf=_is_spec)
+        state = compat.constrain(state, self.mesh, stage_spec, axis, keep_others=True)
         xs_spec = batch_spec
         if self.streams(ctx):  # micro-batches spread over the stage axis, k per device
             k = -(-ctx.m // ctx.D)
@@ -475,13 +487,37 @@ class MeshDevices:
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(stage_spec, stage_spec, xs_spec, batch_spec, None if key is None else rep),
+            in_specs=(param_in, stage_spec, xs_spec, batch_spec, None if key is None else rep),
             out_specs=(batch_spec, stats_spec),
+            axis_names=frozenset(self.axes),
         )
         acc, stats = fn(params, state, xs, mask, key)
         return acc, ctx.stages.stats_rows(
             stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
         )
+
+    def _manual(self, spec: PartitionSpec) -> PartitionSpec:
+        """``spec`` restricted to the axes the ``shard_map`` is manual over (stage, data)."""
+        keep = lambda p: (
+            p if p is None or (p in self.axes if isinstance(p, str) else set(p) <= set(self.axes)) else None
+        )
+        return PartitionSpec(*(keep(p) for p in spec))
+
+    def _gather_data(self, params):
+        """Parameter dimensions stored sharded over the data axis (FSDP), gathered whole: each data
+        shard needs its stage's whole parameters. The transpose of the gather is a reduce-scatter,
+        so gradients come back summed over the data axis and sharded as stored."""
+        data = self.cfg.data_axis_name
+        if self.param_specs is None or data is None:
+            return params
+
+        def gather(a, spec):
+            for dim, p in enumerate(spec):
+                if p == data or p == (data,):
+                    a = lax.all_gather(a, data, axis=dim, tiled=True)
+            return a
+
+        return jax.tree.map(gather, params, self.param_specs)
 
     def streams(self, ctx) -> bool:
         """Whether ``x`` is spread over the stage axis and streamed to device 0 (not replicated).
@@ -503,7 +539,7 @@ class MeshDevices:
     def _body(self, ctx, schedule, phases, inputs):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
-        params, state = inputs.params, inputs.state
+        params, state = self._gather_data(inputs.params), inputs.state
         if self.repeats > 1:  # (repeats, 1, ...) blocks -> the device's (repeats, ...) stages
             params, state = jax.tree.map(lambda a: a[:, 0], (params, state))
         inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)
@@ -548,6 +584,10 @@ class MeshDevices:
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
         return lax.psum(_unlead(carry.acc), axis), _gather_stages(carry.stats, d, D, axis)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def _lead(tree):

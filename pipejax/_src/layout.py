@@ -23,11 +23,20 @@ from jax import lax
 
 
 class Layout(NamedTuple):
-    """The static type of a pytree of arrays: structure, shapes and dtypes."""
+    """The static type of a pytree of arrays: structure, shapes and dtypes.
+
+    ``splits`` (stage parameters only): per leaf, how it is sharded over mesh axes other than the
+    stage axis, as ``((dim, axes, size), ...)`` (``size``: the product of the ``axes``' sizes),
+    ``()`` for a whole leaf; ``None`` when no leaf is split. See :class:`Container`.
+    """
 
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
+    splits: tuple[tuple[tuple[int, tuple[str, ...], int], ...], ...] | None = None
+
+    def leaf_splits(self) -> tuple[tuple[tuple[int, tuple[str, ...], int], ...], ...]:
+        return self.splits if self.splits is not None else ((),) * len(self.shapes)
 
     @classmethod
     def of(cls, tree: Any) -> Layout:
@@ -43,12 +52,14 @@ class Layout(NamedTuple):
         leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def demand(self) -> dict[np.dtype, int]:
-        """Elements needed per (storage) dtype; typed PRNG keys are stored as their key data."""
-        need: dict[np.dtype, int] = {}
-        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+    def demand(self) -> dict[tuple[np.dtype, Any], int]:
+        """Elements needed per slot, ``(storage dtype, split)``, per shard of the slot's split;
+        typed PRNG keys are stored as their key data."""
+        need: dict[tuple[np.dtype, Any], int] = {}
+        for shape, dtype, split in zip(self.shapes, self.dtypes, self.leaf_splits(), strict=True):
             shape, dtype = _stored(shape, dtype)
-            need[dtype] = need.get(dtype, 0) + math.prod(shape)
+            slot = (dtype, _slot_split(split))
+            need[slot] = need.get(slot, 0) + math.prod(shape) // math.prod(t for _, _, t in split)
         return need
 
     def describe(self) -> str:
@@ -57,61 +68,148 @@ class Layout(NamedTuple):
 
 
 class Container(NamedTuple):
-    """One flat buffer per dtype, big enough for every layout it was sized for."""
+    """One flat buffer per dtype, big enough for every layout it was sized for.
+
+    Stage parameters sharded over other mesh axes inside their stage (tensor or FSDP sharding,
+    :attr:`Layout.splits`) get a buffer per ``(dtype, split)`` slot, where a split is the tuple
+    ``((axes, size), ...)`` of the sharded dimensions: shape ``(size_1, ..., size_k, n)``, sharded
+    ``P(axes_1, ..., axes_k)``. A leaf is stored with its sharded dimensions cut into
+    ``size`` blocks that lead, so each device's shard of the buffer holds exactly its shards of
+    the leaves, and unpacking is a slice, reshapes and transposes that XLA partitions in place.
+    ``splits`` is ``None`` when no slot is split.
+    """
 
     dtypes: tuple[np.dtype, ...]
     sizes: tuple[int, ...]
+    splits: tuple[tuple[tuple[tuple[str, ...], int], ...], ...] | None = None
 
     @classmethod
     def for_layouts(cls, layouts: Sequence[Layout]) -> Container:
-        need: dict[np.dtype, int] = {}
+        need: dict[tuple[np.dtype, Any], int] = {}
         for layout in layouts:
-            for dtype, n in layout.demand().items():
-                need[dtype] = max(need.get(dtype, 0), n)
-        dtypes = tuple(sorted(need, key=lambda d: d.name))
-        return cls(dtypes, tuple(need[d] for d in dtypes))
+            for slot, n in layout.demand().items():
+                need[slot] = max(need.get(slot, 0), n)
+        slots = sorted(need, key=lambda k: (k[0].name, k[1]))
+        splits = tuple(split for _, split in slots)
+        return cls(tuple(d for d, _ in slots), tuple(need[k] for k in slots), splits if any(splits) else None)
+
+    def slot_splits(self) -> tuple[tuple[tuple[tuple[str, ...], int], ...], ...]:
+        return self.splits if self.splits is not None else ((),) * len(self.dtypes)
+
+    def slot_shapes(self, leading: tuple[int, ...] = ()) -> tuple[tuple[int, ...], ...]:
+        return tuple(
+            (*leading, *(t for _, t in split), n)
+            for n, split in zip(self.sizes, self.slot_splits(), strict=True)
+        )
+
+    def slot_specs(self, leading: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        """The ``PartitionSpec`` of each buffer, with ``leading`` entries for its leading axes."""
+        return tuple(
+            jax.sharding.PartitionSpec(*leading, *(_axes(a) for a, _ in split))
+            for split in self.slot_splits()
+        )
 
     def zeros(self, leading: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
-        return tuple(jnp.zeros((*leading, n), d) for d, n in zip(self.dtypes, self.sizes, strict=True))
+        return tuple(
+            jnp.zeros(shape, d) for d, shape in zip(self.dtypes, self.slot_shapes(leading), strict=True)
+        )
 
     def nbytes(self) -> int:
+        """Bytes of one row of every buffer on one device (a split slot's shard)."""
         return sum(n * d.itemsize for d, n in zip(self.dtypes, self.sizes, strict=True))
 
-    def pack(self, tree: Any) -> tuple[jax.Array, ...]:
-        """The leaves of ``tree``, flattened and concatenated into one zero-padded buffer per dtype.
+    def _slot(self, dtype, split) -> int:
+        return list(zip(self.dtypes, self.slot_splits(), strict=True)).index(
+            (np.dtype(dtype), _slot_split(split))
+        )
+
+    def pack(self, tree: Any, layout: Layout | None = None) -> tuple[jax.Array, ...]:
+        """The leaves of ``tree``, flattened and concatenated into one zero-padded buffer per slot
+        (``layout``'s splits say which leaves are split; ``None``: none).
 
         Built from ``concatenate`` and ``pad`` only: these accept operands of mixed sharding types
         under an Explicit mesh, where ``dynamic_update_slice`` does not.
         """
+        leaves = jax.tree.leaves(tree)
+        splits = layout.leaf_splits() if layout is not None else ((),) * len(leaves)
         parts: list[list[jax.Array]] = [[] for _ in self.dtypes]
-        for leaf in jax.tree.leaves(tree):
+        for leaf, split in zip(leaves, splits, strict=True):
             leaf = jnp.asarray(leaf)
             if _is_key(leaf.dtype):
                 leaf = jax.random.key_data(leaf)
-            parts[self.dtypes.index(np.dtype(leaf.dtype))].append(leaf.reshape(-1))
+            parts[self._slot(leaf.dtype, split)].append(_to_blocks(leaf, split))
         buffers = []
-        for dtype, size, chunk in zip(self.dtypes, self.sizes, parts, strict=True):
+        for dtype, shape, chunk in zip(self.dtypes, self.slot_shapes(), parts, strict=True):
             if not chunk:
-                buffers.append(jnp.zeros((size,), dtype))
+                buffers.append(jnp.zeros(shape, dtype))
                 continue
-            flat = jnp.concatenate(chunk) if len(chunk) > 1 else chunk[0]
-            buffers.append(jnp.pad(flat, (0, size - flat.shape[0])) if flat.shape[0] < size else flat)
+            flat = jnp.concatenate(chunk, axis=-1) if len(chunk) > 1 else chunk[0]
+            pad = [(0, 0)] * (flat.ndim - 1) + [(0, shape[-1] - flat.shape[-1])]
+            buffers.append(jnp.pad(flat, pad) if flat.shape[-1] < shape[-1] else flat)
         return tuple(buffers)
 
     def unpack(self, buffers: tuple[jax.Array, ...], layout: Layout) -> Any:
-        """Reads a value of ``layout`` back out of 1-D ``buffers``."""
+        """Reads a value of ``layout`` back out of ``buffers`` (one row of each slot)."""
         offsets = [0] * len(self.dtypes)
         leaves = []
-        for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
+        for shape, dtype, split in zip(layout.shapes, layout.dtypes, layout.leaf_splits(), strict=True):
             stored_shape, stored = _stored(shape, dtype)
-            k = self.dtypes.index(stored)
-            n = math.prod(stored_shape)
-            leaf = lax.slice_in_dim(buffers[k], offsets[k], offsets[k] + n).reshape(stored_shape)
+            k = self._slot(stored, split)
+            n = math.prod(stored_shape) // math.prod(t for _, _, t in split)
+            block = lax.slice_in_dim(buffers[k], offsets[k], offsets[k] + n, axis=buffers[k].ndim - 1)
+            leaf = _from_blocks(block, stored_shape, split)
             if _is_key(dtype):
                 leaf = jax.random.wrap_key_data(leaf, impl=dtype._impl)
             leaves.append(leaf)
             offsets[k] += n
         return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def _axes(names: tuple[str, ...]) -> Any:
+    return names[0] if len(names) == 1 else names
+
+
+def _slot_split(split) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """A leaf's split without its dimensions: the slot it is stored in."""
+    return tuple((axes, t) for _, axes, t in split)
+
+
+def _to_blocks(leaf: jax.Array, split) -> jax.Array:
+    """``leaf`` as ``(t_1, ..., t_k, rest)``: block ``[i_1, ..., i_k]`` is the shard the devices
+    at those positions of the split axes hold (sharded dimensions cut into ``t`` blocks, in order)."""
+    if not split:
+        return leaf.reshape(-1)
+    dims = [d for d, _, _ in split]
+    others = [d for d in range(leaf.ndim) if d not in dims]
+    x = jnp.transpose(leaf, dims + others)  # sharded dimensions first
+    cut = []
+    for d, _, t in split:
+        cut += [t, leaf.shape[d] // t]
+    x = x.reshape((*cut, *(leaf.shape[d] for d in others)))
+    k = len(split)
+    x = jnp.transpose(
+        x, [2 * i for i in range(k)] + [2 * i + 1 for i in range(k)] + list(range(2 * k, x.ndim))
+    )
+    return x.reshape((*(t for _, _, t in split), -1))
+
+
+def _from_blocks(block: jax.Array, shape: tuple[int, ...], split) -> jax.Array:
+    """The inverse of :func:`_to_blocks`: ``(t_1, ..., t_k, rest)`` back to a leaf of ``shape``."""
+    if not split:
+        return block.reshape(shape)
+    dims = [d for d, _, _ in split]
+    others = [d for d in range(len(shape)) if d not in dims]
+    k = len(split)
+    x = block.reshape(
+        (*(t for _, _, t in split), *(shape[d] // t for d, _, t in split), *(shape[d] for d in others))
+    )
+    order = []
+    for i in range(k):
+        order += [i, k + i]
+    x = jnp.transpose(x, order + list(range(2 * k, x.ndim)))
+    x = x.reshape((*(shape[d] for d in dims), *(shape[d] for d in others)))
+    inverse = np.argsort(dims + others)
+    return jnp.transpose(x, list(inverse))
 
 
 def _is_key(dtype) -> bool:

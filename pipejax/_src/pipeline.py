@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, engine, keys, microbatch
+from pipejax._src import compat, engine, keys, microbatch, placement
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Layout
 from pipejax._src.placement import StageParams, stage_index
@@ -103,6 +103,7 @@ def pipeline(
     schedule: str = "gpipe",
     repeats: int = 1,
     data_axis_name: str | None = None,
+    param_specs: Any = None,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -175,6 +176,18 @@ def pipeline(
         pipeline parallelism), or ``None``. The number of micro-batches, ``ceil(B / ceil(B /
         chunks))``, must be a multiple of its size. Parameters are replicated over it; ``y`` comes
         back split over it along the batch axis (in contiguous blocks, in the original order).
+      param_specs: how each parameter is sharded over the mesh's *other* axes inside its stage
+        (tensor parallelism over a ``"model"`` axis; FSDP over the data axis), or ``None`` (every
+        parameter whole on each device of its stage). A ``PartitionSpec`` per parameter leaf of
+        one stage, without the stage axis (``None``: whole), as a pytree prefix of one stage's
+        parameters (homogeneous stages) or a list of those, one per stage (heterogeneous). E.g. a
+        Megatron MLP stage: ``{"w1": P(None, "model"), "w2": P("model", None)}``. The pipeline's
+        ``shard_map`` is manual over the stage and data axes only, so XLA partitions each stage's
+        computation over the other axes and keeps parameters and gradients sharded as given.
+        A dimension sharded over the data axis (FSDP) is stored sharded, gathered on entry to
+        the pipeline's program and its gradient reduce-scattered; shard it over the data axis
+        alone. :meth:`Pipeline.place` lays parameters out this way. See docs/pipeline.md,
+        "Pipelines in bigger meshes".
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -234,6 +247,7 @@ def pipeline(
         schedule=schedule,
         repeats=repeats,
         data_axis_name=data_axis_name,
+        param_specs=param_specs,
     )
 
 
@@ -254,6 +268,7 @@ class Pipeline:
         schedule: str = "gpipe",
         repeats: int = 1,
         data_axis_name: str | None = None,
+        param_specs: Any = None,
     ):
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
@@ -277,6 +292,12 @@ class Pipeline:
         if not isinstance(stateful, bool):
             raise TypeError(f"`stateful` must be a bool, but got {stateful!r}.")
         self.stateful = stateful
+        if param_specs is not None and mesh is None:
+            raise ValueError(
+                "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
+                "None. Give a mesh with the axes the specs name, or drop `param_specs`."
+            )
+        self.param_specs = param_specs
         self._jitted = jax.jit(self._apply)
 
     def __repr__(self) -> str:
@@ -347,6 +368,10 @@ class Pipeline:
         stages). Pass the result
         to the pipeline, to ``jax.grad`` and to optax in place of ``params``.
 
+        With ``param_specs`` each leaf is also sharded over the mesh's other axes as its spec
+        says; heterogeneous stages then store each ``(dtype, split)`` group in a buffer of its
+        own, its sharded dimensions leading (see :class:`~pipejax._src.layout.Container`).
+
         The circular schedule on ``n > 1`` devices stacks the stages as ``(repeats, n, ...)``
         instead of ``(num_stages, ...)``: entry ``[r, d]`` is stage ``r n + d``, and device ``d``
         stores column ``d``, its ``repeats`` stages (heterogeneous: buffers of shape
@@ -356,16 +381,87 @@ class Pipeline:
         (``apply(placed_params, x, state=apply.place(state))``).
         """
         _check_params_shape(params, self)
+        splits = self._splits(params)
         if not self.homogeneous and not isinstance(params, StageParams):
-            params = pack_params(params)
+            params = pack_params(params, splits)
         if self.mesh is None:
             return params
+        lead: tuple[Any, ...] = (self.axis_name,)
         if self.repeats > 1:
             params = _device_major(self, params) if self.num_devices > 1 else params
-            spec = PartitionSpec(None, self.axis_name) if self.num_devices > 1 else PartitionSpec()
-        else:
-            spec = PartitionSpec(self.axis_name)
-        return jax.device_put(params, NamedSharding(self.mesh, spec))
+            lead = (None, self.axis_name) if self.num_devices > 1 else (None, None)
+        if isinstance(params, StageParams):
+            specs_k = params.container.slot_specs(lead)
+            buffers = tuple(
+                jax.device_put(b, NamedSharding(self.mesh, sp))
+                for b, sp in zip(params.buffers, specs_k, strict=True)
+            )
+            return StageParams(buffers, params.container, params.layouts)
+        leaves, treedef = jax.tree.flatten(params)
+        per_leaf = splits if splits is not None else ((),) * len(leaves)
+        shardings = [
+            NamedSharding(self.mesh, PartitionSpec(*lead, *_split_spec(split, jnp.ndim(a) - len(lead))))
+            for a, split in zip(leaves, per_leaf, strict=True)
+        ]
+        return jax.tree.unflatten(
+            treedef, [jax.device_put(a, sh) for a, sh in zip(leaves, shardings, strict=True)]
+        )
+
+    def _splits(self, params):
+        """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
+        (heterogeneous), the splits over the non-stage axes; ``None`` without ``param_specs``."""
+        if self.param_specs is None or params is None:
+            return None
+        specs = self.param_specs
+        if self.homogeneous:
+            lead = 2 if _is_device_major(self, params) else 1
+            one = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params
+            )
+            splits = placement.leaf_splits(specs, one, self.mesh, self.axis_name, "param_specs")
+            self._check_data_splits([splits])
+            return splits
+        if (
+            isinstance(specs, (str, bytes))
+            or not isinstance(specs, Sequence)
+            or len(specs) != self.num_stages
+        ):
+            raise ValueError(
+                f"Heterogeneous stages take `param_specs` as a list with one entry per stage "
+                f"({self.num_stages}), each a pytree prefix of that stage's parameters with "
+                f"PartitionSpec leaves (or None); got {type(specs).__name__}"
+                + (f" of length {len(specs)}" if isinstance(specs, Sequence) else "")
+                + "."
+            )
+        per_stage = params.unpacked_structs() if isinstance(params, StageParams) else params
+        splits = [
+            placement.leaf_splits(sp, p, self.mesh, self.axis_name, f"param_specs[{i}]")
+            for i, (sp, p) in enumerate(zip(specs, per_stage, strict=True))
+        ]
+        self._check_data_splits(splits)
+        if isinstance(params, StageParams):
+            given = [lay.leaf_splits() for lay in params.layouts]
+            if [tuple(sp) for sp in splits] != given:
+                raise ValueError(
+                    "`params` is a StageParams packed with other parameter shardings than this "
+                    "pipeline's `param_specs`; place the per-stage parameters with this pipeline "
+                    "(`apply.place(params)`), or unpack them first (`params.unpack()`)."
+                )
+        return splits
+
+    def _check_data_splits(self, splits) -> None:
+        """A dimension sharded over the (manual) data axis must be sharded over it alone."""
+        if self.data_axis_name is None:
+            return
+        for stage_splits in splits:
+            for leaf in stage_splits:
+                for dim, axes, _ in leaf:
+                    if self.data_axis_name in axes and len(axes) > 1:
+                        raise ValueError(
+                            f"`param_specs` shards a dimension {dim} over {axes}, mixing the data axis "
+                            f"{self.data_axis_name!r} with other axes. Shard that dimension over the "
+                            "data axis alone (FSDP), and another one over the others."
+                        )
 
     def stage_params(self, params: Any, s: int) -> PyTree:
         """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms.
@@ -470,7 +566,9 @@ class Pipeline:
         if key is not None:
             lead = (plan.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
-        params, state = _runner_form(self, params), _runner_form(self, state)
+        splits = self._splits(params)
+        params, state = _runner_form(self, params, splits), _runner_form(self, state)
+        param_specs = None if self.mesh is None else _full_specs(self, params, splits)
         cfg = engine.Config(
             self.stages,
             self.stateful,
@@ -498,7 +596,7 @@ class Pipeline:
         if local:
             devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
         else:
-            devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size)
+            devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size, param_specs)
         ys, stats = engine.run(
             cfg, devices, stages, schedule, engine.Inputs(params, state, xs, (mask, cs), key)
         )
@@ -718,7 +816,7 @@ def _is_device_major(pipe, tree) -> bool:
     if pipe.repeats == 1 or pipe.num_devices == 1 or tree is None:
         return False
     if isinstance(tree, StageParams):
-        return bool(tree.buffers) and tree.buffers[0].ndim == 3
+        return bool(tree.buffers) and tree.device_major()[0]
     if not pipe.homogeneous:
         return False
     leaves = jax.tree.leaves(tree)
@@ -752,7 +850,7 @@ def _stage_major(pipe, tree):
     return _reshape_stacked(tree, (pipe.num_stages,), 2)
 
 
-def _runner_form(pipe, tree):
+def _runner_form(pipe, tree, splits=None):
     """``params``/``state`` in the one form the engine reads, converted once at the entry.
 
     Homogeneous stages: leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a
@@ -767,8 +865,29 @@ def _runner_form(pipe, tree):
         tree = [None] * pipe.num_stages
     if pipe.mesh is None:
         return _stage_major(pipe, tree).unpack() if isinstance(tree, StageParams) else list(tree)
-    tree = tree if isinstance(tree, StageParams) else pack_params(tree)
+    tree = tree if isinstance(tree, StageParams) else pack_params(tree, splits)
     return _device_major(pipe, tree) if pipe.repeats > 1 else tree
+
+
+def _full_specs(pipe, params, splits):
+    """The ``PartitionSpec`` of every leaf the engine reads of ``params`` (runner form, on a mesh:
+    ``StageParams`` buffers or stacked leaves), stage axis included; ``None`` without
+    ``param_specs``."""
+    if splits is None:
+        return None
+    lead: tuple[Any, ...] = (pipe.axis_name,)
+    if pipe.repeats > 1:
+        lead = (None, pipe.axis_name) if pipe.num_devices > 1 else (None, None)
+    if isinstance(params, StageParams):
+        return params.container.slot_specs(lead)
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            PartitionSpec(*lead, *_split_spec(split, jnp.ndim(a) - len(lead)))
+            for a, split in zip(leaves, splits, strict=True)
+        ],
+    )
 
 
 # --- boundary shapes ---------------------------------------------------------------------------
@@ -931,3 +1050,13 @@ def _homogeneous_boundaries(pipe, params, state, xs, key_struct, cs=None) -> tup
             "for stages that change the activation type."
         )
     return [layout_in] * (pipe.num_stages + 1), stats
+
+
+def _split_spec(split, ndim: int) -> tuple[Any, ...]:
+    """A leaf's ``PartitionSpec`` entries (one per dimension) from its split."""
+    entries: list[Any] = [None] * ndim
+    for dim, axes, _ in split:
+        entries[dim] = axes[0] if len(axes) == 1 else axes
+    while entries and entries[-1] is None:  # P("stage"), not P("stage", None, None)
+        entries.pop()
+    return tuple(entries)

@@ -56,8 +56,22 @@ class StageParams:
         """
         s = stage_index(s, self.num_stages)
         buffers = compat.replicate(self.buffers)
-        rows = tuple(b[s] if b.ndim == 2 else b[s // b.shape[1], s % b.shape[1]] for b in buffers)
+        rows = tuple(
+            b[s] if not major else b[s // b.shape[1], s % b.shape[1]]
+            for b, major in zip(buffers, self.device_major(), strict=True)
+        )
         return self.container.unpack(rows, self.layouts[s])
+
+    def unpacked_structs(self) -> list[Any]:
+        """The per-stage parameter pytrees' shapes and dtypes (``jax.ShapeDtypeStruct``)."""
+        return [layout.structs() for layout in self.layouts]
+
+    def device_major(self) -> tuple[bool, ...]:
+        """Per buffer, whether it is laid out ``(repeats, n, ...)`` (circular) or ``(S, ...)``."""
+        return tuple(
+            jnp.ndim(b) == len(shape) + 2
+            for b, shape in zip(self.buffers, self.container.slot_shapes(), strict=True)
+        )
 
     def unpack(self) -> list[Any]:
         """The per-stage parameter pytrees, as a list."""
@@ -97,11 +111,87 @@ def stage_index(s: Any, num_stages: int, name: str = "s") -> int:
     return index % num_stages
 
 
-def pack(params: Sequence[Any]) -> StageParams:
-    """Packs a list of per-stage parameter pytrees into a :class:`StageParams`."""
+def pack(params: Sequence[Any], splits: Sequence[Any] | None = None) -> StageParams:
+    """Packs a list of per-stage parameter pytrees into a :class:`StageParams`.
+
+    ``splits``: per stage, the leaves' splits over the non-stage mesh axes (:func:`leaf_splits`);
+    ``None``: no leaf is split.
+    """
     params = [jax.tree.map(jnp.asarray, p) for p in params]
     layouts = tuple(Layout.of(p) for p in params)
+    if splits is not None:
+        layouts = tuple(
+            lay._replace(splits=sp) if any(sp) else lay for lay, sp in zip(layouts, splits, strict=True)
+        )
     container = Container.for_layouts(layouts)
-    rows = [container.pack(p) for p in params]
+    rows = [container.pack(p, lay) for p, lay in zip(params, layouts, strict=True)]
     buffers = tuple(jnp.stack([row[k] for row in rows]) for k in range(len(container.dtypes)))
     return StageParams(buffers, container, layouts)
+
+
+def leaf_splits(specs: Any, params: Any, mesh: Any, axis_name: str, where: str = "specs") -> tuple[Any, ...]:
+    """Per leaf of ``params`` (one stage's pytree), its split over the non-stage mesh axes.
+
+    ``specs`` is a pytree prefix of ``params`` whose leaves are ``PartitionSpec`` (one entry per
+    leading dimension of the parameter, without the stage axis) or ``None`` (whole). Returns, per
+    leaf, ``((dim, axes, size), ...)`` for its sharded dimensions, or a clear error.
+    """
+    is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)
+    try:
+        per_leaf = jax.tree.leaves(jax.tree.broadcast(specs, params, is_leaf=is_spec), is_leaf=is_spec)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"`{where}` must be a pytree prefix of the stage's parameters whose leaves are "
+            "`PartitionSpec`s (or None for a whole leaf); its structure does not match the "
+            f"parameters': {err}"
+        ) from None
+    sizes = dict(mesh.shape)
+    paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    out = []
+    for spec, leaf, path in zip(per_leaf, jax.tree.leaves(params), paths, strict=True):
+        if not is_spec(spec):
+            raise TypeError(
+                f"`{where}` for parameter {path} is {spec!r}; each entry must be a "
+                "`jax.sharding.PartitionSpec` over the mesh axes other than the stage axis, or None."
+            )
+        shape = jnp.shape(leaf)
+        entries = tuple(spec) if spec is not None else ()
+        if len(entries) > len(shape):
+            raise ValueError(
+                f"`{where}` gives parameter {path} of shape {shape} the spec {spec}, with more "
+                f"entries than the parameter has dimensions ({len(shape)}); a spec names the "
+                "sharding of one stage's parameter, without the stage axis."
+            )
+        split, used = [], set()
+        for dim, entry in enumerate(entries):
+            if entry is None:
+                continue
+            axes = (entry,) if isinstance(entry, str) else tuple(entry)
+            for a in axes:
+                if a not in sizes:
+                    raise ValueError(
+                        f"`{where}` shards parameter {path} over {a!r}, which is not an axis of the "
+                        f"mesh {sizes}. Name one of {sorted(set(sizes) - {axis_name})}."
+                    )
+                if a == axis_name:
+                    raise ValueError(
+                        f"`{where}` shards parameter {path} over the stage axis {a!r}; the pipeline "
+                        "already shards every parameter over it by stage. Give only the other axes "
+                        f"(e.g. {sorted(set(sizes) - {axis_name}) or ['model']})."
+                    )
+                if a in used:
+                    raise ValueError(f"`{where}` uses mesh axis {a!r} twice in the spec {spec} of {path}.")
+                used.add(a)
+            t = 1
+            for a in axes:
+                t *= sizes[a]
+            if shape[dim] % t:
+                raise ValueError(
+                    f"`{where}` shards dimension {dim} of parameter {path} (shape {shape}) over "
+                    f"{axes} ({t} devices), which does not divide {shape[dim]}. Pad the parameter "
+                    "or shard another dimension."
+                )
+            if t > 1:
+                split.append((dim, axes, t))
+        out.append(tuple(split))
+    return tuple(out)

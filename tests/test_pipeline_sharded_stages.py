@@ -1,0 +1,217 @@
+"""Parameters sharded inside their stage over the mesh's other axes (``param_specs``).
+
+Tensor parallelism (Megatron column/row splits over a ``"model"`` axis) and FSDP (weights stored
+split over the data axis), for homogeneous and heterogeneous stages, against the stages composed
+in plain JAX; the compiled programs' collectives say that no tensor-parallel weight is gathered.
+The 2 x 2 x 2 (data, stage, model) mesh runs in ``examples/pipeline_3d_mesh.py`` (8 devices; its
+single- and two-process runs are compared in ``tests/test_multihost.py``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import pipejax as pj
+from pipejax._src.layout import _from_blocks, _to_blocks
+
+D, H, B = 4, 8, 12
+COL, ROW = P(None, "model"), P("model", None)
+
+
+def mlp(p, x, key):
+    """A Megatron MLP: column-parallel ``w1`` (and ``b1``), row-parallel ``w2``."""
+    return x + jnp.tanh(x @ p["w1"] + p["b1"][None]) @ p["w2"]
+
+
+def gate(p, x, key):
+    """A different second stage: a row-parallel matrix and a whole scale."""
+    return jnp.tanh(x @ p["w"]) * p["s"][None]
+
+
+def mlp_params(seed):
+    r = np.random.default_rng(seed)
+    return {
+        "w1": jnp.asarray(r.normal(size=(D, H)) / 2),
+        "b1": jnp.asarray(r.normal(size=(H,))),
+        "w2": jnp.asarray(r.normal(size=(H, D)) / 3),
+    }
+
+
+def gate_params(seed):
+    r = np.random.default_rng(seed)
+    return {"w": jnp.asarray(r.normal(size=(D, D)) / 2), "s": jnp.asarray(r.normal(size=(D,)))}
+
+
+MLP_SPECS = {"w1": COL, "b1": P("model"), "w2": ROW}
+
+
+def mesh_of(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def composed(stages, params_list, x):
+    for stage, p in zip(stages, params_list, strict=True):
+        x = stage(p, x, None)
+    return jnp.sum(x**2)
+
+
+def x_batch():
+    return jnp.asarray(np.random.default_rng(9).normal(size=(B, D)))
+
+
+def collectives(fn, *args) -> dict[str, int]:
+    hlo = fn.lower(*args).compile().as_text()
+    kinds = re.findall(
+        r"= \S+ (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", hlo
+    )
+    return {k: kinds.count(k) for k in set(kinds)}
+
+
+def first_device_bytes(tree) -> int:
+    first = jax.devices()[0]
+    return sum(
+        s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == first
+    )
+
+
+def test_tensor_parallel_homogeneous_stages_match_the_composition():
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    per_stage = [mlp_params(0), mlp_params(1)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_stage)
+    apply = pj.pipeline(mlp, num_stages=2, chunks=3, mesh=mesh, param_specs=MLP_SPECS)
+    placed = apply.place(stacked)
+    assert placed["w1"].sharding.spec == P("stage", None, "model")
+    assert placed["w2"].sharding.spec == P("stage", "model")
+    whole = sum(a.nbytes for a in jax.tree.leaves(per_stage[0]))
+    assert first_device_bytes(placed) == whole // 2  # every leaf split over "model"
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+    x = x_batch()
+    value, grads = step(placed, x)
+    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, mlp], ps, x))(per_stage, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    for s in range(2):
+        for name in per_stage[0]:
+            np.testing.assert_allclose(grads[name][s], ref_grads[s][name], rtol=1e-10, atol=1e-12)
+    assert grads["w1"].sharding.spec == P("stage", None, "model")  # gradients stay split
+    kinds = collectives(step, placed, x)
+    assert "all-gather" not in kinds, kinds  # no weight (nor anything else) is gathered
+    assert kinds.get("all-reduce", 0) >= 1  # the row-parallel partial sums
+
+
+def test_tensor_parallel_heterogeneous_stages_match_the_composition():
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    params = [mlp_params(0), gate_params(1)]
+    specs = [MLP_SPECS, {"w": ROW, "s": None}]
+    apply = pj.pipeline([mlp, gate], chunks=4, mesh=mesh, param_specs=specs)
+    placed = apply.place(params)
+    # one buffer of whole leaves and one of leaves split over "model", blocks leading
+    shapes = sorted((b.shape for b in placed.buffers), key=len)
+    assert shapes == [(2, D), (2, 2, (D * H + H + H * D) // 2)], shapes  # "s"; the rest split
+    for got, want in zip(placed.unpack(), params, strict=True):
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+    x = x_batch()
+    value, grads = step(placed, x)
+    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, gate], ps, x))(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    for got, want in zip(grads.unpack(), ref_grads, strict=True):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12)
+    split = next(b for b in grads.buffers if b.ndim == 3)
+    assert split.sharding.spec == P("stage", "model")
+
+
+def test_fsdp_over_the_data_axis_stores_halves_and_reduce_scatters_gradients():
+    mesh = mesh_of((2, 2), ("data", "stage"))
+    per_stage = [mlp_params(3), mlp_params(4)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_stage)
+    specs = {"w1": P("data", None), "b1": None, "w2": P("data", None)}
+    apply = pj.pipeline(mlp, num_stages=2, chunks=4, mesh=mesh, data_axis_name="data", param_specs=specs)
+    placed = apply.place(stacked)
+    assert placed["w1"].sharding.spec == P("stage", "data")
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+    x = x_batch()
+    value, grads = step(placed, x)
+    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, mlp], ps, x))(per_stage, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    for s in range(2):
+        for name in per_stage[0]:
+            np.testing.assert_allclose(grads[name][s], ref_grads[s][name], rtol=1e-10, atol=1e-12)
+    assert grads["w2"].sharding.spec == P("stage", "data")
+    kinds = collectives(step, placed, x)
+    assert kinds.get("all-gather", 0) == 2 and kinds.get("reduce-scatter", 0) == 2, kinds
+
+
+@pytest.mark.parametrize(
+    "specs, error, message",
+    [
+        ({"w1": P(None, "tensor")}, ValueError, "'tensor', which is not an axis of the mesh"),
+        ({"w1": P(None, "stage")}, ValueError, "shards parameter ['w1'] over the stage axis"),
+        ({"w1": P(None, None, "model")}, ValueError, "more entries than the parameter has dimensions"),
+        ({"b1": P("model"), "w1": P(("model", "model"))}, ValueError, "uses mesh axis 'model' twice"),
+        ({"w1": "model"}, TypeError, "must be a `jax.sharding.PartitionSpec`"),
+        ({"w1": COL, "extra": None}, ValueError, "must be a pytree prefix"),
+    ],
+)
+def test_bad_param_specs(specs, error, message):
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    full = {"w1": None, "b1": None, "w2": None} | specs if "extra" not in specs else specs
+    apply = pj.pipeline(mlp, num_stages=2, mesh=mesh, param_specs=full)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), mlp_params(0), mlp_params(1))
+    with pytest.raises(error, match=re.escape(message)):
+        apply.place(stacked)
+
+
+def test_param_specs_that_do_not_divide_or_do_not_fit_the_pipeline():
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    odd = [{"w": jnp.ones((D, 3))}, {"w": jnp.ones((3, D))}]
+    apply = pj.pipeline([gate, gate], mesh=mesh, param_specs=[{"w": COL}, {"w": ROW}])
+    with pytest.raises(ValueError, match=re.escape("over ('model',) (2 devices), which does not divide 3")):
+        apply.place(odd)
+    with pytest.raises(ValueError, match="one entry per stage"):
+        pj.pipeline([gate, gate], mesh=mesh, param_specs=[{"w": COL}]).place([gate_params(0)] * 2)
+    with pytest.raises(ValueError, match="`mesh` is None"):
+        pj.pipeline(mlp, num_stages=2, param_specs=MLP_SPECS)
+    packed = pj.pipeline([gate, gate], mesh=mesh).place([gate_params(0), gate_params(1)])
+    with pytest.raises(ValueError, match="packed with other parameter shardings"):
+        pj.pipeline([gate, gate], mesh=mesh, param_specs=[{"w": ROW, "s": None}, None]).place(packed)
+    mesh3 = mesh_of((1, 2, 2), ("data", "stage", "model"))
+    apply = pj.pipeline(
+        mlp,
+        num_stages=2,
+        mesh=mesh3,
+        data_axis_name="data",
+        param_specs={"w1": P(("data", "model")), "b1": None, "w2": None},
+    )
+    with pytest.raises(ValueError, match="mixing the data axis 'data' with other axes"):
+        apply.place(jax.tree.map(lambda *a: jnp.stack(a), mlp_params(0), mlp_params(1)))
+
+
+@pytest.mark.parametrize(
+    "shape, split",
+    [
+        ((6, 4), ((1, ("m",), 2),)),
+        ((2, 6, 4), ((1, ("m",), 3),)),
+        ((4, 3, 6), ((0, ("d",), 2), (2, ("m",), 3))),
+    ],
+)
+def test_split_leaves_are_stored_as_the_blocks_devices_hold(shape, split):
+    leaf = jnp.arange(np.prod(shape)).reshape(shape)
+    blocks = _to_blocks(leaf, split)
+    assert blocks.shape[: len(split)] == tuple(t for _, _, t in split)
+    np.testing.assert_array_equal(_from_blocks(blocks, shape, split), leaf)
+    # block [i, ...] holds exactly the i-th slice of every split dimension
+    index = [slice(None)] * len(shape)
+    for (dim, _, t), i in zip(split, [1] * len(split), strict=True):
+        size = shape[dim] // t
+        index[dim] = slice(i * size, (i + 1) * size)
+    want = np.sort(np.asarray(leaf[tuple(index)]).ravel())
+    np.testing.assert_array_equal(np.sort(np.asarray(blocks[(1,) * len(split)])), want)
