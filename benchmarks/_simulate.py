@@ -206,3 +206,89 @@ def _check(forward, n, m, checkpoint) -> None:
         )
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"`checkpoint` must be one of {CHECKPOINTS}, but got {checkpoint!r}.")
+
+
+# --- pipelines in bigger meshes: tensor and data parallelism inside and beside the stages ----------
+
+
+def ring_all_reduce(nbytes: Any, devices: int, bandwidth: Any = math.inf, latency: Any = 0) -> Any:
+    """Time of a ring all-reduce of ``nbytes`` over ``devices``: ``2 (k - 1) / k`` of the bytes
+    cross every link, in ``2 (k - 1)`` steps (reduce-scatter, then all-gather); 0 for one device."""
+    if devices <= 1:
+        return 0 * nbytes
+    k = devices
+    return 2 * (k - 1) * (nbytes / k / bandwidth + latency)
+
+
+class Layout3D(NamedTuple):
+    """One way to lay a model out on ``n x t x d`` devices, and what a training step costs."""
+
+    stages: int  # n: devices along the stage axis
+    tensor: int  # t: devices a stage's layers are split over (Megatron)
+    data: int  # d: data-parallel replicas
+    step: Any  # predicted time of one training step
+    pipeline: Any  # of which: the pipeline (compute, tensor all-reduces, stage transfers, bubble)
+    gradient_sync: Any  # of which: the data-parallel gradient all-reduce (not overlapped)
+    bubble: Any
+
+
+def plan_layout(
+    *,
+    stages: int,
+    tensor: int,
+    data: int,
+    forward: Any,
+    backward: Any,
+    batch: int,
+    chunks: int,
+    activation_bytes: Any,
+    param_bytes: Any,
+    allreduces_per_forward: int = 48,
+    bandwidth: Any = math.inf,
+    latency: Any = 0,
+    tensor_bandwidth: Any = None,
+    checkpoint: str = "never",
+) -> Layout3D:
+    """Predicts a training step of a model of equal layers laid out as ``stages x tensor x data``.
+
+    ``forward``/``backward``: the whole model's forward and backward time for one example on one
+    device. ``activation_bytes``: the bytes of one example's activation at a stage boundary (and
+    of every tensor-parallel all-reduce). ``param_bytes``: the whole model's parameter bytes.
+    ``allreduces_per_forward``: tensor-parallel all-reduces in one forward of the whole model
+    (Megatron: two per Transformer layer, after the row-parallel projections; the default is a
+    24-layer model's). Each of the ``d`` replicas gets ``batch / d`` examples in ``chunks``
+    micro-batches. Per micro-batch, a stage computes ``1 / (n t)`` of the model, plus its
+    ``1 / n`` share of those ring all-reduces of the micro-batch's activation over the ``t``
+    devices in its forward and as many in its backward, over links of ``tensor_bandwidth``
+    (default ``bandwidth``; tensor groups usually sit inside one host's fast links). The
+    pipeline itself is simulated (:func:`simulate`) in lockstep with those stage times; the step then
+    ends with the ring all-reduce of a device's parameter shard (``param_bytes / (n t)``) over
+    the ``d`` replicas. A planning tool: compare layouts on paper, then measure the chosen one
+    (``benchmarks/mesh3d.py`` counts the collectives XLA emits).
+    """
+    for name, value in (("stages", stages), ("tensor", tensor), ("data", data), ("chunks", chunks)):
+        if not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1, but got {value!r}.")
+    if batch % (data * chunks):
+        raise ValueError(
+            f"`batch` ({batch}) must be a multiple of `data` x `chunks` ({data} x {chunks}): every "
+            "replica runs `chunks` equal micro-batches."
+        )
+    micro = batch // (data * chunks)
+    link = bandwidth if tensor_bandwidth is None else tensor_bandwidth
+    per_stage = allreduces_per_forward / stages if tensor > 1 else 0
+    tp = per_stage * ring_all_reduce(micro * activation_bytes, tensor, link, latency)
+    f = forward * micro / (stages * tensor) + tp
+    b = backward * micro / (stages * tensor) + tp
+    result = simulate(
+        [f] * stages,
+        backward=[b] * stages,
+        num_micro=chunks,
+        checkpoint=checkpoint,
+        activation_bytes=micro * activation_bytes / tensor if stages > 1 else 0,
+        bandwidth=bandwidth,
+        latency=latency,
+        lockstep=True,
+    )
+    sync = ring_all_reduce(param_bytes / (stages * tensor), data, bandwidth, latency)
+    return Layout3D(stages, tensor, data, result.makespan + sync, result.makespan, sync, result.bubble)

@@ -232,3 +232,4 @@ def test_demo_rejects_bad_options():
     assert proc.returncode == 2 and "--stages must be >= 1, got 0" in proc.stderr, proc.stderr
     proc = run_python(["-m", "pipejax.demo", "--stages", "64"], timeout=120)
     assert proc.returncode == 2 and "--stages 64 needs 64 devices" in proc.stderr, proc.stderr
+

@@ -46,6 +46,39 @@ def test_pipeline_across_two_processes():
         assert f"[{i}] process {i}: all checks passed" in proc.stdout, output
 
 
+def test_3d_mesh_pipeline_on_two_processes_equals_one():
+    """examples/pipeline_3d_mesh.py: a (data, stage, model) = 2 x 2 x 2 mesh with tensor-parallel
+    stages, on 2 processes x 4 CPU devices and in 1 process of 8: the same loss and gradients."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    script = str(ROOT / "examples" / "pipeline_3d_mesh.py")
+    argv = [sys.executable, "-m", "pipejax.launch", "--processes", "2", "--devices-per-process", "4"]
+    argv += ["--timeout", "240", script, "--sharding", "tensor"]
+    two = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False, cwd=ROOT)
+    assert two.returncode == 0, two.stdout[-6000:] + two.stderr[-3000:]
+    env_one = dict(env, XLA_FLAGS=PATIENT_COLLECTIVES)
+    one = subprocess.run(
+        [sys.executable, script, "--sharding", "tensor"],
+        capture_output=True,
+        text=True,
+        env=env_one,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert ": ok" in one.stdout and "parameter bytes per device: 16640 (one whole stage: 33024)" in one.stdout
+    single = {
+        line.split(":")[0]: line
+        for line in one.stdout.splitlines()
+        if line.startswith(("sharding=", "gradient"))
+    }
+    assert len(single) == 2, one.stdout
+    for i in (0, 1):
+        for line in single.values():
+            assert f"[{i}] {line}" in two.stdout, (line, two.stdout)
+        assert f"[{i}] max |grad - composed grad|" in two.stdout and ": ok" in two.stdout
+
+
 def test_docs_script_trains_the_same_on_two_processes_as_on_one(tmp_path):
     """The training script of docs/multihost.md, on 2 processes x 2 devices and in 1 process."""
     source = "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multihost.md").read_text(), re.S))

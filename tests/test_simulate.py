@@ -88,3 +88,51 @@ def test_errors_name_the_argument():
         sim.simulate([1, 1], num_micro=4, activation_bytes=[1, 2, 3])
     with pytest.raises(ValueError, match="`num_micro` must be an int >= 1"):
         sim.simulate([1, 1], num_micro=0)
+
+
+def test_plan_layout_adds_tensor_and_data_parallel_terms_to_the_pipeline():
+    common = dict(
+        forward=Fraction(8),
+        backward=Fraction(16),
+        batch=32,
+        activation_bytes=Fraction(4),
+        param_bytes=Fraction(96),
+    )
+    # One tensor rank, one replica: exactly the lockstep pipeline of the model cut into n stages.
+    plain = sim.plan_layout(stages=4, tensor=1, data=1, chunks=8, bandwidth=Fraction(2), **common)
+    micro = 32 // 8
+    ref = sim.simulate(
+        [Fraction(8 * micro, 4)] * 4,
+        backward=[Fraction(16 * micro, 4)] * 4,
+        num_micro=8,
+        activation_bytes=4 * micro,
+        bandwidth=Fraction(2),
+        lockstep=True,
+    )
+    assert plain.step == plain.pipeline == ref.makespan and plain.gradient_sync == 0
+    # Ring all-reduce: 2 (k - 1) steps of bytes / k each.
+    assert sim.ring_all_reduce(Fraction(12), 3, Fraction(2), Fraction(1)) == 4 * (2 + 1)
+    assert sim.ring_all_reduce(Fraction(12), 1) == 0
+    # Free links: splitting a stage over t devices divides its compute by t; slow links add the
+    # tensor all-reduces, and replicas add the gradient all-reduce of a device's shard.
+    free = sim.plan_layout(stages=2, tensor=2, data=1, chunks=4, **common)
+    half = sim.plan_layout(stages=2, tensor=1, data=1, chunks=4, **common)
+    assert free.pipeline * 2 == half.pipeline
+    slow = sim.plan_layout(
+        stages=2, tensor=2, data=2, chunks=4, bandwidth=Fraction(1), allreduces_per_forward=4, **common
+    )
+    micro = 32 // (2 * 4)
+    tp = Fraction(4, 2) * sim.ring_all_reduce(micro * 4, 2, Fraction(1))
+    f, b = Fraction(8 * micro, 4) + tp, Fraction(16 * micro, 4) + tp
+    ref = sim.simulate(
+        [f] * 2,
+        backward=[b] * 2,
+        num_micro=4,
+        activation_bytes=micro * 4 / 2,
+        bandwidth=Fraction(1),
+        lockstep=True,
+    )
+    assert slow.pipeline == ref.makespan
+    assert slow.gradient_sync == sim.ring_all_reduce(Fraction(96, 4), 2, Fraction(1))
+    with pytest.raises(ValueError, match="must be a multiple of `data` x `chunks`"):
+        sim.plan_layout(stages=2, tensor=2, data=3, chunks=4, **common)
