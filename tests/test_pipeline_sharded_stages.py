@@ -81,6 +81,25 @@ def first_device_bytes(tree) -> int:
     )
 
 
+def check_against_composition(apply, placed, stages, per_stage):
+    """The jitted loss and gradients of ``apply`` equal those of the composed stages; returns
+    ``(step, x, grads)``."""
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+    x = x_batch()
+    value, grads = step(placed, x)
+    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed(stages, ps, x))(per_stage, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    got = (
+        grads.unpack()
+        if isinstance(grads, pj.StageParams)
+        else [apply.stage_params(grads, s) for s in range(2)]
+    )
+    for g, want in zip(got, ref_grads, strict=True):
+        for k in want:
+            np.testing.assert_allclose(g[k], want[k], rtol=1e-10, atol=1e-12)
+    return step, x, grads
+
+
 def test_tensor_parallel_homogeneous_stages_match_the_composition():
     mesh = mesh_of((2, 2), ("stage", "model"))
     per_stage = [mlp_params(0), mlp_params(1)]
@@ -91,14 +110,7 @@ def test_tensor_parallel_homogeneous_stages_match_the_composition():
     assert placed["w2"].sharding.spec == P("stage", "model")
     whole = sum(a.nbytes for a in jax.tree.leaves(per_stage[0]))
     assert first_device_bytes(placed) == whole // 2  # every leaf split over "model"
-    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
-    x = x_batch()
-    value, grads = step(placed, x)
-    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, mlp], ps, x))(per_stage, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
-    for s in range(2):
-        for name in per_stage[0]:
-            np.testing.assert_allclose(grads[name][s], ref_grads[s][name], rtol=1e-10, atol=1e-12)
+    step, x, grads = check_against_composition(apply, placed, [mlp, mlp], per_stage)
     assert grads["w1"].sharding.spec == P("stage", None, "model")  # gradients stay split
     kinds = collectives(step, placed, x)
     assert "all-gather" not in kinds, kinds  # no weight (nor anything else) is gathered
@@ -117,14 +129,7 @@ def test_tensor_parallel_heterogeneous_stages_match_the_composition():
     for got, want in zip(placed.unpack(), params, strict=True):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k])
-    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
-    x = x_batch()
-    value, grads = step(placed, x)
-    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, gate], ps, x))(params, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
-    for got, want in zip(grads.unpack(), ref_grads, strict=True):
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12)
+    _, _, grads = check_against_composition(apply, placed, [mlp, gate], params)
     split = next(b for b in grads.buffers if b.ndim == 3)
     assert split.sharding.spec == P("stage", "model")
 
@@ -137,14 +142,7 @@ def test_fsdp_over_the_data_axis_stores_halves_and_reduce_scatters_gradients():
     apply = pj.pipeline(mlp, num_stages=2, chunks=4, mesh=mesh, data_axis_name="data", param_specs=specs)
     placed = apply.place(stacked)
     assert placed["w1"].sharding.spec == P("stage", "data")
-    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
-    x = x_batch()
-    value, grads = step(placed, x)
-    ref_value, ref_grads = jax.value_and_grad(lambda ps, x: composed([mlp, mlp], ps, x))(per_stage, x)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
-    for s in range(2):
-        for name in per_stage[0]:
-            np.testing.assert_allclose(grads[name][s], ref_grads[s][name], rtol=1e-10, atol=1e-12)
+    step, x, grads = check_against_composition(apply, placed, [mlp, mlp], per_stage)
     assert grads["w2"].sharding.spec == P("stage", "data")
     kinds = collectives(step, placed, x)
     assert kinds.get("all-gather", 0) == 2 and kinds.get("reduce-scatter", 0) == 2, kinds
