@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -50,53 +49,27 @@ def is_explicit(mesh: Mesh, axis_name: str) -> bool:
     return types[axis_name] == AxisType.Explicit
 
 
-def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str, keep_others: bool = False) -> Any:
+def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str) -> Any:
     """Gives every leaf of ``tree`` the sharding ``NamedSharding(mesh, spec)`` inside ``jit``.
 
     Explicit axes need ``jax.reshard`` (``with_sharding_constraint`` only asserts there); Auto axes
     take a sharding constraint. Leaves whose type already carries the sharding are left alone.
-
-    ``keep_others``: only the dimensions ``spec`` names a mesh axis for are constrained; the
-    others keep the sharding the leaf has over the remaining mesh axes (its type's, on Explicit
-    axes; left to XLA, ``UNCONSTRAINED``, on Auto axes). Used for stage-stacked parameters that
-    are also sharded over a tensor or FSDP axis inside their stage.
     """
-    explicit = is_explicit(mesh, axis_name)
-    fixed = {a for p in spec if p is not None for a in ((p,) if isinstance(p, str) else p)}
-
-    def target(x) -> PartitionSpec:
-        if not keep_others:
-            return spec
-        ndim = jnp.ndim(x)
-        own = _padded(spec, ndim)
-        current = getattr(jax.typeof(x), "sharding", None) if explicit else None
-        rest = _padded(current.spec, ndim) if isinstance(current, NamedSharding) else (None,) * ndim
-        free = None if explicit else PartitionSpec.UNCONSTRAINED
-
-        def other(p):  # a dimension's sharding over the axes `spec` leaves alone
-            names = (
-                () if p is None or p is PartitionSpec.UNCONSTRAINED else ((p,) if isinstance(p, str) else p)
-            )
-            names = tuple(a for a in names if a not in fixed)
-            return (names[0] if len(names) == 1 else names) if names else free
-
-        return PartitionSpec(*(o if o is not None else other(r) for o, r in zip(own, rest, strict=True)))
-
-    if explicit:
+    sharding = NamedSharding(mesh, spec)
+    if is_explicit(mesh, axis_name):
 
         def put(x):
-            want = target(x)
             current = getattr(jax.typeof(x), "sharding", None)
             if (
                 isinstance(current, NamedSharding)
                 and current.mesh == mesh.abstract_mesh
-                and _padded(current.spec, x.ndim) == _padded(want, x.ndim)
+                and _padded(current.spec, x.ndim) == _padded(spec, x.ndim)
             ):
                 return x
-            return jax.reshard(x, NamedSharding(mesh, want))
+            return jax.reshard(x, sharding)
 
         return jax.tree.map(put, tree)
-    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, target(x))), tree)
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, sharding), tree)
 
 
 def replicate(tree: Any, keep: PartitionSpec | None = None) -> Any:

@@ -458,18 +458,20 @@ class MeshDevices:
         batch_spec = rep if data is None else PartitionSpec(data)
         stats_spec = rep if data is None else PartitionSpec(None, None, data)
         params, state, xs, mask, key = inputs
-        # Stage-sharded leaves keep whatever sharding they have over the other mesh axes (tensor /
-        # FSDP sharding inside a stage); the shard_map below is manual over the stage (and data)
-        # axes only, so XLA partitions each stage's computation over the rest.
-        param_in = stage_spec
+        # With `param_specs`, each leaf is constrained exactly as they say and the shard_map is
+        # manual over the stage (and data) axes only, so XLA partitions each stage's computation
+        # over the mesh's other axes (tensor / FSDP sharding inside a stage). Without, it is
+        # manual over every axis, and parameters are whole on each device of their stage.
+        param_in, manual = stage_spec, frozenset(self.mesh.axis_names)
         if self.param_specs is None:
-            params = compat.constrain(params, self.mesh, stage_spec, axis, keep_others=True)
-        else:  # each leaf exactly as `param_specs` says; the shard_map sees only its manual axes
+            params = compat.constrain(params, self.mesh, stage_spec, axis)
+        else:
             params = jax.tree.map(
                 lambda a, sp: compat.constrain(a, self.mesh, sp, axis), params, self.param_specs
             )
             param_in = jax.tree.map(self._manual, self.param_specs, is_leaf=_is_spec)
-        state = compat.constrain(state, self.mesh, stage_spec, axis, keep_others=True)
+            manual = frozenset(self.axes)
+        state = compat.constrain(state, self.mesh, stage_spec, axis)
         xs_spec = batch_spec
         if self.streams(ctx):  # micro-batches spread over the stage axis, k per device
             k = -(-ctx.m // ctx.D)
@@ -489,7 +491,7 @@ class MeshDevices:
             mesh=self.mesh,
             in_specs=(param_in, stage_spec, xs_spec, batch_spec, None if key is None else rep),
             out_specs=(batch_spec, stats_spec),
-            axis_names=frozenset(self.axes),
+            axis_names=manual,
         )
         acc, stats = fn(params, state, xs, mask, key)
         return acc, ctx.stages.stats_rows(
