@@ -141,14 +141,18 @@ class LinenPipeline(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: PyTree, **flags: Any) -> PyTree:
+    def __call__(self, x: PyTree, *, context: Mapping[str, PyTree] | None = None, **flags: Any) -> PyTree:
         stack = self._stack()
-        kwargs = common.route_kwargs([type(layer).__call__ for layer in self.layers], flags)
+        calls = [type(layer).__call__ for layer in self.layers]
+        kwargs = common.route_kwargs(calls, flags)
+        names = common.route_context(calls, context, flags)
+        side = {} if context is None else {"context": dict(context)}
         if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
             created = []
+            whole = common.with_context(kwargs, names, context)  # the whole batch's side inputs
 
             def init(rng):
-                params, state, y = self._init_layers(rng, stack, kwargs, x)
+                params, state, y = self._init_layers(rng, stack, whole, x)
                 created.append((state, y))
                 return stack_box(stack, params)
 
@@ -161,7 +165,8 @@ class LinenPipeline(nn.Module):
         # compare shapes; the pipeline checks the parameters against its stages itself.
         params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
-        engine = stack.pipeline(_run_layer(self._layers(), self.rng_collection, stack.deferred), kwargs)
+        run = _run_layer(self._layers(), self.rng_collection, stack.deferred)
+        engine = stack.pipeline(run, kwargs, names)
         if not stack.deferred:
             if self.has_variable("batch_stats", "stages"):
                 raise ValueError(
@@ -169,10 +174,10 @@ class LinenPipeline(nn.Module):
                         "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
                     )
                 )
-            return engine(params, x, key)
+            return engine(params, x, key, **side)
         state = self.get_variable("batch_stats", "stages")
         state = None if state is None else _check_packed(state, "batch_stats")
-        y, stats = engine(params, x, key, state=state)
+        y, stats = engine(params, x, key, state=state, **side)
         new = None if state is None else stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: update its statistics once
             if not self.is_mutable_collection("batch_stats"):

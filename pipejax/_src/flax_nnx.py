@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -205,17 +205,20 @@ class NNXPipeline(nnx.Module):
         deterministic: bool | None = None,
         use_running_average: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+        context: Mapping[str, PyTree] | None = None,
         **flags: Any,
     ) -> PyTree:
         stack = self._stack
         kwargs = common.route_kwargs(self.calls, flags)
+        names = common.route_context(self.calls, context, flags)
+        side = {} if context is None else {"context": dict(context)}
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
-        engine = stack.pipeline(self._run_layer(det, ura), kwargs)
+        engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)
         if not stack.deferred:
-            return engine(self.stage_params(), x, self._key(rngs))
+            return engine(self.stage_params(), x, self._key(rngs), **side)
         state = self.stage_batch_stats()
-        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state)
+        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state, **side)
         new = stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: its statistics change once
             for var, buffer in zip(self.packed_batch_stats, new.buffers, strict=True):
