@@ -58,9 +58,16 @@ class LinenPipeline(nn.Module):
     only its parameters. Layers within a stage run in sequence; stages may differ in every way
     (heterogeneous stages). The result equals running the layers in sequence on the whole batch.
 
-    Calling: ``module.apply(variables, x, rngs={"dropout": key}, **flags)``.
+    Calling: ``module.apply(variables, x, context=None, rngs={"dropout": key}, **flags)``.
 
     * ``x`` is what the first layer takes (an array or a pytree of arrays with a leading batch axis).
+    * ``context`` (side inputs: attention masks, positions, segment ids): a dict from keyword
+      names to arrays (or pytrees of arrays) with ``x``'s leading batch axis. They are cut into
+      micro-batches with ``x`` (padding rows included), and every layer whose ``__call__`` takes
+      a keyword argument of an entry's name receives its micro-batch's rows under that name:
+      ``context={"decoder_mask": mask}`` runs ``layer(h, decoder_mask=rows_of_mask)``. Layers
+      that do not take it do not receive it; an entry no layer takes is a ``TypeError``. Nothing
+      of it travels between stages.
     * ``flags`` (keyword arguments such as ``deterministic=True`` or ``train=False``) are passed to
       every layer whose ``__call__`` accepts them, on every micro-batch. They must be Python
       values; a flag that no layer accepts is a ``TypeError``.
@@ -71,10 +78,11 @@ class LinenPipeline(nn.Module):
       depend on the mesh or the checkpoint mode, so all of them give bitwise the same result.
       Without that rng, layers get no rngs (so dropout layers must be deterministic).
 
-    Initialisation: ``init`` runs the layers in sequence on the whole batch to create their
-    parameters (layer ``l``, counted over all layers, with rngs ``{"params": k_l,
-    rng_collection: k'_l}``, where ``k_l, k'_l = jax.random.split(jax.random.fold_in(rng, l))``
-    and ``rng`` is the module's ``"params"`` rng) and lays them out with
+    Initialisation: ``init`` runs the layers in sequence on the whole batch (and the whole
+    ``context``) to create their parameters (layer ``l``, counted over all layers, with rngs
+    ``{"params": k_l, rng_collection: k'_l}``, where
+    ``k_l, k'_l = jax.random.split(jax.random.fold_in(rng, l))`` and ``rng`` is the module's
+    ``"params"`` rng) and lays them out with
     :meth:`pipejax.Pipeline.place`. The output of ``init`` is that sequential run's (equal to the
     pipeline's up to rounding when deterministic), so ``init`` never compiles the pipeline.
     Layers that create collections other than ``"params"`` and ``"batch_stats"`` (caches,

@@ -51,8 +51,14 @@ class NNXPipeline(nnx.Module):
     changes to the layer objects do not reach it); :meth:`to_sequential` gives them back as
     modules. The result equals running the layers in sequence on the whole batch.
 
-    Calling: ``pipe(x, deterministic=None, rngs=None, **flags)``.
+    Calling: ``pipe(x, deterministic=None, rngs=None, context=None, **flags)``.
 
+    * ``context`` (side inputs: attention masks, positions, segment ids): a dict from keyword
+      names to arrays (or pytrees of arrays) with ``x``'s leading batch axis. They are cut into
+      micro-batches with ``x`` (padding rows included), and every layer whose ``__call__`` takes
+      a keyword argument of an entry's name receives its micro-batch's rows under that name:
+      ``context={"decoder_mask": mask}`` runs ``layer(h, decoder_mask=rows_of_mask)``. Layers
+      that do not take it do not receive it; an entry no layer takes is a ``TypeError``.
     * ``flags`` (e.g. ``train=True``) are passed to every layer whose ``__call__`` accepts them.
     * ``deterministic`` (the call's, else the module's attribute, which ``pipe.eval()`` and
       ``pipe.train()`` set) is set on every layer that has a ``deterministic`` attribute
