@@ -6,7 +6,7 @@ attention mask is built once per batch as lm1b builds it (``nn.make_attention_ma
 padding, combined with ``nn.make_causal_mask``) and reaches every block as its keyword argument
 ``decoder_mask=`` through ``context={"decoder_mask": mask}``: no wrapper module, parameter paths
 those of the plain model. The batch of 5 in ``chunks=2`` leaves a padding row in the last
-micro-batch; the blocks run in 2 stages (2 blocks, then 1) without a mesh, to keep the test
+micro-batch; the blocks run in 2 stages of one block each, without a mesh, to keep the test
 cheap (``tests/test_flax_context.py`` runs side inputs on meshes).
 
 Dropout is on, in float64. Its masks cannot match those of the plain model run on the whole batch
@@ -36,9 +36,10 @@ from pipejax.flax import LinenPipeline, NNXPipeline
 from tests import models
 
 F = jnp.float64
-V, D, HEADS, L, BLOCKS = 13, 8, 2, 6, 3  # vocabulary, width, heads, sequence length, blocks
-BATCH, CHUNKS, BALANCE = 5, 2, (2, 1)  # micro-batches of 3: the last holds 2 rows and a padding row
+V, D, HEADS, L, BLOCKS = 13, 8, 2, 6, 2  # vocabulary, width, heads, sequence length, blocks
+BATCH, CHUNKS, BALANCE = 5, 2, (1, 1)  # micro-batches of 3: the last holds 2 rows and a padding row
 DROP = 0.2
+CKPT = "never"  # (no recomputation: a smaller program to compile; the checkpoint modes have their tests)
 TOL = dict(rtol=1e-10, atol=1e-12)
 KEY = jax.random.key(3)  # the dropout key of the step
 
@@ -133,7 +134,9 @@ class LinenLM(nn.Module):
         h = nn.Embed(V, D, param_dtype=F)(tokens) + positions[None]
         if self.pipelined:
             blocks = [DecoderBlock() for _ in range(BLOCKS)]
-            stack = LinenPipeline(blocks, balance=BALANCE, chunks=CHUNKS, mesh=self.mesh, name="blocks")
+            stack = LinenPipeline(
+                blocks, balance=BALANCE, chunks=CHUNKS, checkpoint=CKPT, mesh=self.mesh, name="blocks"
+            )
         else:
             stack = Replayed(name="blocks")
         h = stack(h, context={"decoder_mask": decoder_mask(tokens)}, deterministic=deterministic)
@@ -220,7 +223,7 @@ def test_nnx_lm_mask_as_side_input_matches_the_plain_model():
         return nnx.value_and_grad(lambda m: token_loss(m(tokens, key, False), targets))(model)
 
     blocks = [NNXDecoderBlock(nnx.Rngs(params=i, dropout=100 + i)) for i in range(BLOCKS)]
-    pipe = NNXPipeline(blocks, balance=BALANCE, chunks=CHUNKS)  # (no mesh: one scan over micro-batches)
+    pipe = NNXPipeline(blocks, balance=BALANCE, chunks=CHUNKS, checkpoint=CKPT)  # no mesh: one scan
     model = NNXLM(pipe, nnx.Rngs(7))
     plain = NNXLM(NNXReplayed(pipe.to_sequential()), nnx.Rngs(7))
     with jax.numpy_dtype_promotion("standard"):  # (nnx.LayerNorm reduces float64 with float32)

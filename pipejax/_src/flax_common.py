@@ -423,7 +423,7 @@ def route_context(
 
     ``context`` maps keyword-argument names to batch-shaped arrays (or pytrees of them); layer
     ``l`` receives the entries its ``__call__`` accepts (all of them with ``**kwargs``), the same
-    rule as for flags. Returns ``None`` for ``context=None``.
+    rule as for flags. Returns ``None`` for ``context=None`` or an empty dict (no side inputs).
 
     Raises:
       TypeError: if ``context`` is not a dict with string keys, an entry is also given as a flag,
@@ -438,6 +438,8 @@ def route_context(
             "passed to every layer whose `__call__` takes that keyword argument, but got "
             f"{type(context).__name__}. Wrap a single array in a dict named after the layers' argument."
         )
+    if not context:
+        return None
     for name in context:
         if not isinstance(name, str) or not name.isidentifier():
             raise TypeError(

@@ -154,7 +154,7 @@ class LinenPipeline(nn.Module):
         calls = [type(layer).__call__ for layer in self.layers]
         kwargs = common.route_kwargs(calls, flags)
         names = common.route_context(calls, context, flags)
-        side = {} if context is None else {"context": dict(context)}
+        side = {} if names is None else {"context": dict(context)}
         if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
             created = []
             whole = common.with_context(kwargs, names, context)  # the whole batch's side inputs

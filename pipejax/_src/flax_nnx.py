@@ -217,7 +217,7 @@ class NNXPipeline(nnx.Module):
         stack = self._stack
         kwargs = common.route_kwargs(self.calls, flags)
         names = common.route_context(self.calls, context, flags)
-        side = {} if context is None else {"context": dict(context)}
+        side = {} if names is None else {"context": dict(context)}
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
         engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)
