@@ -5,11 +5,17 @@ blocks, and a read-out head. Only the stack is pipelined: ``LinenPipeline`` cuts
 stages, one per (simulated CPU) device, and streams micro-batches through them, with dropout and
 checkpointing. The embedding and the head run outside the pipeline, as in any Flax model.
 
+As in Flax's lm1b example, the attention mask (causal, and no attention to or from padding, id 0)
+is built once from the token ids and every block takes it as its keyword argument
+``decoder_mask=``. The pipeline receives it as a side input, ``context={"decoder_mask": mask}``:
+it is cut into micro-batches with the activations and each block is called with its micro-batch's
+rows, so the blocks are those of the plain model, unchanged.
+
 The training text is generated (no downloads): sentences from a tiny grammar, so that a
 character-level model has something to learn. The script
 
 1. checks at step 0 that the pipelined loss and gradients equal those of the same blocks run as a
-   plain ``nn.Sequential`` (parameters mapped with ``LinenPipeline.to_sequential``);
+   plain stack (parameters mapped with ``LinenPipeline.to_sequential``);
 2. trains with optax's AdamW, printing a progress bar with the loss and the throughput;
 3. writes a PNG of the loss curve and a text sample from the trained model into ``--out``.
 
@@ -66,20 +72,20 @@ def generate_text(num_sentences: int, seed: int = 0) -> str:
 
 
 class Vocab:
-    """Characters <-> integer ids."""
+    """Characters <-> integer ids; id 0 is padding."""
 
     def __init__(self, text: str):
         self.chars = sorted(set(text))
-        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.index = {c: i + 1 for i, c in enumerate(self.chars)}
 
     def __len__(self) -> int:
-        return len(self.chars)
+        return len(self.chars) + 1
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray([self.index[c] for c in text], np.int32)
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+        return "".join(self.chars[int(i) - 1] for i in ids if int(i) > 0)
 
 
 def batches(ids: np.ndarray, batch: int, seed: int):
@@ -94,15 +100,19 @@ def batches(ids: np.ndarray, batch: int, seed: int):
 # --- the model ----------------------------------------------------------------------------------
 
 
+def decoder_mask(ids):
+    """lm1b's decoder mask: causal, and no attention to or from padding (``bool[B, 1, L, L]``)."""
+    return nn.combine_masks(nn.make_attention_mask(ids > 0, ids > 0), nn.make_causal_mask(ids))
+
+
 class Block(nn.Module):
-    """A pre-norm Transformer block: causal self-attention and an MLP, each with dropout."""
+    """A pre-norm Transformer block: masked self-attention and an MLP, each with dropout."""
 
     @nn.compact
-    def __call__(self, h, deterministic: bool = True):
-        mask = nn.make_causal_mask(jnp.ones(h.shape[:2], jnp.int32))
+    def __call__(self, h, decoder_mask=None, deterministic: bool = True):
         a = nn.LayerNorm()(h)
         a = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=DROP_RATE)(
-            a, a, mask=mask, deterministic=deterministic
+            a, a, mask=decoder_mask, deterministic=deterministic
         )
         h = h + nn.Dropout(DROP_RATE)(a, deterministic=deterministic)
         m = nn.Dense(4 * D_MODEL)(nn.LayerNorm()(h))
@@ -110,8 +120,18 @@ class Block(nn.Module):
         return h + nn.Dropout(DROP_RATE)(m, deterministic=deterministic)
 
 
+class Blocks(nn.Module):
+    """The blocks in sequence, unpipelined, each given the mask (``nn.Sequential``'s parameter names)."""
+
+    @nn.compact
+    def __call__(self, h, decoder_mask=None, deterministic: bool = True):
+        for index in range(BLOCKS):
+            h = Block(name=f"layers_{index}")(h, decoder_mask, deterministic)
+        return h
+
+
 class LanguageModel(nn.Module):
-    """Embedding -> blocks (pipelined, or a plain ``nn.Sequential``) -> head."""
+    """Embedding -> blocks (pipelined, or plain ``Blocks``) -> head."""
 
     vocab: int
     pipelined: bool = True
@@ -122,19 +142,23 @@ class LanguageModel(nn.Module):
     def setup(self):
         self.tokens = nn.Embed(self.vocab, D_MODEL)
         self.positions = self.param("positions", nn.initializers.normal(0.02), (SEQ_LEN, D_MODEL))
-        blocks = [Block() for _ in range(BLOCKS)]
         if self.pipelined:
+            blocks = [Block() for _ in range(BLOCKS)]
             self.blocks = LinenPipeline(
                 blocks, num_stages=NUM_STAGES, chunks=self.chunks, checkpoint=self.checkpoint, mesh=self.mesh
             )
         else:
-            self.blocks = nn.Sequential(blocks)
+            self.blocks = Blocks()
         self.norm = nn.LayerNorm()
         self.head = nn.Dense(self.vocab)
 
     def __call__(self, ids, deterministic: bool = True):
         h = self.tokens(ids) + self.positions[None, : ids.shape[1]]
-        h = self.blocks(h, deterministic=deterministic)
+        mask = decoder_mask(ids)
+        if self.pipelined:  # a side input: every block receives its micro-batch's rows as decoder_mask=
+            h = self.blocks(h, context={"decoder_mask": mask}, deterministic=deterministic)
+        else:
+            h = self.blocks(h, mask, deterministic=deterministic)
         return self.head(self.norm(h))
 
 
@@ -176,7 +200,7 @@ def sample(model, params, vocab: Vocab, prompt: str, length: int, key) -> str:
     apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
     for i in range(length):
         window = np.asarray(ids[-SEQ_LEN:], np.int32)
-        padded = np.pad(window, (0, SEQ_LEN - len(window)))[None]
+        padded = np.pad(window, (0, SEQ_LEN - len(window)))[None]  # id 0: padding, masked
         logits = apply(params, jnp.asarray(np.repeat(padded, NUM_STAGES, axis=0)))[0, len(window) - 1]
         ids.append(int(jax.random.categorical(jax.random.fold_in(key, i), logits)))
     return vocab.decode(ids)

@@ -19,9 +19,12 @@ every pipeline option the adapter was given (``chunks``, ``checkpoint``, ``mesh`
 pipeline's own validation checks them and an option added to ``pj.pipeline`` reaches the adapters
 without being declared again.
 
-A layer's keyword arguments (``kwargs``) come from one place, :meth:`Stack.pipeline`'s
-``kwargs_per_layer``: today the Python flags of the call (``deterministic=True``); batch-shaped
-side inputs sliced per micro-batch can later be merged into the same dictionaries.
+A layer's keyword arguments (``kwargs``) come from two places: the Python flags of the call
+(``deterministic=True``), fixed per layer (:meth:`Stack.pipeline`'s ``kwargs_per_layer``), and the
+side inputs (``context={"decoder_mask": mask}``), batch-shaped arrays that :func:`pipejax.pipeline`
+cuts into micro-batches with ``x`` and hands every stage as ``context=``. Each stage threads the
+dict through its layers; layer ``l`` receives the entries named in ``context_per_layer[l]`` (those
+its ``__call__`` accepts, :func:`route_context`) as keyword arguments, merged with its flags.
 
 Randomness: stage ``s`` on micro-batch ``i`` receives ``pj.stage_key(key, i, s)`` from the
 pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws from
@@ -219,17 +222,27 @@ class Stack:
         return PartitionSpec(pipe.axis_name, *([None] * (ndim - 1)))
 
     def pipeline(
-        self, run_layer: RunLayer, kwargs_per_layer: Sequence[Mapping[str, Any]] | None = None
+        self,
+        run_layer: RunLayer,
+        kwargs_per_layer: Sequence[Mapping[str, Any]] | None = None,
+        context_per_layer: Sequence[Sequence[str]] | None = None,
     ) -> Pipeline:
         """The pipeline whose stage ``s`` runs layers ``firsts[s]...`` with :func:`pipejax.partition`.
 
         Args:
           run_layer: layer ``l`` as a pure function (see :class:`RunLayer`).
           kwargs_per_layer: the keyword arguments of each layer's call (``None``: none).
+          context_per_layer: the names of the side inputs each layer receives as keyword arguments
+            (``None``: none). Call the pipeline with ``context=`` a dict holding them all.
         """
         if kwargs_per_layer is None:
             kwargs_per_layer = [{}] * self.num_layers
-        steps = [_layer_step(run_layer, i, kwargs_per_layer[i]) for i in range(self.num_layers)]
+        if context_per_layer is None:
+            context_per_layer = [()] * self.num_layers
+        steps = [
+            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]))
+            for i in range(self.num_layers)
+        ]
         part = partition(steps, self.sizes)
         stages = [_stateful(st) if self.deferred else _stateless(st) for st in part.stages]
         return pipeline(stages, stateful=self.deferred, **self.options)
@@ -293,33 +306,40 @@ def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline n
     raise AssertionError("placeholder stage called")
 
 
-def _layer_step(run_layer: RunLayer, index: int, kwargs: Mapping[str, Any]):
-    """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, records)``."""
+def _layer_step(run_layer: RunLayer, index: int, kwargs: Mapping[str, Any], names: tuple[str, ...]):
+    """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, context,
+    records)``: it reads the side inputs ``names`` of the micro-batch's ``context`` as keyword
+    arguments, and passes the context on unchanged to the stage's next layer."""
 
     def step(variables, carry, key):
-        h, mask, records = carry
+        h, mask, context, records = carry
+        side = {name: context[name] for name in names}
         if key is not None and _batched(key):  # per-example keys: the layer row by row
-            one = lambda row, k: _first(run_layer(index, variables, _lead(row), k, None, kwargs)[0])
-            return jax.vmap(one)(h, key), mask, (*records, {})
-        y, rec = run_layer(index, variables, h, key, mask, kwargs)
-        return y, mask, (*records, rec or {})
+
+            def one(row, k, side_row):
+                kw = {**kwargs, **_lead(side_row)}
+                return _first(run_layer(index, variables, _lead(row), k, None, kw)[0])
+
+            return jax.vmap(one)(h, key, side), mask, context, (*records, {})
+        y, rec = run_layer(index, variables, h, key, mask, {**kwargs, **side})
+        return y, mask, context, (*records, rec or {})
 
     return step
 
 
 def _stateless(stage):
-    def run(params, x, key):
-        y, _, _ = stage([{"params": p} for p in params], (x, None, ()), key)
+    def run(params, x, key, context=None):
+        y, _, _, _ = stage([{"params": p} for p in params], (x, None, context, ()), key)
         return y
 
     return run
 
 
 def _stateful(stage):
-    def run(params, x, key, state, mask):
+    def run(params, x, key, state, mask, context=None):
         state = (None,) * len(params) if state is None else state  # (no layer has statistics)
         variables = [{"params": p, "batch_stats": st} for p, st in zip(params, state, strict=True)]
-        y, _, records = stage(variables, (x, mask, ()), key)
+        y, _, _, records = stage(variables, (x, mask, context, ()), key)
         return y, tuple(r or None for r in records)
 
     return run
@@ -344,43 +364,135 @@ def _unpack(packed: StageParams) -> list[Any]:
     return packed.unpack()
 
 
-def accepted_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``kwargs`` that ``fn`` accepts as keyword arguments (all, with ``**kwargs``)."""
-    params = inspect.signature(fn).parameters.values()
+def keyword_names(call: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments a layer's ``__call__(self, x, ...)`` accepts; ``None`` for any (``**kw``).
+
+    ``self`` and the input (the first parameter after it) are not keyword arguments of a layer:
+    the pipeline passes the input positionally.
+    """
+    params = list(inspect.signature(call).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(kwargs)
-    names = {
+        return None
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    skip = {p.name for p in positional[:2]}  # self and the input
+    return frozenset(
         p.name
         for p in params
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
-    return {k: v for k, v in kwargs.items() if k in names}
+        and p.name not in skip
+    )
+
+
+def _accepts(names: frozenset[str] | None, name: str) -> bool:
+    return names is None or name in names
 
 
 def route_kwargs(calls: Sequence[Callable[..., Any]], kwargs: Mapping[str, Any]) -> list[dict[str, Any]]:
     """For each layer's call, the keyword arguments it accepts, after checking ``kwargs``.
 
     Raises:
-      TypeError: if a keyword argument is an array (per-example inputs belong in ``x``, where they
-        are cut into micro-batches) or is accepted by none of the layers (a typo would otherwise
-        be ignored silently).
+      TypeError: if a keyword argument is an array (per-example inputs belong in ``context=`` or
+        ``x``, where they are cut into micro-batches) or is accepted by none of the layers (a typo
+        would otherwise be ignored silently).
     """
     for name, value in kwargs.items():
         if isinstance(value, jax.Array) or hasattr(value, "__jax_array__"):
             raise TypeError(
                 f"Keyword argument `{name}` is an array. Keyword arguments reach every layer "
                 "unchanged (whole, not cut into micro-batches), so they are for Python flags such "
-                f"as `deterministic=True`; put per-example arrays into `x` (a pytree) instead."
+                f"as `deterministic=True`. Pass a batch-shaped array as a side input, "
+                f"`context={{{name!r}: ...}}`: it is cut into micro-batches with `x` and each layer "
+                f"whose `__call__` takes `{name}` receives its micro-batch's rows."
             )
-    routed = [accepted_kwargs(call, kwargs) for call in calls]
+    accepted = [keyword_names(call) for call in calls]
+    routed = [{k: v for k, v in kwargs.items() if _accepts(names, k)} for names in accepted]
     unused = sorted(set(kwargs) - {k for r in routed for k in r})
     if unused:
         raise TypeError(
-            f"Keyword argument(s) {unused} are accepted by none of the layers' `__call__`. Each "
-            "keyword argument is passed to the layers whose `__call__` takes it; check the "
-            "spelling, or remove it."
+            f"Keyword argument(s) {unused} are accepted by none of the layers' `__call__` "
+            f"({_signatures(calls, accepted)}). Each keyword argument is passed to the layers whose "
+            "`__call__` takes it; check the spelling, or remove it."
         )
     return routed
+
+
+def route_context(
+    calls: Sequence[Callable[..., Any]], context: Any, flags: Mapping[str, Any]
+) -> list[tuple[str, ...]] | None:
+    """For each layer's call, the names of the side inputs in ``context`` it receives.
+
+    ``context`` maps keyword-argument names to batch-shaped arrays (or pytrees of them); layer
+    ``l`` receives the entries its ``__call__`` accepts (all of them with ``**kwargs``), the same
+    rule as for flags. Returns ``None`` for ``context=None`` or an empty dict (no side inputs).
+
+    Raises:
+      TypeError: if ``context`` is not a dict with string keys, an entry is also given as a flag,
+        or an entry is accepted by none of the layers.
+    """
+    if context is None:
+        return None
+    if not isinstance(context, Mapping):
+        raise TypeError(
+            "`context` must be a dict from keyword-argument names to batch-shaped arrays, e.g. "
+            "`context={'decoder_mask': mask}`: each entry is cut into micro-batches with `x` and "
+            "passed to every layer whose `__call__` takes that keyword argument, but got "
+            f"{type(context).__name__}. Wrap a single array in a dict named after the layers' argument."
+        )
+    if not context:
+        return None
+    for name in context:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(
+                f"The keys of `context` name the layers' keyword arguments, so they must be "
+                f"identifiers (strings), but got the key {name!r}."
+            )
+        if name in flags:
+            raise TypeError(
+                f"`{name}` is given both as a keyword argument of the call and as an entry of "
+                f"`context`; pass it once (as a side input, `context={{{name!r}: ...}}`, if it is "
+                "batch-shaped)."
+            )
+    accepted = [keyword_names(call) for call in calls]
+    routed = [tuple(k for k in context if _accepts(names, k)) for names in accepted]
+    unused = [k for k in context if not any(k in r for r in routed)]
+    if unused:
+        raise TypeError(
+            f"`context` entr{'y' if len(unused) == 1 else 'ies'} {unused} "
+            f"{'is' if len(unused) == 1 else 'are'} a keyword argument that none of the layers' "
+            f"`__call__` takes ({_signatures(calls, accepted)}). Each entry of `context` is passed "
+            "to the layers whose `__call__` takes a keyword argument of that name: rename the "
+            "entry to the layers' argument (e.g. context={'decoder_mask': mask} for "
+            "`__call__(self, x, decoder_mask=None)`), or add the argument to the layers' `__call__`."
+        )
+    return routed
+
+
+def with_context(
+    kwargs: Sequence[Mapping[str, Any]], names: Sequence[Sequence[str]] | None, context: Any
+) -> list[dict[str, Any]]:
+    """Each layer's keyword arguments with its side inputs (``names``, from :func:`route_context`)
+    added, for a call outside the pipeline (on the whole batch)."""
+    if names is None:
+        return [dict(kw) for kw in kwargs]
+    return [{**kw, **{k: context[k] for k in n}} for kw, n in zip(kwargs, names, strict=True)]
+
+
+def _signatures(calls: Sequence[Callable[..., Any]], accepted: Sequence[frozenset[str] | None]) -> str:
+    """``"layers 0-3 (Block) take decoder_mask, deterministic; layer 4 (Dense) takes none"``."""
+    groups: list[tuple[list[int], str, str]] = []
+    for index, (call, names) in enumerate(zip(calls, accepted, strict=True)):
+        owner = getattr(call, "__qualname__", "?").rsplit(".", 1)[0]
+        takes = "any (**kwargs)" if names is None else (", ".join(sorted(names)) or "none")
+        if groups and groups[-1][1:] == (owner, takes) and groups[-1][0][-1] == index - 1:
+            groups[-1][0].append(index)
+        else:
+            groups.append(([index], owner, takes))
+    parts = []
+    for indices, owner, takes in groups:
+        which = f"layer {indices[0]}" if len(indices) == 1 else f"layers {indices[0]}-{indices[-1]}"
+        verb = "takes" if len(indices) == 1 else "take"
+        parts.append(f"{which} ({owner}) {verb} {takes}")
+    return "; ".join(parts)
 
 
 def check_layers(layers: Any, base: type, kind: str, adapter: str, other: tuple[str, str]) -> None:

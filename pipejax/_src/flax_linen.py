@@ -58,9 +58,16 @@ class LinenPipeline(nn.Module):
     only its parameters. Layers within a stage run in sequence; stages may differ in every way
     (heterogeneous stages). The result equals running the layers in sequence on the whole batch.
 
-    Calling: ``module.apply(variables, x, rngs={"dropout": key}, **flags)``.
+    Calling: ``module.apply(variables, x, context=None, rngs={"dropout": key}, **flags)``.
 
     * ``x`` is what the first layer takes (an array or a pytree of arrays with a leading batch axis).
+    * ``context`` (side inputs: attention masks, positions, segment ids): a dict from keyword
+      names to arrays (or pytrees of arrays) with ``x``'s leading batch axis. They are cut into
+      micro-batches with ``x`` (padding rows included), and every layer whose ``__call__`` takes
+      a keyword argument of an entry's name receives its micro-batch's rows under that name:
+      ``context={"decoder_mask": mask}`` runs ``layer(h, decoder_mask=rows_of_mask)``. Layers
+      that do not take it do not receive it; an entry no layer takes is a ``TypeError``. Nothing
+      of it travels between stages.
     * ``flags`` (keyword arguments such as ``deterministic=True`` or ``train=False``) are passed to
       every layer whose ``__call__`` accepts them, on every micro-batch. They must be Python
       values; a flag that no layer accepts is a ``TypeError``.
@@ -71,10 +78,11 @@ class LinenPipeline(nn.Module):
       depend on the mesh or the checkpoint mode, so all of them give bitwise the same result.
       Without that rng, layers get no rngs (so dropout layers must be deterministic).
 
-    Initialisation: ``init`` runs the layers in sequence on the whole batch to create their
-    parameters (layer ``l``, counted over all layers, with rngs ``{"params": k_l,
-    rng_collection: k'_l}``, where ``k_l, k'_l = jax.random.split(jax.random.fold_in(rng, l))``
-    and ``rng`` is the module's ``"params"`` rng) and lays them out with
+    Initialisation: ``init`` runs the layers in sequence on the whole batch (and the whole
+    ``context``) to create their parameters (layer ``l``, counted over all layers, with rngs
+    ``{"params": k_l, rng_collection: k'_l}``, where
+    ``k_l, k'_l = jax.random.split(jax.random.fold_in(rng, l))`` and ``rng`` is the module's
+    ``"params"`` rng) and lays them out with
     :meth:`pipejax.Pipeline.place`. The output of ``init`` is that sequential run's (equal to the
     pipeline's up to rounding when deterministic), so ``init`` never compiles the pipeline.
     Layers that create collections other than ``"params"`` and ``"batch_stats"`` (caches,
@@ -141,14 +149,18 @@ class LinenPipeline(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: PyTree, **flags: Any) -> PyTree:
+    def __call__(self, x: PyTree, *, context: Mapping[str, PyTree] | None = None, **flags: Any) -> PyTree:
         stack = self._stack()
-        kwargs = common.route_kwargs([type(layer).__call__ for layer in self.layers], flags)
+        calls = [type(layer).__call__ for layer in self.layers]
+        kwargs = common.route_kwargs(calls, flags)
+        names = common.route_context(calls, context, flags)
+        side = {} if names is None else {"context": dict(context)}
         if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
             created = []
+            whole = common.with_context(kwargs, names, context)  # the whole batch's side inputs
 
             def init(rng):
-                params, state, y = self._init_layers(rng, stack, kwargs, x)
+                params, state, y = self._init_layers(rng, stack, whole, x)
                 created.append((state, y))
                 return stack_box(stack, params)
 
@@ -161,7 +173,8 @@ class LinenPipeline(nn.Module):
         # compare shapes; the pipeline checks the parameters against its stages itself.
         params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
-        engine = stack.pipeline(_run_layer(self._layers(), self.rng_collection, stack.deferred), kwargs)
+        run = _run_layer(self._layers(), self.rng_collection, stack.deferred)
+        engine = stack.pipeline(run, kwargs, names)
         if not stack.deferred:
             if self.has_variable("batch_stats", "stages"):
                 raise ValueError(
@@ -169,10 +182,10 @@ class LinenPipeline(nn.Module):
                         "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
                     )
                 )
-            return engine(params, x, key)
+            return engine(params, x, key, **side)
         state = self.get_variable("batch_stats", "stages")
         state = None if state is None else _check_packed(state, "batch_stats")
-        y, stats = engine(params, x, key, state=state)
+        y, stats = engine(params, x, key, state=state, **side)
         new = None if state is None else stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: update its statistics once
             if not self.is_mutable_collection("batch_stats"):

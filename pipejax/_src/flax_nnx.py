@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,8 +51,14 @@ class NNXPipeline(nnx.Module):
     changes to the layer objects do not reach it); :meth:`to_sequential` gives them back as
     modules. The result equals running the layers in sequence on the whole batch.
 
-    Calling: ``pipe(x, deterministic=None, rngs=None, **flags)``.
+    Calling: ``pipe(x, deterministic=None, rngs=None, context=None, **flags)``.
 
+    * ``context`` (side inputs: attention masks, positions, segment ids): a dict from keyword
+      names to arrays (or pytrees of arrays) with ``x``'s leading batch axis. They are cut into
+      micro-batches with ``x`` (padding rows included), and every layer whose ``__call__`` takes
+      a keyword argument of an entry's name receives its micro-batch's rows under that name:
+      ``context={"decoder_mask": mask}`` runs ``layer(h, decoder_mask=rows_of_mask)``. Layers
+      that do not take it do not receive it; an entry no layer takes is a ``TypeError``.
     * ``flags`` (e.g. ``train=True``) are passed to every layer whose ``__call__`` accepts them.
     * ``deterministic`` (the call's, else the module's attribute, which ``pipe.eval()`` and
       ``pipe.train()`` set) is set on every layer that has a ``deterministic`` attribute
@@ -205,17 +211,20 @@ class NNXPipeline(nnx.Module):
         deterministic: bool | None = None,
         use_running_average: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+        context: Mapping[str, PyTree] | None = None,
         **flags: Any,
     ) -> PyTree:
         stack = self._stack
         kwargs = common.route_kwargs(self.calls, flags)
+        names = common.route_context(self.calls, context, flags)
+        side = {} if names is None else {"context": dict(context)}
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
-        engine = stack.pipeline(self._run_layer(det, ura), kwargs)
+        engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)
         if not stack.deferred:
-            return engine(self.stage_params(), x, self._key(rngs))
+            return engine(self.stage_params(), x, self._key(rngs), **side)
         state = self.stage_batch_stats()
-        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state)
+        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state, **side)
         new = stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: its statistics change once
             for var, buffer in zip(self.packed_batch_stats, new.buffers, strict=True):
