@@ -242,3 +242,70 @@ def test_flax_logical_axes_give_the_param_specs():
     placed = apply.place(jax.tree.map(lambda *a: jnp.stack(a), *per_stage))
     assert placed["Dense_1"]["kernel"].sharding.spec == P("stage", "model")
     check_against_composition(apply, placed, [stage, stage], per_stage)
+
+
+def test_linen_and_nnx_adapters_split_parameters_as_their_layers_metadata_says():
+    """Layers annotated for tensor parallelism (Linen: logical axes and the rules in effect at
+    ``init``; NNX: ``nnx.with_partitioning``) are stored split over ``"model"`` inside their
+    stage by the adapters, and run to the layers' own results."""
+    import flax.linen as nn
+    from flax import nnx
+
+    from pipejax.flax import LinenPipeline, NNXPipeline
+
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    x = x_batch()
+
+    def dense(features, names):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+        return nn.Dense(features, kernel_init=init, use_bias=False, param_dtype=jnp.float64)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + dense(D, ("mlp", "embed"))(jnp.tanh(dense(H, ("embed", "mlp"))(x)))
+
+    pipe = LinenPipeline([Block(), Block()], num_stages=2, chunks=3, mesh=mesh)
+    with nn.logical_axis_rules([("mlp", "model"), ("embed", None)]):
+        variables = pipe.init(jax.random.key(0), x)
+    (buffer,) = nn.unbox(variables)["params"]["stages"].buffers
+    assert buffer.shape == (2, 2, D * H) and buffer.sharding.spec == P("stage", "model")
+    assert nn.get_partition_spec(variables)["params"]["stages"] == P("stage", "model")
+    seq = nn.unbox(pipe.to_sequential(variables))
+    np.testing.assert_allclose(
+        pipe.apply(variables, x), nn.Sequential([Block(), Block()]).apply(seq, x), rtol=1e-12
+    )
+
+    class NNXBlock(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(
+                D,
+                H,
+                use_bias=False,
+                kernel_init=nnx.with_partitioning(init, (None, "model")),
+                param_dtype=jnp.float64,
+                rngs=rngs,
+            )
+            self.down = nnx.Linear(
+                H,
+                D,
+                use_bias=False,
+                kernel_init=nnx.with_partitioning(init, ("model", None)),
+                param_dtype=jnp.float64,
+                rngs=rngs,
+            )
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    with jax.set_mesh(mesh):
+        blocks = [NNXBlock(nnx.Rngs(s)) for s in range(2)]
+    want = blocks[1](blocks[0](x))
+    model = NNXPipeline(blocks, num_stages=2, chunks=3, mesh=mesh)
+    (buffer,) = model.packed
+    assert tuple(buffer[...].sharding.spec)[:2] == ("stage", "model")
+    is_spec = lambda a: isinstance(a, P)
+    reported = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model, nnx.Param)), is_leaf=is_spec)
+    assert any(tuple(spec)[:2] == ("stage", "model") for spec in reported), reported
+    np.testing.assert_allclose(model(x), want, rtol=1e-12)

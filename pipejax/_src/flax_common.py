@@ -192,9 +192,19 @@ class Stack:
         """Per-layer items -> per-stage tuples."""
         return [tuple(g) for g in partition([_no_layer] * self.num_layers, self.sizes).group(list(items))]
 
-    def place(self, per_layer: Sequence[PyTree]) -> StageParams:
-        """Per-layer pytrees laid out for the pipeline (device ``s`` stores stage ``s``'s)."""
-        return self.placer.place(self.group(per_layer))
+    def place(self, per_layer: Sequence[PyTree], specs: Sequence[PyTree] | None = None) -> StageParams:
+        """Per-layer pytrees laid out for the pipeline (device ``s`` stores stage ``s``'s).
+
+        ``specs``: per layer, a ``PartitionSpec`` per parameter leaf over the mesh's other axes
+        (the layers' own sharding metadata, see :func:`layer_specs`), or ``None``: the pipeline's
+        ``param_specs`` option, if any.
+        """
+        if specs is None:
+            return self.placer.place(self.group(per_layer))
+        options = dict(self.options, param_specs=self.group(specs))
+        return pipeline([_no_stage] * len(self.sizes), stateful=self.deferred, **options).place(
+            self.group(per_layer)
+        )
 
     def unpack(self, packed: StageParams) -> list[PyTree]:
         """The per-layer pytrees of ``packed`` (what :meth:`place` took), in layer order."""
@@ -625,3 +635,47 @@ def _updated(batch_stats: PyTree, records: Mapping[tuple[str, ...], SownMoments]
         stats = batch_norm_update(running, sown.moments, momentum=sown.momentum, unbiased=unbiased)
         new[(*path, "mean")], new[(*path, "var")] = stats.mean, stats.var
     return jax.tree_util.tree_map_with_path(lambda p, a: new.get(_dict_path(p), a), batch_stats)
+
+
+def layer_specs(boxed: Sequence[PyTree], mesh: Mesh | None, axis_name: str) -> list[PyTree] | None:
+    """Per layer, the ``PartitionSpec`` of each parameter leaf over the mesh's non-stage axes,
+    from Linen's sharding metadata: ``nn.with_partitioning`` boxes name mesh axes,
+    ``nn.with_logical_partitioning`` boxes logical axes that the rules in effect
+    (``nn.logical_axis_rules(...)``, or the box's own ``rules``) map to mesh axes. ``None`` when
+    no leaf is sharded over an axis of ``mesh`` other than ``axis_name`` (or without a mesh)."""
+    if mesh is None:
+        return None
+    from flax import linen as nn
+
+    def spec_of(box):
+        if isinstance(box, nn.LogicallyPartitioned):
+            return nn.logical_to_mesh_axes(box.names, box.rules)
+        if isinstance(box, nn.Partitioned):
+            return PartitionSpec(*box.names)
+        return None
+
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    return split_specs([jax.tree.map(spec_of, layer, is_leaf=is_box) for layer in boxed], mesh, axis_name)
+
+
+def split_specs(specs: Sequence[PyTree], mesh: Mesh, axis_name: str) -> list[PyTree] | None:
+    """``specs`` (per layer, a ``PartitionSpec`` or ``None`` per parameter leaf) restricted to the
+    axes of ``mesh`` other than the stage axis ``axis_name``, or ``None`` when nothing is left to
+    split. Names that are not mesh axes (logical axes no rule mapped) split nothing."""
+    keep = set(mesh.axis_names) - {axis_name}
+
+    def restrict(spec):
+        if not isinstance(spec, PartitionSpec):
+            return None
+        entries = []
+        for p in spec:
+            names = tuple(a for a in (() if p is None else (p,) if isinstance(p, str) else p) if a in keep)
+            entries.append(None if not names else names[0] if len(names) == 1 else names)
+        return PartitionSpec(*entries) if any(e is not None for e in entries) else None
+
+    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)
+    restricted = [jax.tree.map(restrict, layer, is_leaf=is_spec) for layer in specs]
+    split = any(
+        isinstance(p, PartitionSpec) for layer in restricted for p in jax.tree.leaves(layer, is_leaf=is_spec)
+    )
+    return restricted if split else None

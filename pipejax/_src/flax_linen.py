@@ -339,7 +339,10 @@ class LinenPipeline(nn.Module):
             params.append(variables.get("params", {}))
             state.append(variables.get("batch_stats", {}))
         placed_state = stack.place(state) if jax.tree.leaves(state) else None
-        return stack.place(params), placed_state, h
+        # the layers' own sharding metadata (nn.with_partitioning / with_logical_partitioning and
+        # the logical axis rules in effect) says how each parameter is split inside its stage
+        specs = common.layer_specs(params, stack.placer.mesh, stack.placer.axis_name)
+        return stack.place(params, specs), placed_state, h
 
 
 _NAME = "LinenPipeline"
@@ -490,9 +493,20 @@ class StagePartitioned(nn.Partitioned):
 
 
 def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
-    """``packed`` boxed with the partition of its buffers."""
+    """``packed`` boxed with the partition of its buffers.
+
+    One ``names`` tuple serves every buffer (Flax applies it as a prefix), so when buffers are
+    split differently inside their stages (``param_specs``, the layers' sharding metadata) it is
+    their common prefix, the stage axis, and the buffers' own shardings say the rest.
+    """
     ndim = packed.buffers[0].ndim if packed.buffers else 2
-    return StagePartitioned(packed, names=tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim))))
+    names = tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim)))
+    if packed.container.splits is not None and stack.placer.mesh is not None:
+        pipe = stack.placer
+        lead = (None, pipe.axis_name) if pipe.repeats > 1 and pipe.num_devices > 1 else (pipe.axis_name,)
+        specs = {tuple(sp) for sp in packed.container.slot_specs(lead)}
+        names = next(iter(specs)) if len(specs) == 1 else lead
+    return StagePartitioned(packed, names=names)
 
 
 def _check_packed(value: Any, collection: str) -> StageParams:

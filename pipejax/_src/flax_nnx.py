@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from pipejax._src import flax_common as common
 from pipejax._src.placement import StageParams
@@ -182,7 +183,14 @@ class NNXPipeline(nnx.Module):
         # Placed replicated over the mesh, as a jitted step returns them: arrays made on one device
         # (the layers' rng streams, the pipeline's own) would make the second step compile again.
         self.layer_state = nnx.data(stack.replicated(rest))
-        placed = stack.place(params)
+        # the layers' own sharding metadata (nnx.with_partitioning, resolved by nnx's rules) says
+        # how each parameter is split inside its stage
+        specs = None
+        if stack.placer.mesh is not None:
+            specs = common.split_specs(
+                [nnx.get_partition_spec(p) for p in params], stack.placer.mesh, stack.placer.axis_name
+            )
+        placed = stack.place(params, specs)
         self.packed = nnx.List([nnx.Param(b, **_sharding(stack, b)) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts
         self.stats_container = self.stats_layouts = None
@@ -470,7 +478,11 @@ def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
     mesh = stack.placer.mesh
     if mesh is None:
         return {}
-    return {"out_sharding": tuple(stack.spec(buffer.ndim)), "mesh": mesh}
+    spec = tuple(stack.spec(buffer.ndim))
+    placed = getattr(buffer, "sharding", None)  # as `place` laid it out (split inside its stage too)
+    if isinstance(placed, NamedSharding) and placed.mesh == mesh:
+        spec = tuple(placed.spec) + (None,) * (buffer.ndim - len(placed.spec))
+    return {"out_sharding": spec, "mesh": mesh}
 
 
 def _is_var(v) -> bool:

@@ -410,7 +410,12 @@ class Pipeline:
     def _splits(self, params):
         """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
         (heterogeneous), the splits over the non-stage axes; ``None`` without ``param_specs``."""
-        if self.param_specs is None or params is None:
+        if params is None:
+            return None
+        if self.param_specs is None:  # a placed StageParams carries the splits it was placed with
+            if isinstance(params, StageParams) and self.mesh is not None:
+                given = [lay.leaf_splits() for lay in params.layouts]
+                return given if any(any(leaf) for leaf in given) else None
             return None
         specs = self.param_specs
         if self.homogeneous:
