@@ -138,3 +138,155 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
     """
     n, m, v = num_devices, num_micro, repeats
     return (n - 1) / (v * m + n - 1)
+
+
+# --- schedules that own the backward pass --------------------------------------------------------
+#
+# 1F1B (PipeDream-flush, Narayanan et al. 2021) and ZB-H1 (Qi et al. 2023) interleave forward and
+# backward work of different micro-batches, so they are not the reverse of a forward scan: the
+# training program (:mod:`pipejax._src.train`) runs their tables itself. A tick of a device runs,
+# in this order, at most one forward slot F (its stage on one micro-batch), one backward slot B
+# (the stage's vjp: input and parameter cotangents for "1f1b", the input cotangent only for
+# "zb-h1") and, for "zb-h1", one weight slot W (the parameter cotangent); then activations move
+# one device forward and cotangents one device back. Lockstep SPMD makes a tick as long as its
+# slowest device, so the tables give every device one F and one B (and one W) per steady-state tick.
+#
+# Device (= stage) ``s`` of ``n``, micro-batch ``i`` of ``m``:
+#
+# * F(s, i) at tick ``i + s`` (GPipe's forward skew);
+# * B(s, i) at tick ``i + 2 (n - 1) - s``: the last stage runs B right after F in the same tick,
+#   and each cotangent reaches the previous device the tick after;
+# * "zb-h1" only: W(s, i) at tick ``i + 2 (n - 1)``, i.e. ``s`` ticks after its B. Every device's
+#   W runs on the same ticks, so a tick with W on one device has it on all, and the last ``n - 1``
+#   ticks (the cool-down, where only B's run in "1f1b" as B+W) carry W's that were deferred there.
+#
+# ``m + 2 (n - 1)`` ticks. Micro-batches in flight on device ``s`` (input stashed, last use not yet
+# run): ``2 (n - s) - 1`` for "1f1b", ``2 n - 1 - s`` for "zb-h1"; at most ``2 n - 1`` whatever
+# ``m``. (Megatron's 1F1B keeps ``n - s`` by alternating F and B ticks on each device; in lockstep
+# that puts F on half the devices and B on the other half in every tick, so a tick costs
+# ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
+# with a deeper stash.)
+
+TRAINING_KINDS = ("1f1b", "zb-h1")
+
+
+class TrainingSchedule(NamedTuple):
+    """A static table of forward (F), backward (B) and weight-gradient (W) slots.
+
+    ``forward[t, d] = i`` when device ``d`` runs the forward of its stage on micro-batch ``i`` at
+    tick ``t`` (``-1``: none); ``backward`` and ``weight`` likewise. ``weight`` is ``None`` when B
+    computes the parameter cotangent too ("1f1b"). Device ``d`` runs stage ``d``.
+    """
+
+    name: str
+    forward: np.ndarray  # int32[ticks, n]
+    backward: np.ndarray  # int32[ticks, n]
+    weight: np.ndarray | None  # int32[ticks, n] or None
+    num_micro: int
+
+    @property
+    def num_ticks(self) -> int:
+        return self.forward.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self.forward.shape[1]
+
+    def slots(self) -> dict[str, np.ndarray]:
+        """int[n] per kind ("F", "B", and "W" for "zb-h1"): the slots each device runs."""
+        out = {"F": (self.forward >= 0).sum(0), "B": (self.backward >= 0).sum(0)}
+        if self.weight is not None:
+            out["W"] = (self.weight >= 0).sum(0)
+        return out
+
+    def in_flight(self) -> np.ndarray:
+        """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
+        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``)."""
+        last = self.backward if self.weight is None else self.weight
+        t = np.arange(self.num_ticks)
+        count = np.zeros(self.forward.shape, np.int64)
+        for d in range(self.num_devices):
+            f = {i: tick for tick, i in enumerate(self.forward[:, d]) if i >= 0}
+            u = {i: tick for tick, i in enumerate(last[:, d]) if i >= 0}
+            for i in f:
+                count[:, d] += (t >= f[i]) & (t <= u[i])
+        return count
+
+    def stash_slots(self) -> int:
+        """The ring-buffer slots a device needs for stage inputs: the most micro-batches ever in
+        flight on a device (``2 n - 1`` for ``m >= n``), independent of ``m`` once ``m >= 2 n - 1``."""
+        return max(1, int(self.in_flight().max()))
+
+    def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
+        """The lockstep time of the table: every tick lasts as long as its busiest device, which
+        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (for "1f1b" pass the
+        whole backward as ``b``)."""
+        cost = f * (self.forward >= 0) + b * (self.backward >= 0)
+        if self.weight is not None:
+            cost = cost + w * (self.weight >= 0)
+        return float(cost.max(axis=1).sum())
+
+    def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
+        """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
+        busy = self.num_micro * (f + b + (w if self.weight is not None else 0.0))
+        return 1.0 - busy / self.step_time(f, b, w)
+
+
+def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The lockstep 1F1B table: F(s, i) at tick ``i + s``, B(s, i) at tick ``i + 2 (n - 1) - s``.
+
+    Examples:
+      >>> s = one_f_one_b(2, 3)
+      >>> s.forward.T.tolist(), s.backward.T.tolist()
+      ([[0, 1, 2, -1, -1], [-1, 0, 1, 2, -1]], [[-1, -1, 0, 1, 2], [-1, 0, 1, 2, -1]])
+      >>> s.in_flight().max(axis=0).tolist(), s.stash_slots()
+      ([3, 1], 3)
+      >>> s.bubble_fraction(1.0, 2.0), gpipe_bubble_fraction(2, 3)
+      (0.25, 0.25)
+    """
+    return _training_table("1f1b", num_stages, num_micro)
+
+
+def zb_h1(num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The lockstep ZB-H1 table: F and B as :func:`one_f_one_b` (B the input cotangent only),
+    W(s, i) at tick ``i + 2 (n - 1)``.
+
+    Examples:
+      >>> s = zb_h1(2, 3)
+      >>> s.weight.T.tolist()
+      [[-1, -1, 0, 1, 2], [-1, -1, 0, 1, 2]]
+      >>> s.bubble_fraction(1.0, 1.0, 1.0), zb_h1_bubble_fraction(2, 3, 1.0, 1.0, 1.0)
+      (0.181..., 0.181...)
+    """
+    return _training_table("zb-h1", num_stages, num_micro)
+
+
+def training(name: str, num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`)."""
+    return _training_table(name, num_stages, num_micro)
+
+
+def _training_table(name, n, m) -> TrainingSchedule:
+    assert name in TRAINING_KINDS, name
+    ticks = m + 2 * (n - 1)
+    t = np.arange(ticks)[:, None]
+    s = np.arange(n)[None, :]
+
+    def slot(offset):
+        i = t - offset
+        return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
+
+    forward, backward = slot(s), slot(2 * (n - 1) - s)
+    weight = slot(np.broadcast_to(2 * (n - 1), (1, n))) if name == "zb-h1" else None
+    return TrainingSchedule(name, forward, backward, weight, m)
+
+
+def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w: float) -> float:
+    """ZB-H1's lockstep bubble for ``m >= n``: ``(n - 1)(f + b) / ((m + n - 1)(f + b) + m w)``.
+
+    The fill and drain cost ``(n - 1)(f + b)`` as in 1F1B, whose bubble (with ``b`` its whole
+    backward) is GPipe's ``(n - 1) / (m + n - 1)``; the ``n - 1`` deferred W's of each device run
+    in the drain, where they cost nothing extra.
+    """
+    n, m = num_stages, num_micro
+    return (n - 1) * (f + b) / ((m + n - 1) * (f + b) + m * w)

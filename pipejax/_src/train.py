@@ -1,0 +1,569 @@
+"""Training programs that own the backward pass: ``Pipeline.value_and_grad(loss_fn)``.
+
+GPipe and circular pipelines are forward scans, and ``jax.value_and_grad`` of them is their
+training step. The 1F1B and ZB-H1 schedules (:func:`pipejax._src.schedule.training`) interleave
+forward and backward work of different micro-batches, which no transformation of a forward
+program produces, so the program here runs their table itself, in one ``lax.scan`` over its ticks:
+
+* **F** (micro-batch ``i``): the device runs its stage on its input -- micro-batch ``i`` of ``x``
+  on stage 0, the activation the previous device sent otherwise -- and stashes that input in a
+  ring buffer of :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i``
+  mod the size). The last stage applies ``loss_fn`` and adds the masked sum of its per-example
+  losses, over the batch size, to the loss.
+* **B**: the stage is run again on its stashed input under ``jax.vjp`` and pulled back with the
+  cotangent the next device sent (the last stage seeds it with the loss): "1f1b" gets the
+  parameter and the input cotangents, "zb-h1" the input cotangent only and stashes the output
+  cotangent for W. Stage 0 computes no input cotangent.
+* **W** ("zb-h1"): the parameter cotangent, from the stashed (input, output cotangent) pair.
+
+After the slots, activations go one device forward and cotangents one device back (``ppermute``
+on a mesh; without one the devices are virtual and run one after the other within the tick).
+Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
+
+Memory and compute: a device keeps at most ``stash_slots`` stage inputs (``2 n - 1``), however
+many micro-batches run, and recomputes each stage's forward once in B (and once more in W), like
+``checkpoint="always"``. Keys are those of the forward pipeline (:func:`engine.stage_keys`), so
+recomputation replays the same dropout masks and the loss and gradients equal those of
+``jax.value_and_grad`` of the GPipe pipeline, up to the order of floating-point sums.
+
+There is no ``custom_vjp``: the program is ordinary JAX (``jax.vjp`` inside the loop), so
+``jax.jvp`` of it gives Hessian-vector products (forward-over-reverse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from pipejax._src import compat, engine, keys, microbatch
+from pipejax._src import schedule as sched
+from pipejax._src.layout import Container, Layout
+
+PyTree = Any
+
+
+def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
+    """``f(params, x, targets, key=None) -> (loss, grads)`` for ``pipe``; see
+    :meth:`pipejax.Pipeline.value_and_grad`."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
+            f"example, but got {type(loss_fn).__name__} {loss_fn!r}."
+        )
+    if pipe.stateful:
+        raise ValueError(
+            "`value_and_grad` does not support stateful pipelines (`stateful=True`) yet: their "
+            "stats would have to be returned too. Use `jax.value_and_grad` of a loss around the "
+            "pipeline with `schedule='gpipe'`."
+        )
+    owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
+    if owns_backward and pipe.data_axis_name is not None:
+        raise ValueError(
+            f"`schedule={pipe.schedule_name!r}` does not support a data axis "
+            f"(`data_axis_name={pipe.data_axis_name!r}`) yet. Use `schedule='gpipe'` for data x "
+            "pipeline parallelism, or drop `data_axis_name`."
+        )
+
+    def traced(params, x, targets, key):
+        if owns_backward:
+            loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key)
+            return loss, grads
+        return jax.value_and_grad(lambda p: mean_loss(loss_fn, pipe(p, x, key), targets))(params)
+
+    jitted = jax.jit(traced)
+
+    def f(params, x, targets, key=None):
+        keys.check_key(key)
+        _check_params(pipe, params)
+        return jitted(params, x, targets, key)
+
+    f.__doc__ = f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
+    return f
+
+
+def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
+    """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
+    working branch adds one, an idle branch zero). For tests and benchmarks."""
+    _check_params(pipe, params)
+    counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)
+    return np.asarray(counts)
+
+
+def mean_loss(loss_fn, outputs, targets) -> jax.Array:
+    """The mean over the batch of ``loss_fn(outputs, targets)`` (one loss per example)."""
+    losses = _per_example(loss_fn, outputs, targets, microbatch.batch_size(outputs, name="outputs"))
+    return jnp.sum(losses) / losses.shape[0]
+
+
+def _per_example(loss_fn, outputs, targets, size):
+    losses = loss_fn(outputs, targets)
+    if jnp.shape(losses) != (size,):
+        raise ValueError(
+            f"`loss_fn(outputs, targets)` must return one loss per example, shape ({size},), but "
+            f"returned shape {jnp.shape(losses)}. Return the per-example losses (e.g. "
+            "`jnp.sum((y - t) ** 2, axis=-1)`), not their mean: the pipeline averages them over the "
+            "whole batch, padding rows excluded."
+        )
+    return losses
+
+
+def _check_params(pipe, params):
+    from pipejax._src.pipeline import _check_params_shape  # the pipeline module imports this one
+
+    _check_params_shape(params, pipe)
+
+
+# --- the program -----------------------------------------------------------------------------
+
+
+class _Variant(NamedTuple):
+    """What one branch of a device's slot computes: a stage function and its role."""
+
+    fn: Callable[..., Any]
+    first: bool  # stage 0: reads x, computes no input cotangent
+    last: bool  # the last stage: applies the loss
+    params_of: Callable[[Any], Any]  # device's parameter row -> the stage's parameter pytree
+    x_layout: Layout
+    y_layout: Layout
+
+
+def _run(pipe, loss_fn, params, x, targets, key):
+    """``(loss, grads, counts int[n, 3])`` of one training step on ``pipe.schedule_name``'s table."""
+    from pipejax._src import pipeline as pl  # the pipeline module imports this one
+
+    plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
+    t_size = microbatch.batch_size(targets, name="targets")
+    if t_size != plan.batch:
+        raise ValueError(
+            f"`targets` has a batch of {t_size} examples but `x` has {plan.batch}; targets are cut "
+            "into micro-batches with `x`, so their leaves need `x`'s leading batch axis."
+        )
+    xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
+    ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
+    table = sched.training(pipe.schedule_name, pipe.num_stages, plan.num_micro)
+    key_struct = None
+    if key is not None:
+        lead = (plan.micro_size,) if pipe.per_example_keys else ()
+        key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
+    runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p), params)
+    if pipe.homogeneous:
+        boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct)
+    else:
+        boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct)
+    y_struct = boundaries[-1].structs()
+    ys_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct)
+    jax.eval_shape(lambda y, t: _per_example(loss_fn, y, t, plan.micro_size), ys_struct, _micro(ts))
+    cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, "always", pipe.axis_name, None)
+    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key)
+    if pipe.mesh is None:
+        loss, grads, counts = prog.local(runner)
+    else:
+        loss, grads, counts = prog.mesh(runner)
+    return loss, to_user(grads)[0], counts
+
+
+def _micro(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+
+
+class _Program:
+    def __init__(self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key):
+        self.pipe, self.cfg, self.loss_fn, self.table = pipe, cfg, loss_fn, table
+        self.boundaries, self.plan = boundaries, plan
+        self.xs, self.mask, self.ts, self.key = xs, mask, ts, key
+        self.S, self.m = pipe.num_stages, plan.num_micro
+        self.K = table.stash_slots()  # stage inputs a device keeps
+        self.zb = table.weight is not None
+        self.scale = 1.0 / plan.batch
+
+    # -- the slots, on typed values ---------------------------------------------------------
+
+    def _inputs(self, i, s):
+        ic = engine.clip(i, self.m)
+        k = engine.stage_keys(self.cfg, self.key, ic, s, self.plan.micro_size)
+        return k, engine.take(self.ts, ic), engine.take(self.mask, ic)
+
+    def _loss(self, y, t, mask):
+        losses = _per_example(self.loss_fn, y, t, self.plan.micro_size)
+        zero = jnp.zeros((), losses.dtype)
+        return jnp.sum(jnp.where(mask, losses, zero)) * jnp.asarray(self.scale, losses.dtype)
+
+    def forward(self, v: _Variant, prow, x, k, t, mask):
+        """``(y or None, loss contribution)``."""
+        y = v.fn(v.params_of(prow), x, k)
+        if v.last:
+            return None, self._loss(y, t, mask)
+        return y, None
+
+    def pullback(self, v: _Variant, prow, x, g, k, t, mask, wrt_params: bool, wrt_input: bool):
+        """``(input cotangent or None, parameter-row cotangent or None)`` of the stage (the
+        last stage: of its loss) at ``x``, pulled back with ``g``."""
+        if not (wrt_params or wrt_input):  # ZB's B on stage 0: nothing to send back
+            return None, None
+        xf, rebuild = _floats(x)
+
+        def h(prow, xf):
+            y = v.fn(v.params_of(prow), rebuild(xf), k)
+            return self._loss(y, t, mask) if v.last else y
+
+        if wrt_params and wrt_input:
+            out, back = jax.vjp(h, prow, xf)
+        elif wrt_params:
+            out, back = jax.vjp(lambda p: h(p, xf), prow)
+        else:
+            out, back = jax.vjp(lambda a: h(prow, a), xf)
+        seed = jnp.ones_like(out) if v.last else _cotangent(g, out)
+        cts = back(seed)
+        dp = cts[0] if wrt_params else None
+        dx = _fill(x, cts[-1]) if wrt_input else None
+        return dx, dp
+
+    # -- without a mesh: virtual devices, one after the other in each tick -------------------
+
+    def local(self, runner):
+        S, K, m, zb, pipe = self.S, self.K, self.m, self.zb, self.pipe
+        bnd = self.boundaries
+        if pipe.homogeneous:
+            prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
+        else:
+            prows = list(runner)
+        variants = [
+            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1]) for d in range(S)
+        ]
+        rows = tuple(jnp.asarray(a) for a in self._rows())
+
+        def zero(layout, lead=()):
+            return engine.zeros(layout, lead)
+
+        init = []
+        for d, v in enumerate(variants):
+            init.append(
+                dict(
+                    fin=zero(v.x_layout),
+                    bin=zero(v.y_layout),
+                    stash=zero(v.x_layout, (K,)),
+                    gstash=zero(v.y_layout, (S,)) if zb and not v.last else None,
+                    grad=jax.tree.map(jnp.zeros_like, prows[d]),
+                    counts=jnp.zeros((3,), jnp.int32),
+                )
+            )
+        loss0 = self._loss_zero(variants[-1])
+
+        def body(c, r):
+            devs, loss = c
+            f, b, w = r
+            sent_f, sent_b, new = [], [], []
+            for d, v in enumerate(variants):
+                dev, y, dx, dloss = self._device_tick(v, d, prows[d], devs[d], f[d], b[d], w[d])
+                new.append(dev)
+                sent_f.append(y)
+                sent_b.append(dx)
+                if v.last:
+                    loss = loss + dloss
+            for d in range(S):  # the sends: a local shift
+                if d > 0:
+                    new[d]["fin"] = sent_f[d - 1]
+                if d < S - 1:
+                    new[d]["bin"] = sent_b[d + 1]
+            return (new, loss), None
+
+        (devs, loss), _ = lax.scan(body, (init, loss0), rows)
+        grads = [dev["grad"] for dev in devs]
+        if pipe.homogeneous:
+            grads = jax.tree.map(lambda *a: jnp.stack(a), *grads)
+        counts = jnp.stack([dev["counts"] for dev in devs])
+        return loss, grads, counts
+
+    def _loss_zero(self, v):
+        out = jax.eval_shape(
+            lambda y, t, mask: self._loss(y, t, mask), v.y_layout.structs(), _micro(self.ts), _micro(self.mask)
+        )
+        return jnp.zeros((), out.dtype)
+
+    def _rows(self):
+        t = self.table
+        w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
+        return t.forward, t.backward, w
+
+    def _device_tick(self, v, d, prow, dev, i, j, k):
+        """One tick of virtual device ``d`` (static stage ``v``); ``lax.cond`` skips idle slots."""
+        K, S, zb = self.K, self.S, self.zb
+        dev = dict(dev)
+        counts = dev["counts"]
+        # F
+        x_in = engine.take(self.xs, engine.clip(i, self.m)) if v.first else dev["fin"]
+        dev["stash"] = _put(dev["stash"], x_in, i % K, i >= 0)
+
+        def f_work(x_in, i):
+            y, dloss = self.forward(v, prow, x_in, *self._inputs(i, d))
+            return y, dloss, jnp.ones((), jnp.int32)
+
+        def f_idle(x_in, i):
+            y, dloss = jax.eval_shape(lambda: self.forward(v, prow, x_in, *self._inputs(i, d)))
+            return _zeros_like(y), _zeros_like(dloss), jnp.zeros((), jnp.int32)
+
+        y, dloss, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
+        counts = counts.at[0].add(c)
+        # B
+        xb = _get(dev["stash"], j % K)
+
+        def b_work(xb, g, j):
+            dx, dp = self.pullback(
+                v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first
+            )
+            return dx, dp, jnp.ones((), jnp.int32)
+
+        def b_idle(xb, g, j):
+            out = jax.eval_shape(lambda: b_work(xb, g, j))
+            return _zeros_like(out[0]), _zeros_like(out[1]), jnp.zeros((), jnp.int32)
+
+        dx, dp, c = lax.cond(j >= 0, b_work, b_idle, xb, dev["bin"], j)
+        counts = counts.at[1].add(c)
+        if dp is not None:
+            dev["grad"] = _add(dev["grad"], dp)
+        if zb:
+            if dev["gstash"] is not None:
+                dev["gstash"] = _put(dev["gstash"], dev["bin"], j % S, j >= 0)
+            xw = _get(dev["stash"], k % K)
+            gw = None if dev["gstash"] is None else _get(dev["gstash"], k % S)
+
+            def w_work(xw, gw, k):
+                dp = self.pullback(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
+                return dp, jnp.ones((), jnp.int32)
+
+            def w_idle(xw, gw, k):
+                out = jax.eval_shape(lambda: w_work(xw, gw, k))
+                return _zeros_like(out[0]), jnp.zeros((), jnp.int32)
+
+            dp, c = lax.cond(k >= 0, w_work, w_idle, xw, gw, k)
+            counts = counts.at[2].add(c)
+            dev["grad"] = _add(dev["grad"], dp)
+        dev["counts"] = counts
+        if y is None:
+            y = engine.zeros(v.y_layout)
+        if dx is None:
+            dx = engine.zeros(v.x_layout)
+        return dev, y, dx, dloss
+
+    # -- on a mesh: one SPMD program, a device per stage ------------------------------------
+
+    def mesh(self, runner):
+        pipe, S, K, zb = self.pipe, self.S, self.K, self.zb
+        axis, mesh = pipe.axis_name, pipe.mesh
+        bnd = self.boundaries
+        if pipe.homogeneous:
+            variants, index = self._homogeneous_variants()
+            prows_in = runner
+            box = None
+        else:
+            pbox = Container.for_layouts(runner.layouts)
+            variants = [
+                _Variant(
+                    pipe.stages[t],
+                    t == 0,
+                    t == S - 1,
+                    lambda prow, t=t: pbox.unpack(prow, runner.layouts[t]),
+                    bnd[t],
+                    bnd[t + 1],
+                )
+                for t in range(S)
+            ]
+            index = np.arange(S)
+            prows_in = runner.buffers
+            box = Container.for_layouts(bnd)
+        pack = (lambda tree: tree) if box is None else box.pack
+        unpack = (lambda msg, layout: msg) if box is None else box.unpack
+        msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
+        loss0 = self._loss_zero(variants[-1])
+        rows = tuple(jnp.asarray(a) for a in self._rows())
+        spec = PartitionSpec(axis)
+        rep = PartitionSpec()
+        prows_in = compat.constrain(prows_in, mesh, spec, axis)
+        xs, mask, ts, key = (compat.constrain(a, mesh, rep, axis) for a in (self.xs, self.mask, self.ts, self.key))
+
+        def body(prows, xs, mask, ts, key):
+            prow = jax.tree.map(lambda a: a[0], prows)
+            d = lax.axis_index(axis)
+            prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key)
+            vindex = jnp.asarray(index, jnp.int32)[d]
+            idle = len(variants)
+
+            def branches(make):
+                return [make(v) for v in variants]
+
+            def tick(c, r):
+                fin, bin_, stash, gstash, grad, loss, counts = c
+                f, b, w = (a[d] for a in r)
+                # F
+                fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
+                x_in = jax.tree.map(lambda a, b: jnp.where(d == 0, a, b), fresh, fin)
+                stash = _put(stash, x_in, f % K, f >= 0)
+
+                def f_branch(v):
+                    def run(prow, x_in, f):
+                        y, dloss = prog.forward(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, d))
+                        y = msg_zeros() if y is None else pack(y)
+                        dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
+                        return y, dloss, jnp.ones((), jnp.int32)
+
+                    return run
+
+                f_idle = lambda prow, x_in, f: (msg_zeros(), jnp.zeros_like(loss), jnp.zeros((), jnp.int32))
+                y, dloss, c0 = lax.switch(
+                    jnp.where(f >= 0, vindex, idle), branches(f_branch) + [f_idle], prow, x_in, f
+                )
+                # B
+                xb = _get(stash, b % K)
+
+                def b_branch(v):
+                    def run(prow, xb, g, b):
+                        dx, dp = prog.pullback(
+                            v,
+                            prow,
+                            unpack(xb, v.x_layout),
+                            None if v.last else unpack(g, v.y_layout),
+                            *prog._inputs(b, d),
+                            wrt_params=not zb,
+                            wrt_input=not v.first,
+                        )
+                        dx = msg_zeros() if dx is None else pack(dx)
+                        dp = _zeros_like(prow) if dp is None else dp
+                        return dx, dp, jnp.ones((), jnp.int32)
+
+                    return run
+
+                b_idle = lambda prow, xb, g, b: (msg_zeros(), _zeros_like(prow), jnp.zeros((), jnp.int32))
+                dx, dp, c1 = lax.switch(
+                    jnp.where(b >= 0, vindex, idle), branches(b_branch) + [b_idle], prow, xb, bin_, b
+                )
+                grad = _add(grad, dp)
+                c2 = jnp.zeros((), jnp.int32)
+                if zb:
+                    gstash = _put(gstash, bin_, b % S, b >= 0)
+                    xw, gw = _get(stash, w % K), _get(gstash, w % S)
+
+                    def w_branch(v):
+                        def run(prow, xw, gw, w):
+                            g = None if v.last else unpack(gw, v.y_layout)
+                            x = unpack(xw, v.x_layout)
+                            _, dp = prog.pullback(
+                                v, prow, x, g, *prog._inputs(w, d), wrt_params=True, wrt_input=False
+                            )
+                            return dp, jnp.ones((), jnp.int32)
+
+                        return run
+
+                    w_idle = lambda prow, xw, gw, w: (_zeros_like(prow), jnp.zeros((), jnp.int32))
+                    dp, c2 = lax.switch(
+                        jnp.where(w >= 0, vindex, idle), branches(w_branch) + [w_idle], prow, xw, gw, w
+                    )
+                    grad = _add(grad, dp)
+                counts = counts + jnp.stack([c0, c1, c2])
+                fin = engine._shift(y, axis, S)
+                bin_ = _shift_back(dx, axis, S)
+                return (fin, bin_, stash, gstash, grad, loss + dloss, counts), None
+
+            init = (
+                msg_zeros(),
+                msg_zeros(),
+                msg_zeros((K,)),
+                msg_zeros((S,)) if zb else None,
+                _zeros_like(prow),
+                loss0,
+                jnp.zeros((3,), jnp.int32),
+            )
+            c, _ = lax.scan(tick, init, rows)
+            grad, loss, counts = c[4], c[5], c[6]
+            lead = lambda tree: jax.tree.map(lambda a: a[None], tree)
+            return lax.psum(loss, axis), lead(grad), counts[None]
+
+        fn = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, rep, rep, rep, None if key is None else rep),
+            out_specs=(rep, spec, spec),
+            check_vma=False,
+        )
+        loss, grads, counts = fn(prows_in, xs, mask, ts, key)
+        if not pipe.homogeneous:
+            grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
+        return loss, grads, counts
+
+    def _homogeneous_variants(self):
+        """One stage function, so one branch per role: (first, last) pairs that occur."""
+        S, bnd, fn = self.S, self.boundaries, self.pipe.stages[0]
+        roles = sorted({(t == 0, t == S - 1) for t in range(S)}, reverse=True)
+        variants = [_Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
+        index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
+        return variants, index
+
+
+# --- small exact helpers ---------------------------------------------------------------------
+
+
+def _shift_back(tree, axis_name, n):
+    """Sends every device's value to the previous device along the stage axis."""
+    if n == 1:
+        return tree
+    return lax.ppermute(tree, axis_name, [(s, s - 1) for s in range(1, n)])
+
+
+def _put(buf, value, slot, enabled):
+    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``)."""
+
+    def one(a, v):
+        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def _get(buf, slot):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, keepdims=False), buf)
+
+
+def _add(acc, delta):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, delta)
+
+
+def _zeros_like(tree):
+    if tree is None:
+        return None
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def _inexact(a) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def _floats(x):
+    """The floating leaves of ``x`` (the ones that have cotangents) and how to put them back."""
+    leaves, treedef = jax.tree.flatten(x)
+    where = [_inexact(a) for a in leaves]
+    floats = [a for a, f in zip(leaves, where, strict=True) if f]
+
+    def rebuild(fl):
+        it = iter(fl)
+        return jax.tree.unflatten(treedef, [next(it) if f else a for a, f in zip(leaves, where, strict=True)])
+
+    return floats, rebuild
+
+
+def _fill(x, float_cts):
+    """A cotangent of ``x``'s type: ``float_cts`` on its floating leaves, zeros elsewhere."""
+    leaves, treedef = jax.tree.flatten(x)
+    it = iter(float_cts)
+    return jax.tree.unflatten(
+        treedef, [next(it) if _inexact(a) else jnp.zeros(jnp.shape(a), jnp.result_type(a)) for a in leaves]
+    )
+
+
+def _cotangent(g, out):
+    """``g`` with ``out``'s dtypes (exact for the containers' round trip)."""
+    return jax.tree.map(lambda a, o: a.astype(o.dtype), g, out)
