@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
+from pipejax._src.placement import StageParams
 
 PyTree = Any
 
@@ -165,6 +166,8 @@ def _run(pipe, loss_fn, params, x, targets, key):
         loss, grads, counts = prog.local(runner)
     else:
         loss, grads, counts = prog.mesh(runner)
+    if pipe.mesh is not None and not pipe.homogeneous and not isinstance(params, StageParams):
+        grads = compat.replicate(grads)  # per-stage pytrees: unstacked, so not split over stages
     return loss, to_user(grads)[0], counts
 
 

@@ -1,0 +1,235 @@
+"""Schedules that own the backward pass ("1f1b", "zb-h1") and ``Pipeline.value_and_grad``.
+
+* The tables: every (stage, micro-batch) has its F, B (and W) exactly once, in an order the
+  program can run (an activation or cotangent is consumed the tick after it is sent), with at
+  most ``2 n - 1`` micro-batches in flight per device whatever ``m``, and the lockstep bubble
+  of the theory.
+* The program: loss and gradients equal ``jax.value_and_grad`` of the GPipe pipeline on
+  heterogeneous stages with dropout and an uneven batch, with and without a mesh, and on
+  homogeneous stages; ``jax.jvp`` of it gives the Hessian-vector products of ``jax.hessian`` of
+  the composed model; the F/B/W slots counted inside the program equal the table's.
+
+Tolerances (float64, eps 2.2e-16): the schedules sum the loss and the parameter cotangents per
+micro-batch in another order than GPipe's autodiff (and recompute the forward in B), so results
+agree to rounding: rtol 1e-10 and atol 1e-12 leave a margin of about 100x over <= 16 reordered
+O(1) terms, as in test_pipeline_contract.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import pipejax as pj
+from pipejax._src import schedule as sched
+from pipejax._src import train
+from tests import models
+
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+
+def _ticks(table):
+    """{(device, micro): tick} of a slot table (each entry at most once)."""
+    out = {}
+    for t, d in itertools.product(range(table.shape[0]), range(table.shape[1])):
+        i = int(table[t, d])
+        if i >= 0:
+            assert (d, i) not in out, f"slot ({d}, {i}) twice"
+            out[(d, i)] = t
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("n", "m"), [(1, 3), (2, 1), (2, 5), (3, 2), (3, 7), (4, 4), (4, 9)])
+def test_table_is_valid(name, n, m):
+    s = sched.training(name, n, m)
+    every = {(d, i) for d in range(n) for i in range(m)}
+    F, B = _ticks(s.forward), _ticks(s.backward)
+    W = _ticks(s.weight) if s.weight is not None else B
+    assert set(F) == set(B) == set(W) == every  # each slot exactly once
+    for d, i in every:
+        if d + 1 < n:  # the activation is consumed the tick after it was sent
+            assert F[(d + 1, i)] == F[(d, i)] + 1
+            assert B[(d, i)] == B[(d + 1, i)] + 1  # and so is the cotangent
+        assert B[(d, i)] >= F[(d, i)]  # the last stage: F then B in the same tick
+        assert W[(d, i)] >= B[(d, i)]
+    flight = s.in_flight()
+    assert s.stash_slots() == flight.max() == min(m, 2 * n - 1)
+    per_device = flight.max(axis=0)
+    expect = [min(m, 2 * (n - d) - 1 if name == "1f1b" else 2 * n - 1 - d) for d in range(n)]
+    assert per_device.tolist() == expect
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 4), (4, 16), (8, 32)])
+def test_bubble_matches_theory(n, m):
+    f, b, w = 1.0, 1.3, 0.7
+    one = sched.one_f_one_b(n, m)
+    zb = sched.zb_h1(n, m)
+    # 1F1B in lockstep costs GPipe's (m + n - 1)(f + b): the same bubble, memory flat in m
+    np.testing.assert_allclose(one.bubble_fraction(f, b + w), sched.gpipe_bubble_fraction(n, m))
+    np.testing.assert_allclose(zb.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(n, m, f, b, w))
+    assert zb.step_time(f, b, w) == pytest.approx(one.step_time(f, b + w) - (n - 1) * w)
+    assert one.stash_slots() == zb.stash_slots() == min(m, 2 * n - 1)
+
+
+def test_stash_is_flat_in_m():
+    assert {sched.one_f_one_b(4, m).stash_slots() for m in (7, 8, 64, 512)} == {7}
+
+
+# --- the program: against GPipe's jax.value_and_grad -------------------------------------------------
+
+RATE = 0.25
+
+
+def _dropout(key, h):
+    if key is None:
+        return h
+    keep = jax.random.bernoulli(key, 1.0 - RATE, h.shape)
+    return jnp.where(keep, h / (1.0 - RATE), jnp.zeros_like(h))
+
+
+def embed(p, x, key):
+    return _dropout(key, models.embed(p, x, key))
+
+
+def wide(p, e, key):
+    h, skip = models.wide(p, e, key)
+    return _dropout(key, h), skip
+
+
+STAGES = (embed, wide, models.head)
+
+
+def xent(logits, labels):
+    """Per-example cross-entropy."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+
+
+def _labels(batch):
+    return jnp.asarray(np.arange(batch) % models.CLASSES, jnp.int32)
+
+
+def _reference(params, x, labels, key, chunks):
+    gpipe = pj.pipeline(list(STAGES), chunks=chunks)
+    return gpipe.value_and_grad(xent)(params, x, labels, key)
+
+
+@pytest.mark.parametrize(
+    ("name", "placement"), [("1f1b", "none"), ("1f1b", "explicit"), ("zb-h1", "none"), ("zb-h1", "auto")]
+)
+def test_heterogeneous_with_dropout_uneven_batch(name, placement):
+    batch, chunks = 10, 4  # micro-batches of 3, the last with 2 padding rows
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = jax.random.key(7)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    loss, grads = jax.jit(pipe.value_and_grad(xent))(params, x, labels, key)
+    ref = _reference(params, x, labels, key, chunks)
+    models.assert_trees_close((loss, grads), ref, **TOL)
+
+
+def test_gpipe_value_and_grad_is_autodiff_of_the_mean_loss():
+    batch, chunks = 5, 2
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = jax.random.key(3)
+    gpipe = pj.pipeline(list(STAGES), chunks=chunks)
+    plain = jax.jit(jax.value_and_grad(lambda p: jnp.mean(xent(gpipe(p, x, key), labels))))
+    models.assert_trees_close(gpipe.value_and_grad(xent)(params, x, labels, key), plain(params), **TOL)
+
+
+@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit"), ("zb-h1", "none")])
+def test_homogeneous_stages(name, placement):
+    n, batch, chunks = 4, 9, 5  # micro-batches of 2, the last with one padding row
+    params, x = models.stacked_params(n), models.stacked_inputs(batch)
+    targets = jnp.asarray(np.random.default_rng(0).normal(size=(batch, models.WIDTH)))
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    mesh = models.make_mesh(placement, n)
+    pipe = pj.pipeline(models.residual, num_stages=n, chunks=chunks, schedule=name, mesh=mesh)
+    got = pipe.value_and_grad(sq)(params, x, targets)
+    ref = pj.pipeline(models.residual, num_stages=n, chunks=chunks).value_and_grad(sq)(params, x, targets)
+    models.assert_trees_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit"), ("zb-h1", "none")])
+def test_placed_params_give_placed_grads(name, placement):
+    batch, chunks = 6, 3
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    placed = pipe.place(params)
+    loss, grads = pipe.value_and_grad(xent)(placed, x, labels)
+    assert isinstance(grads, pj.StageParams)
+    ref = _reference(params, x, labels, None, chunks)
+    models.assert_trees_close((loss, grads.unpack()), ref, **TOL)
+
+
+# --- second order -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit"), ("zb-h1", "none")])
+def test_hvp_equals_hessian_of_composition(name, placement):
+    """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
+    batch, chunks = 5, 3
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    flat, unravel = ravel_pytree(params)
+    step = pipe.value_and_grad(xent)
+
+    def grad_flat(v):
+        return ravel_pytree(step(unravel(v), x, labels)[1])[0]
+
+    composed = lambda v: jnp.mean(xent(models.compose(STAGES, unravel(v), x), labels))
+    hessian = jax.hessian(composed)(flat)
+    direction = jnp.asarray(np.random.default_rng(1).normal(size=flat.shape))
+    _, hvp = jax.jit(lambda v, u: jax.jvp(grad_flat, (v,), (u,)))(flat, direction)
+    np.testing.assert_allclose(np.asarray(hvp), np.asarray(hessian @ direction), **TOL)
+
+
+# --- the slots the program runs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "placement"), [("1f1b", "none"), ("zb-h1", "explicit")])
+def test_counted_slots_equal_the_table(name, placement):
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    counts = train.slot_counts(pipe, xent, params, x, labels)
+    table = sched.training(name, 3, 4)
+    slots = table.slots()
+    expect = np.stack([slots["F"], slots["B"], slots.get("W", np.zeros(3, int))], axis=1)
+    np.testing.assert_array_equal(counts, expect)
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def test_unknown_schedule_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="'gpipe', 'circular', '1f1b', 'zb-h1'.*'2f2b'"):
+        pj.pipeline(list(STAGES), schedule="2f2b")
+
+
+def test_repeats_with_1f1b_names_the_fix():
+    with pytest.raises(ValueError, match=r"`repeats=2` needs `schedule='circular'`.*'1f1b'"):
+        pj.pipeline(models.residual, num_stages=4, schedule="1f1b", repeats=2)
+
+
+def test_loss_fn_must_give_per_example_losses():
+    pipe = pj.pipeline(list(STAGES), chunks=2, schedule="1f1b")
+    mean = lambda y, t: jnp.mean(xent(y, t))
+    with pytest.raises(ValueError, match=r"one loss per example, shape \(2,\)"):
+        pipe.value_and_grad(mean)(models.token_params(), models.token_inputs(4), _labels(4))
+
+
+def test_data_axis_is_refused_with_the_alternative():
+    mesh = jax.make_mesh((1, 3), ("data", "stage"))
+    pipe = pj.pipeline(list(STAGES), schedule="zb-h1", mesh=mesh, data_axis_name="data")
+    with pytest.raises(ValueError, match="does not support a data axis.*schedule='gpipe'"):
+        pipe.value_and_grad(xent)
