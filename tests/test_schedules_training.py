@@ -17,6 +17,7 @@ O(1) terms, as in test_pipeline_contract.py.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -119,9 +120,12 @@ def _labels(batch):
     return jnp.asarray(np.arange(batch) % models.CLASSES, jnp.int32)
 
 
-def _reference(params, x, labels, key, chunks):
-    gpipe = pj.pipeline(list(STAGES), chunks=chunks)
-    return gpipe.value_and_grad(xent)(params, x, labels, key)
+@functools.cache
+def _reference(batch, chunks, seed):
+    """GPipe's ``jax.value_and_grad`` on the token stages (computed once per arguments)."""
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = None if seed is None else jax.random.key(seed)
+    return pj.pipeline(list(STAGES), chunks=chunks).value_and_grad(xent)(params, x, labels, key)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +137,7 @@ def test_heterogeneous_with_dropout_uneven_batch(name, placement):
     key = jax.random.key(7)
     pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
     loss, grads = jax.jit(pipe.value_and_grad(xent))(params, x, labels, key)
-    ref = _reference(params, x, labels, key, chunks)
+    ref = _reference(batch, chunks, 7)
     models.assert_trees_close((loss, grads), ref, **TOL)
 
 
@@ -167,7 +171,7 @@ def test_placed_params_give_placed_grads(name, placement):
     placed = pipe.place(params)
     loss, grads = pipe.value_and_grad(xent)(placed, x, labels)
     assert isinstance(grads, pj.StageParams)
-    ref = _reference(params, x, labels, None, chunks)
+    ref = _reference(batch, chunks, None)
     models.assert_trees_close((loss, grads.unpack()), ref, **TOL)
 
 
