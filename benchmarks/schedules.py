@@ -73,7 +73,13 @@ def setup(m, name, checkpoint="always"):
     return pipe, pipe.value_and_grad(sq), (params, x, t)
 
 
-VARIANTS = [("gpipe", "never"), ("gpipe", "except_last"), ("gpipe", "always"), ("1f1b", None), ("zb-h1", None)]
+VARIANTS = [
+    ("gpipe", "never"),
+    ("gpipe", "except_last"),
+    ("gpipe", "always"),
+    ("1f1b", None),
+    ("zb-h1", None),
+]
 
 
 def memory(quick: bool) -> None:
@@ -95,7 +101,11 @@ def memory(quick: bool) -> None:
         f"devices, micro-batches of {MICRO} rows (one activation: {kib(act)} KiB). KiB per device."
     )
     print()
-    print(table(["schedule", *(f"m={m}" for m in ms), f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (len(ms) + 1)))
+    print(
+        table(
+            ["schedule", *(f"m={m}" for m in ms), f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (len(ms) + 1)
+        )
+    )
 
 
 def slots(quick: bool) -> None:
@@ -133,7 +143,13 @@ def slots(quick: bool) -> None:
         "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1."
     )
     print()
-    print(table(["schedule", "m", "F/B/W", "= table", "ticks", "stash", "bubble", "theory"], rows, align="lrlrrrrr"))
+    print(
+        table(
+            ["schedule", "m", "F/B/W", "= table", "ticks", "stash", "bubble", "theory"],
+            rows,
+            align="lrlrrrrr",
+        )
+    )
 
 
 def compile_time(quick: bool) -> None:
@@ -166,7 +182,12 @@ def predicted(quick: bool) -> None:
     dx = jax.jit(lambda p, x, g: jax.vjp(lambda x: stage(p, x, None), x)[1](g))
     dp = jax.jit(lambda p, x, g: jax.vjp(lambda p: stage(p, x, None), p)[1](g))
     t = interleaved_times(
-        {"f": lambda: fwd(p, x), "fb": lambda: full(p, x, g), "fbx": lambda: dx(p, x, g), "fbw": lambda: dp(p, x, g)},
+        {
+            "f": lambda: fwd(p, x),
+            "fb": lambda: full(p, x, g),
+            "fbx": lambda: dx(p, x, g),
+            "fbw": lambda: dp(p, x, g),
+        },
         (),
         rounds=20 if quick else 200,
     )
@@ -182,7 +203,9 @@ def predicted(quick: bool) -> None:
     rows = []
     for n in (4, 8):
         for m in (8, 32):
-            g_always = sim.simulate([f] * n, num_micro=m, backward=[b] * n, checkpoint="always", lockstep=True)
+            g_always = sim.simulate(
+                [f] * n, num_micro=m, backward=[b] * n, checkpoint="always", lockstep=True
+            )
             g_never = sim.simulate([f] * n, num_micro=m, backward=[b] * n, checkpoint="never", lockstep=True)
             one = sched.one_f_one_b(n, m).step_time(f, fb)
             zb = sched.zb_h1(n, m).step_time(f, fbx, fbw)

@@ -216,7 +216,7 @@ def test_counted_slots_equal_the_table(name, placement):
 
 
 def test_unknown_schedule_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="'gpipe', 'circular', '1f1b', 'zb-h1'.*'2f2b'"):
+    with pytest.raises(ValueError, match=r"'gpipe', 'circular', '1f1b', 'zb-h1'.*'2f2b'"):
         pj.pipeline(list(STAGES), schedule="2f2b")
 
 
@@ -235,5 +235,5 @@ def test_loss_fn_must_give_per_example_losses():
 def test_data_axis_is_refused_with_the_alternative():
     mesh = jax.make_mesh((1, 3), ("data", "stage"))
     pipe = pj.pipeline(list(STAGES), schedule="zb-h1", mesh=mesh, data_axis_name="data")
-    with pytest.raises(ValueError, match="does not support a data axis.*schedule='gpipe'"):
+    with pytest.raises(ValueError, match=r"does not support a data axis.*schedule='gpipe'"):
         pipe.value_and_grad(xent)

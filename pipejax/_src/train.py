@@ -84,7 +84,9 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
         _check_params(pipe, params)
         return jitted(params, x, targets, key)
 
-    f.__doc__ = f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
+    f.__doc__ = (
+        f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
+    )
     return f
 
 
@@ -158,7 +160,9 @@ def _run(pipe, loss_fn, params, x, targets, key):
     else:
         boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct)
     y_struct = boundaries[-1].structs()
-    ys_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct)
+    ys_struct = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
+    )
     jax.eval_shape(lambda y, t: _per_example(loss_fn, y, t, plan.micro_size), ys_struct, _micro(ts))
     cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, "always", pipe.axis_name, None)
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key)
@@ -230,7 +234,7 @@ class _Program:
     # -- without a mesh: virtual devices, one after the other in each tick -------------------
 
     def local(self, runner):
-        S, K, m, zb, pipe = self.S, self.K, self.m, self.zb, self.pipe
+        S, K, zb, pipe = self.S, self.K, self.zb, self.pipe
         bnd = self.boundaries
         if pipe.homogeneous:
             prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
@@ -285,7 +289,10 @@ class _Program:
 
     def _loss_zero(self, v):
         out = jax.eval_shape(
-            lambda y, t, mask: self._loss(y, t, mask), v.y_layout.structs(), _micro(self.ts), _micro(self.mask)
+            lambda y, t, mask: self._loss(y, t, mask),
+            v.y_layout.structs(),
+            _micro(self.ts),
+            _micro(self.mask),
         )
         return jnp.zeros((), out.dtype)
 
@@ -388,7 +395,9 @@ class _Program:
         spec = PartitionSpec(axis)
         rep = PartitionSpec()
         prows_in = compat.constrain(prows_in, mesh, spec, axis)
-        xs, mask, ts, key = (compat.constrain(a, mesh, rep, axis) for a in (self.xs, self.mask, self.ts, self.key))
+        xs, mask, ts, key = (
+            compat.constrain(a, mesh, rep, axis) for a in (self.xs, self.mask, self.ts, self.key)
+        )
 
         def body(prows, xs, mask, ts, key):
             prow = jax.tree.map(lambda a: a[0], prows)
@@ -419,7 +428,7 @@ class _Program:
 
                 f_idle = lambda prow, x_in, f: (msg_zeros(), jnp.zeros_like(loss), jnp.zeros((), jnp.int32))
                 y, dloss, c0 = lax.switch(
-                    jnp.where(f >= 0, vindex, idle), branches(f_branch) + [f_idle], prow, x_in, f
+                    jnp.where(f >= 0, vindex, idle), [*branches(f_branch), f_idle], prow, x_in, f
                 )
                 # B
                 xb = _get(stash, b % K)
@@ -443,7 +452,7 @@ class _Program:
 
                 b_idle = lambda prow, xb, g, b: (msg_zeros(), _zeros_like(prow), jnp.zeros((), jnp.int32))
                 dx, dp, c1 = lax.switch(
-                    jnp.where(b >= 0, vindex, idle), branches(b_branch) + [b_idle], prow, xb, bin_, b
+                    jnp.where(b >= 0, vindex, idle), [*branches(b_branch), b_idle], prow, xb, bin_, b
                 )
                 grad = _add(grad, dp)
                 c2 = jnp.zeros((), jnp.int32)
@@ -464,7 +473,7 @@ class _Program:
 
                     w_idle = lambda prow, xw, gw, w: (_zeros_like(prow), jnp.zeros((), jnp.int32))
                     dp, c2 = lax.switch(
-                        jnp.where(w >= 0, vindex, idle), branches(w_branch) + [w_idle], prow, xw, gw, w
+                        jnp.where(w >= 0, vindex, idle), [*branches(w_branch), w_idle], prow, xw, gw, w
                     )
                     grad = _add(grad, dp)
                 counts = counts + jnp.stack([c0, c1, c2])
