@@ -232,8 +232,39 @@ def test_loss_fn_must_give_per_example_losses():
         pipe.value_and_grad(mean)(models.token_params(), models.token_inputs(4), _labels(4))
 
 
-def test_data_axis_is_refused_with_the_alternative():
-    mesh = jax.make_mesh((1, 3), ("data", "stage"))
-    pipe = pj.pipeline(list(STAGES), schedule="zb-h1", mesh=mesh, data_axis_name="data")
-    with pytest.raises(ValueError, match=r"does not support a data axis.*schedule='gpipe'"):
-        pipe.value_and_grad(xent)
+def test_data_axis_needs_whole_micro_batches_per_shard():
+    mesh = jax.make_mesh((2, 2), ("data", "stage"))
+    pipe = pj.pipeline(list(PAIR), chunks=3, schedule="zb-h1", mesh=mesh, data_axis_name="data")
+    x = models.pair_inputs(6)
+    with pytest.raises(ValueError, match=r"data axis 'data' of size 2 does not divide"):
+        pipe.value_and_grad(sq)(models.pair_params(), x, jnp.zeros((6, 1)))
+
+
+# --- data x pipeline ------------------------------------------------------------------------------
+
+
+def dense_in(p, x, key):
+    return _dropout(key, models.dense_in(p, x, key))
+
+
+PAIR = (dense_in, models.dense_out)  # the second stage has a float32 parameter among float64 ones
+
+
+def sq(y, t):
+    return jnp.sum((y - t) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_data_axis(name):
+    """Data shard q runs micro-batches q m/p, ...: keys, loss and grads as without the data axis."""
+    batch, chunks = 11, 4  # micro-batches of 3 (the last with one padding row), 2 per data shard
+    params, x = models.pair_params(), models.pair_inputs(batch)
+    t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 1)))
+    key = jax.random.key(5)
+    mesh = jax.make_mesh((2, 2), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    pipe = pj.pipeline(list(PAIR), chunks=chunks, schedule=name, mesh=mesh, data_axis_name="data")
+    got = pipe.value_and_grad(sq)(params, x, t, key)
+    ref = pj.pipeline(list(PAIR), chunks=chunks).value_and_grad(sq)(params, x, t, key)
+    models.assert_trees_close(got, ref, **TOL)
+    counts = train.slot_counts(pipe, sq, params, x, t, key)
+    assert counts.shape == (2, 2, 3) and (counts[..., 0] == 2).all() and (counts[..., 1] == 2).all()

@@ -64,12 +64,6 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
             "pipeline with `schedule='gpipe'`."
         )
     owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
-    if owns_backward and pipe.data_axis_name is not None:
-        raise ValueError(
-            f"`schedule={pipe.schedule_name!r}` does not support a data axis "
-            f"(`data_axis_name={pipe.data_axis_name!r}`) yet. Use `schedule='gpipe'` for data x "
-            "pipeline parallelism, or drop `data_axis_name`."
-        )
 
     def traced(params, x, targets, key):
         if owns_backward:
@@ -92,7 +86,8 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
 
 def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
-    working branch adds one, an idle branch zero). For tests and benchmarks."""
+    working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
+    ``p``. For tests and benchmarks."""
     _check_params(pipe, params)
     counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)
     return np.asarray(counts)
@@ -149,7 +144,8 @@ def _run(pipe, loss_fn, params, x, targets, key):
         )
     xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
     ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
-    table = sched.training(pipe.schedule_name, pipe.num_stages, plan.num_micro)
+    num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
+    table = sched.training(pipe.schedule_name, pipe.num_stages, num_micro)
     key_struct = None
     if key is not None:
         lead = (plan.micro_size,) if pipe.per_example_keys else ()
@@ -184,7 +180,8 @@ class _Program:
         self.pipe, self.cfg, self.loss_fn, self.table = pipe, cfg, loss_fn, table
         self.boundaries, self.plan = boundaries, plan
         self.xs, self.mask, self.ts, self.key = xs, mask, ts, key
-        self.S, self.m = pipe.num_stages, plan.num_micro
+        self.S, self.m = pipe.num_stages, table.num_micro  # micro-batches of this data shard
+        self.offset = 0  # index of its first micro-batch in the mini-batch (for the keys)
         self.K = table.stash_slots()  # stage inputs a device keeps
         self.zb = table.weight is not None
         self.scale = 1.0 / plan.batch
@@ -193,7 +190,7 @@ class _Program:
 
     def _inputs(self, i, s):
         ic = engine.clip(i, self.m)
-        k = engine.stage_keys(self.cfg, self.key, ic, s, self.plan.micro_size)
+        k = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
         return k, engine.take(self.ts, ic), engine.take(self.mask, ic)
 
     def _loss(self, y, t, mask):
@@ -392,17 +389,20 @@ class _Program:
         msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
+        data = pipe.data_axis_name
         spec = PartitionSpec(axis)
         rep = PartitionSpec()
+        batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
         prows_in = compat.constrain(prows_in, mesh, spec, axis)
-        xs, mask, ts, key = (
-            compat.constrain(a, mesh, rep, axis) for a in (self.xs, self.mask, self.ts, self.key)
-        )
+        xs, mask, ts = (compat.constrain(a, mesh, batch_spec, axis) for a in (self.xs, self.mask, self.ts))
+        key = compat.constrain(self.key, mesh, rep, axis)
 
         def body(prows, xs, mask, ts, key):
             prow = jax.tree.map(lambda a: a[0], prows)
             d = lax.axis_index(axis)
             prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key)
+            if data is not None:
+                prog.offset = lax.axis_index(data) * self.m
             vindex = jnp.asarray(index, jnp.int32)[d]
             idle = len(variants)
 
@@ -493,13 +493,17 @@ class _Program:
             c, _ = lax.scan(tick, init, rows)
             grad, loss, counts = c[4], c[5], c[6]
             lead = lambda tree: jax.tree.map(lambda a: a[None], tree)
-            return lax.psum(loss, axis), lead(grad), counts[None]
+            loss = lax.psum(loss, axis)
+            if data is None:
+                return loss, lead(grad), counts[None]
+            # every data shard ran its own micro-batches: sum their losses and gradients
+            return lax.psum(loss, data), lead(lax.psum(grad, data)), counts[None, None]
 
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(spec, rep, rep, rep, None if key is None else rep),
-            out_specs=(rep, spec, spec),
+            in_specs=(spec, batch_spec, batch_spec, batch_spec, None if key is None else rep),
+            out_specs=(rep, spec, spec if data is None else PartitionSpec(data, axis)),
             check_vma=False,
         )
         loss, grads, counts = fn(prows_in, xs, mask, ts, key)
