@@ -128,14 +128,18 @@ def _reference(batch, chunks, seed):
     return pj.pipeline(list(STAGES), chunks=chunks).value_and_grad(xent)(params, x, labels, key)
 
 
-@pytest.mark.parametrize(
-    ("name", "placement"), [("1f1b", "none"), ("1f1b", "explicit"), ("zb-h1", "none"), ("zb-h1", "auto")]
-)
-def test_heterogeneous_with_dropout_uneven_batch(name, placement):
+# checkpoint: "never" keeps the residuals of F for B and W; the other modes recompute the stage
+CASES = [("1f1b", "none", "always"), ("1f1b", "explicit", "never"), ("zb-h1", "none", "never")]
+CASES += [("zb-h1", "auto", "except_last")]
+
+
+@pytest.mark.parametrize(("name", "placement", "checkpoint"), CASES)
+def test_heterogeneous_with_dropout_uneven_batch(name, placement, checkpoint):
     batch, chunks = 10, 4  # micro-batches of 3, the last with 2 padding rows
     params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
     key = jax.random.key(7)
-    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    mesh = models.make_mesh(placement, 3)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint)
     loss, grads = jax.jit(pipe.value_and_grad(xent))(params, x, labels, key)
     ref = _reference(batch, chunks, 7)
     models.assert_trees_close((loss, grads), ref, **TOL)
@@ -150,14 +154,18 @@ def test_gpipe_value_and_grad_is_autodiff_of_the_mean_loss():
     models.assert_trees_close(gpipe.value_and_grad(xent)(params, x, labels, key), plain(params), **TOL)
 
 
-@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit"), ("zb-h1", "none")])
-def test_homogeneous_stages(name, placement):
+@pytest.mark.parametrize(
+    ("name", "placement", "checkpoint"), [("1f1b", "explicit", "never"), ("zb-h1", "none", "always")]
+)
+def test_homogeneous_stages(name, placement, checkpoint):
     n, batch, chunks = 4, 9, 5  # micro-batches of 2, the last with one padding row
     params, x = models.stacked_params(n), models.stacked_inputs(batch)
     targets = jnp.asarray(np.random.default_rng(0).normal(size=(batch, models.WIDTH)))
     sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
     mesh = models.make_mesh(placement, n)
-    pipe = pj.pipeline(models.residual, num_stages=n, chunks=chunks, schedule=name, mesh=mesh)
+    pipe = pj.pipeline(
+        models.residual, num_stages=n, chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint
+    )
     got = pipe.value_and_grad(sq)(params, x, targets)
     ref = pj.pipeline(models.residual, num_stages=n, chunks=chunks).value_and_grad(sq)(params, x, targets)
     models.assert_trees_close(got, ref, **TOL)
@@ -178,12 +186,15 @@ def test_placed_params_give_placed_grads(name, placement):
 # --- second order -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit"), ("zb-h1", "none")])
-def test_hvp_equals_hessian_of_composition(name, placement):
+@pytest.mark.parametrize(
+    ("name", "placement", "checkpoint"), [("1f1b", "explicit", "always"), ("zb-h1", "none", "never")]
+)
+def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
     """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
     batch, chunks = 5, 3
     params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
-    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    mesh = models.make_mesh(placement, 3)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint)
     flat, unravel = ravel_pytree(params)
     step = pipe.value_and_grad(xent)
 
@@ -254,15 +265,17 @@ def sq(y, t):
     return jnp.sum((y - t) ** 2, axis=-1)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_data_axis(name):
+@pytest.mark.parametrize(("name", "checkpoint"), [("1f1b", "always"), ("zb-h1", "never")])
+def test_data_axis(name, checkpoint):
     """Data shard q runs micro-batches q m/p, ...: keys, loss and grads as without the data axis."""
     batch, chunks = 11, 4  # micro-batches of 3 (the last with one padding row), 2 per data shard
     params, x = models.pair_params(), models.pair_inputs(batch)
     t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 1)))
     key = jax.random.key(5)
     mesh = jax.make_mesh((2, 2), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    pipe = pj.pipeline(list(PAIR), chunks=chunks, schedule=name, mesh=mesh, data_axis_name="data")
+    pipe = pj.pipeline(
+        list(PAIR), chunks=chunks, schedule=name, mesh=mesh, data_axis_name="data", checkpoint=checkpoint
+    )
     got = pipe.value_and_grad(sq)(params, x, t, key)
     ref = pj.pipeline(list(PAIR), chunks=chunks).value_and_grad(sq)(params, x, t, key)
     models.assert_trees_close(got, ref, **TOL)

@@ -185,6 +185,10 @@ class _Program:
         self.K = table.stash_slots()  # stage inputs a device keeps
         self.zb = table.weight is not None
         self.scale = 1.0 / plan.batch
+        # "never": F keeps the stage's residuals for B and W; otherwise B and W recompute the
+        # stage from its stashed input (see `save`)
+        self.keep = pipe.checkpoint == "never"
+        self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
 
     # -- the slots, on typed values ---------------------------------------------------------
 
@@ -204,6 +208,60 @@ class _Program:
         if v.last:
             return None, self._loss(y, t, mask)
         return y, None
+
+    def save(self, v: _Variant, prow, x, k, t, mask):
+        """F: ``(y or None, loss contribution or None, saved)``; ``saved`` is what B and W read
+        back: the stage input ``x``, or (``checkpoint="never"``) the residuals of its vjp."""
+        if not self.keep:
+            y, dloss = self.forward(v, prow, x, k, t, mask)
+            return y, dloss, x
+        out, saved = self._vjp(v, prow, x, k, t, mask)
+        return (None, out, saved) if v.last else (out, None, saved)
+
+    def _vjp(self, v: _Variant, prow, x, k, t, mask):
+        """The stage's (or last stage's loss's) value and the residuals of its pullback.
+
+        ``jax.vjp``'s pullback is a pytree whose leaves are its residuals. Leaves that are
+        parameter leaves themselves (the weight of ``x @ w``, needed for the input cotangent)
+        are not saved: B and W take them from the parameters again. Everything else (values
+        computed from the input; values computed from parameters alone, such as ``w.T``) is.
+        """
+        p = v.params_of(prow)
+        xf, rebuild = _floats(x)
+
+        def h(p, xf):
+            y = v.fn(p, rebuild(xf), k)
+            return self._loss(y, t, mask) if v.last else y
+
+        out, back = jax.vjp(h, p, xf)
+        leaves, treedef = jax.tree.flatten(back)
+        ids = {id(a): j for j, a in enumerate(jax.tree.leaves(p))}
+        where = tuple(ids.get(id(a)) for a in leaves)
+        self._meta.setdefault(id(v), (treedef, where, jax.tree.map(_struct, out)))
+        return out, [a for a, w in zip(leaves, where, strict=True) if w is None]
+
+    def saved_structs(self, v: _Variant, prow):
+        """The type of what F saves for B and W (:meth:`save`)."""
+        k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
+        return jax.eval_shape(lambda p, x: self.save(v, p, x, k, t, mask)[2], prow, v.x_layout.structs())
+
+    def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
+        """B and W: :meth:`pullback` from what :meth:`save` kept."""
+        if not self.keep:
+            return self.pullback(v, prow, saved, g, k, t, mask, wrt_params, wrt_input)
+        if not (wrt_params or wrt_input):
+            return None, None
+        if id(v) not in self._meta:
+            self.saved_structs(v, jax.tree.map(_struct, prow))
+        treedef, where, out = self._meta[id(v)]
+        p, p_back = jax.vjp(v.params_of, prow)
+        pleaves, it = jax.tree.leaves(p), iter(saved)
+        back = jax.tree.unflatten(treedef, [next(it) if w is None else pleaves[w] for w in where])
+        seed = jnp.ones(out.shape, out.dtype) if v.last else _cotangent(g, out)
+        dp, dxf = back(seed)
+        dprow = p_back(dp)[0] if wrt_params else None
+        dx = _fill(v.x_layout.structs(), dxf) if wrt_input else None
+        return dx, dprow
 
     def pullback(self, v: _Variant, prow, x, g, k, t, mask, wrt_params: bool, wrt_input: bool):
         """``(input cotangent or None, parameter-row cotangent or None)`` of the stage (the
@@ -251,7 +309,9 @@ class _Program:
                 dict(
                     fin=zero(v.x_layout),
                     bin=zero(v.y_layout),
-                    stash=zero(v.x_layout, (K,)),
+                    stash=jax.tree.map(
+                        lambda a: jnp.zeros((K, *a.shape), a.dtype), self.saved_structs(v, prows[d])
+                    ),
                     gstash=zero(v.y_layout, (S,)) if zb and not v.last else None,
                     grad=jax.tree.map(jnp.zeros_like, prows[d]),
                     counts=jnp.zeros((3,), jnp.int32),
@@ -305,25 +365,22 @@ class _Program:
         counts = dev["counts"]
         # F
         x_in = engine.take(self.xs, engine.clip(i, self.m)) if v.first else dev["fin"]
-        dev["stash"] = _put(dev["stash"], x_in, i % K, i >= 0)
 
         def f_work(x_in, i):
-            y, dloss = self.forward(v, prow, x_in, *self._inputs(i, d))
-            return y, dloss, jnp.ones((), jnp.int32)
+            return *self.save(v, prow, x_in, *self._inputs(i, d)), jnp.ones((), jnp.int32)
 
         def f_idle(x_in, i):
-            y, dloss = jax.eval_shape(lambda: self.forward(v, prow, x_in, *self._inputs(i, d)))
-            return _zeros_like(y), _zeros_like(dloss), jnp.zeros((), jnp.int32)
+            y, dloss, saved = jax.eval_shape(lambda: self.save(v, prow, x_in, *self._inputs(i, d)))
+            return _zeros_like(y), _zeros_like(dloss), _zeros_like(saved), jnp.zeros((), jnp.int32)
 
-        y, dloss, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
+        y, dloss, saved, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
+        dev["stash"] = _put(dev["stash"], saved, i % K, i >= 0)
         counts = counts.at[0].add(c)
         # B
         xb = _get(dev["stash"], j % K)
 
         def b_work(xb, g, j):
-            dx, dp = self.pullback(
-                v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first
-            )
+            dx, dp = self.pull(v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first)
             return dx, dp, jnp.ones((), jnp.int32)
 
         def b_idle(xb, g, j):
@@ -341,7 +398,7 @@ class _Program:
             gw = None if dev["gstash"] is None else _get(dev["gstash"], k % S)
 
             def w_work(xw, gw, k):
-                dp = self.pullback(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
+                dp = self.pull(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
                 return dp, jnp.ones((), jnp.int32)
 
             def w_idle(xw, gw, k):
@@ -387,6 +444,15 @@ class _Program:
         pack = (lambda tree: tree) if box is None else box.pack
         unpack = (lambda msg, layout: msg) if box is None else box.unpack
         msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
+        if self.keep:  # residuals differ per stage (and role): one container for all
+            row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), prows_in)
+            saved_layouts = [Layout.of(self.saved_structs(v, row)) for v in variants]
+            sbox = Container.for_layouts(saved_layouts)
+            s_pack, s_zeros = sbox.pack, sbox.zeros
+            s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
+        else:  # the stage input, as a message
+            s_pack, s_zeros = pack, msg_zeros
+            s_unpack = lambda msg, v: unpack(msg, v.x_layout)
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
@@ -415,30 +481,32 @@ class _Program:
                 # F
                 fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
                 x_in = jax.tree.map(lambda a, b: jnp.where(d == 0, a, b), fresh, fin)
-                stash = _put(stash, x_in, f % K, f >= 0)
 
                 def f_branch(v):
                     def run(prow, x_in, f):
-                        y, dloss = prog.forward(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, d))
+                        y, dloss, saved = prog.save(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, d))
                         y = msg_zeros() if y is None else pack(y)
                         dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
-                        return y, dloss, jnp.ones((), jnp.int32)
+                        return y, dloss, s_pack(saved), jnp.ones((), jnp.int32)
 
                     return run
 
-                f_idle = lambda prow, x_in, f: (msg_zeros(), jnp.zeros_like(loss), jnp.zeros((), jnp.int32))
-                y, dloss, c0 = lax.switch(
+                def f_idle(prow, x_in, f):
+                    return msg_zeros(), jnp.zeros_like(loss), s_zeros(), jnp.zeros((), jnp.int32)
+
+                y, dloss, saved, c0 = lax.switch(
                     jnp.where(f >= 0, vindex, idle), [*branches(f_branch), f_idle], prow, x_in, f
                 )
+                stash = _put(stash, saved, f % K, f >= 0)
                 # B
                 xb = _get(stash, b % K)
 
                 def b_branch(v):
                     def run(prow, xb, g, b):
-                        dx, dp = prog.pullback(
+                        dx, dp = prog.pull(
                             v,
                             prow,
-                            unpack(xb, v.x_layout),
+                            s_unpack(xb, v),
                             None if v.last else unpack(g, v.y_layout),
                             *prog._inputs(b, d),
                             wrt_params=not zb,
@@ -463,9 +531,14 @@ class _Program:
                     def w_branch(v):
                         def run(prow, xw, gw, w):
                             g = None if v.last else unpack(gw, v.y_layout)
-                            x = unpack(xw, v.x_layout)
-                            _, dp = prog.pullback(
-                                v, prow, x, g, *prog._inputs(w, d), wrt_params=True, wrt_input=False
+                            _, dp = prog.pull(
+                                v,
+                                prow,
+                                s_unpack(xw, v),
+                                g,
+                                *prog._inputs(w, d),
+                                wrt_params=True,
+                                wrt_input=False,
                             )
                             return dp, jnp.ones((), jnp.int32)
 
@@ -484,7 +557,7 @@ class _Program:
             init = (
                 msg_zeros(),
                 msg_zeros(),
-                msg_zeros((K,)),
+                s_zeros((K,)),
                 msg_zeros((S,)) if zb else None,
                 _zeros_like(prow),
                 loss0,
@@ -554,8 +627,13 @@ def _zeros_like(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
+def _struct(a):
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+
 def _inexact(a) -> bool:
-    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    dtype = a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _floats(x):
@@ -576,7 +654,7 @@ def _fill(x, float_cts):
     leaves, treedef = jax.tree.flatten(x)
     it = iter(float_cts)
     return jax.tree.unflatten(
-        treedef, [next(it) if _inexact(a) else jnp.zeros(jnp.shape(a), jnp.result_type(a)) for a in leaves]
+        treedef, [next(it) if _inexact(a) else jnp.zeros(a.shape, a.dtype) for a in leaves]
     )
 
 
