@@ -10,7 +10,8 @@ Sections (markdown tables):
 1. ``memory``: compiled temp bytes of one training step (``value_and_grad``) of a 4-stage
    pipeline on 4 fake CPU devices against the number of micro-batches ``m``, for GPipe (each
    checkpoint mode; ``jax.value_and_grad`` of the forward pipeline) and for "1f1b" and "zb-h1"
-   (the program that owns the backward pass). The SPMD program is one device's program, so the
+   (the program that owns the backward pass; "always" recomputes the stage in B and W, "never"
+   keeps F's residuals). The SPMD program is one device's program, so the
    bytes are per device.
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
@@ -77,8 +78,10 @@ VARIANTS = [
     ("gpipe", "never"),
     ("gpipe", "except_last"),
     ("gpipe", "always"),
-    ("1f1b", None),
-    ("zb-h1", None),
+    ("1f1b", "always"),
+    ("1f1b", "never"),
+    ("zb-h1", "always"),
+    ("zb-h1", "never"),
 ]
 
 
@@ -87,9 +90,9 @@ def memory(quick: bool) -> None:
     ms = (4, 8) if quick else (4, 8, 16, 32, 64)
     rows, got = [], {}
     for name, ckpt in VARIANTS:
-        row = [name if ckpt is None else f"gpipe {ckpt}"]
+        row = [f"{name} {ckpt}"]
         for m in ms:
-            _, f, args = setup(m, name, ckpt or "always")
+            _, f, args = setup(m, name, ckpt)
             got[(name, ckpt, m)] = temp_bytes(f, *args)
             row.append(kib(got[(name, ckpt, m)]))
         hi = ms[-1]
@@ -192,36 +195,30 @@ def predicted(quick: bool) -> None:
         rounds=20 if quick else 200,
     )
     f, fb, fbx, fbw = (float(np.median(t[k])) for k in ("f", "fb", "fbx", "fbw"))
-    b = max(fb - f, 0.0)
+    b, bx, bw = (max(v - f, 0.0) for v in (fb, fbx, fbw))
     print(
         f"One stage ({LAYERS} tanh layers, {WIDTH} wide, 64 rows, float32) on this CPU, medians: "
         f"F {f * 1e6:.1f} us, F+B {fb * 1e6:.1f} us, F+B(input) {fbx * 1e6:.1f} us, "
-        f"F+W(params) {fbw * 1e6:.1f} us. The schedules recompute the forward in each backward slot, "
-        "so a 1f1b B slot costs F+B, a zb-h1 B slot F+B(input) and a W slot F+W(params); GPipe "
-        "'always' recomputes once per backward, 'never' not at all."
+        f"F+W(params) {fbw * 1e6:.1f} us. With checkpoint='always' the schedules recompute the "
+        "forward in each backward slot (a 1f1b B slot costs F+B, a zb-h1 B slot F+B(input), a W "
+        "slot F+W(params)); with 'never' they keep F's residuals (B, B(input), W(params) alone). "
+        "GPipe 'always' recomputes once per backward, 'never' not at all. Ratios: against GPipe "
+        "with the same mode."
     )
     rows = []
     for n in (4, 8):
         for m in (8, 32):
-            g_always = sim.simulate(
-                [f] * n, num_micro=m, backward=[b] * n, checkpoint="always", lockstep=True
-            )
-            g_never = sim.simulate([f] * n, num_micro=m, backward=[b] * n, checkpoint="never", lockstep=True)
-            one = sched.one_f_one_b(n, m).step_time(f, fb)
-            zb = sched.zb_h1(n, m).step_time(f, fbx, fbw)
-            base = g_always.makespan
-            rows.append(
-                [
-                    n,
-                    m,
-                    f"{g_never.makespan * 1e3:.3f}",
-                    f"{base * 1e3:.3f}",
-                    f"{one * 1e3:.3f} ({one / base:.2f}x)",
-                    f"{zb * 1e3:.3f} ({zb / base:.2f}x)",
-                ]
-            )
+            row = [n, m]
+            for mode, one_b, zb_b, zb_w in (("always", fb, fbx, fbw), ("never", b, bx, bw)):
+                common = dict(num_micro=m, backward=[b] * n, checkpoint=mode, lockstep=True)
+                base = sim.simulate([f] * n, **common).makespan
+                one = sched.one_f_one_b(n, m).step_time(f, one_b)
+                zb = sched.zb_h1(n, m).step_time(f, zb_b, zb_w)
+                row += [f"{base * 1e3:.3f}", f"{one / base:.2f}x", f"{zb / base:.2f}x"]
+            rows.append(row)
     print()
-    print(table(["n", "m", "gpipe never ms", "gpipe always ms", "1f1b ms", "zb-h1 ms"], rows))
+    heads = ["gpipe always ms", "1f1b always", "zb-h1 always", "gpipe never ms", "1f1b never", "zb-h1 never"]
+    print(table(["n", "m", *heads], rows))
 
 
 SECTIONS = {"memory": memory, "slots": slots, "compile": compile_time, "predicted": predicted}
