@@ -27,6 +27,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
+import pipejax.hessian
 from pipejax._src import schedule as sched
 from pipejax._src import train
 from tests import models
@@ -281,3 +282,22 @@ def test_data_axis(name, checkpoint):
     models.assert_trees_close(got, ref, **TOL)
     counts = train.slot_counts(pipe, sq, params, x, t, key)
     assert counts.shape == (2, 2, 3) and (counts[..., 0] == 2).all() and (counts[..., 1] == 2).all()
+
+
+# --- pipejax.hessian through a schedule -----------------------------------------------------------
+
+
+def test_hessian_tools_take_the_schedule_gradient():
+    """``pj.hessian.from_value_and_grad``: HVPs through the 1F1B program, and its error for reverse-over-reverse."""
+    batch, chunks = 6, 3
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule="1f1b", mesh=models.make_mesh("auto", 3))
+    loss = pj.hessian.from_value_and_grad(pipe.value_and_grad(xent))
+    flat, unravel = ravel_pytree(params)
+    composed = lambda v: jnp.mean(xent(models.compose(STAGES, unravel(v), x), labels))
+    hessian = np.asarray(jax.hessian(composed)(flat))
+    u = jnp.asarray(np.random.default_rng(2).normal(size=flat.shape))
+    got = ravel_pytree(pj.hessian.hvp(loss, params, unravel(u), x, labels))[0]
+    np.testing.assert_allclose(np.asarray(got), hessian @ np.asarray(u), **TOL)
+    with pytest.raises(ValueError, match="takes `mode='fwd_rev'`"):
+        pj.hessian.hvp(loss, params, unravel(u), x, labels, mode="rev_rev")
