@@ -288,7 +288,7 @@ def test_data_axis(name, checkpoint):
 
 
 def test_hessian_tools_take_the_schedule_gradient():
-    """``pj.hessian.from_value_and_grad``: HVPs through the 1F1B program, and its error for reverse-over-reverse."""
+    """``pj.hessian.from_value_and_grad``: HVPs through the 1F1B program; no reverse-over-reverse."""
     batch, chunks = 6, 3
     params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
     pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule="1f1b", mesh=models.make_mesh("auto", 3))

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -218,13 +219,11 @@ class _Program:
         out, saved = self._vjp(v, prow, x, k, t, mask)
         return (None, out, saved) if v.last else (out, None, saved)
 
-    def _vjp(self, v: _Variant, prow, x, k, t, mask):
-        """The stage's (or last stage's loss's) value and the residuals of its pullback.
+    def _residuals(self, v: _Variant, prow, x, k, t, mask):
+        """``(value, residual leaves, treedef)`` of the stage's (the last stage: its loss's) pullback.
 
-        ``jax.vjp``'s pullback is a pytree whose leaves are its residuals. Leaves that are
-        parameter leaves themselves (the weight of ``x @ w``, needed for the input cotangent)
-        are not saved: B and W take them from the parameters again. Everything else (values
-        computed from the input; values computed from parameters alone, such as ``w.T``) is.
+        ``jax.vjp``'s pullback is a pytree whose leaves are its residuals and whose treedef holds
+        the rest (a closed program), so it can be taken apart, stashed and put back together.
         """
         p = v.params_of(prow)
         xf, rebuild = _floats(x)
@@ -235,15 +234,38 @@ class _Program:
 
         out, back = jax.vjp(h, p, xf)
         leaves, treedef = jax.tree.flatten(back)
-        ids = {id(a): j for j, a in enumerate(jax.tree.leaves(p))}
-        where = tuple(ids.get(id(a)) for a in leaves)
-        self._meta.setdefault(id(v), (treedef, where, jax.tree.map(_struct, out)))
-        return out, [a for a, w in zip(leaves, where, strict=True) if w is None]
+        return out, leaves, treedef
+
+    def _meta_of(self, v: _Variant, prow):
+        """``(treedef, per_micro, value type)`` of variant ``v``'s pullback; ``per_micro[j]``
+        says whether residual ``j`` depends on the micro-batch (its input, key, targets or
+        mask). Those are saved by F; the others are functions of the parameters alone (e.g.
+        the slice ``w[j]`` of a stacked weight) and are computed again in B and W instead of
+        being stored once per micro-batch."""
+        if id(v) not in self._meta:
+            info = {}
+
+            def leaves(prow, x, k, t, mask):
+                out, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
+                info["out"] = jax.tree.map(_struct, out)
+                return res
+
+            k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
+            args = jax.tree.map(_struct, (prow, v.x_layout.structs(), k, t, mask))
+            per_micro = _depends(leaves, args, (False, True, True, True, True))
+            self._meta[id(v)] = (info["treedef"], per_micro, info["out"])
+        return self._meta[id(v)]
 
     def saved_structs(self, v: _Variant, prow):
         """The type of what F saves for B and W (:meth:`save`)."""
         k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
         return jax.eval_shape(lambda p, x: self.save(v, p, x, k, t, mask)[2], prow, v.x_layout.structs())
+
+    def _vjp(self, v: _Variant, prow, x, k, t, mask):
+        """F with ``checkpoint="never"``: the value and the residuals that depend on the micro-batch."""
+        _, per_micro, _ = self._meta_of(v, prow)
+        out, leaves, _ = self._residuals(v, prow, x, k, t, mask)
+        return out, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
 
     def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
         """B and W: :meth:`pullback` from what :meth:`save` kept."""
@@ -251,15 +273,17 @@ class _Program:
             return self.pullback(v, prow, saved, g, k, t, mask, wrt_params, wrt_input)
         if not (wrt_params or wrt_input):
             return None, None
-        if id(v) not in self._meta:
-            self.saved_structs(v, jax.tree.map(_struct, prow))
-        treedef, where, out = self._meta[id(v)]
-        p, p_back = jax.vjp(v.params_of, prow)
-        pleaves, it = jax.tree.leaves(p), iter(saved)
-        back = jax.tree.unflatten(treedef, [next(it) if w is None else pleaves[w] for w in where])
+        treedef, per_micro, out = self._meta_of(v, prow)
+        fresh = [None] * len(per_micro)
+        if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
+            fresh = self._residuals(v, prow, engine.zeros(v.x_layout), k, t, mask)[1]
+        it = iter(saved)
+        back = jax.tree.unflatten(
+            treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
+        )
         seed = jnp.ones(out.shape, out.dtype) if v.last else _cotangent(g, out)
         dp, dxf = back(seed)
-        dprow = p_back(dp)[0] if wrt_params else None
+        dprow = jax.vjp(v.params_of, prow)[1](dp)[0] if wrt_params else None
         dx = _fill(v.x_layout.structs(), dxf) if wrt_input else None
         return dx, dprow
 
@@ -628,7 +652,20 @@ def _zeros_like(tree):
 
 
 def _struct(a):
-    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+    return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+
+
+def _depends(fn, args, varying) -> list[bool]:
+    """For each output leaf of ``fn(*args)``: whether it depends on a leaf of an argument whose
+    ``varying`` flag is set (conservatively: an equation with any such input taints all its
+    outputs, nested programs included)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    flags = [f for a, f in zip(args, varying, strict=True) for _ in jax.tree.leaves(a)]
+    tainted = {var for var, f in zip(closed.jaxpr.invars, flags, strict=True) if f}
+    for eqn in closed.jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in tainted for a in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not isinstance(a, jex_core.Literal) and a in tainted for a in closed.jaxpr.outvars]
 
 
 def _inexact(a) -> bool:
