@@ -346,9 +346,10 @@ class Pipeline:
 
         With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
         the pipeline's output. With ``"1f1b"`` or ``"zb-h1"`` one program interleaves forwards and
-        backwards of different micro-batches (:mod:`pipejax._src.train`): a device keeps at most
-        ``2 n - 1`` stage inputs whatever the number of micro-batches, and recomputes each stage
-        in its backward slot (as ``checkpoint="always"``). Keys are the forward pipeline's, so
+        backwards of different micro-batches (:mod:`pipejax._src.train`): a device keeps what
+        the backward needs of at most ``2 n - 1`` micro-batches whatever their number: the
+        stage inputs, recomputing each stage in its backward slot, or with
+        ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward pipeline's, so
         every schedule gives the same loss and gradients (up to the order of float sums), and
         ``jax.jvp`` of ``f`` gives Hessian-vector products.
 

@@ -6,25 +6,29 @@ forward and backward work of different micro-batches, which no transformation of
 program produces, so the program here runs their table itself, in one ``lax.scan`` over its ticks:
 
 * **F** (micro-batch ``i``): the device runs its stage on its input -- micro-batch ``i`` of ``x``
-  on stage 0, the activation the previous device sent otherwise -- and stashes that input in a
-  ring buffer of :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i``
-  mod the size). The last stage applies ``loss_fn`` and adds the masked sum of its per-example
-  losses, over the batch size, to the loss.
-* **B**: the stage is run again on its stashed input under ``jax.vjp`` and pulled back with the
-  cotangent the next device sent (the last stage seeds it with the loss): "1f1b" gets the
-  parameter and the input cotangents, "zb-h1" the input cotangent only and stashes the output
-  cotangent for W. Stage 0 computes no input cotangent.
-* **W** ("zb-h1"): the parameter cotangent, from the stashed (input, output cotangent) pair.
+  on stage 0, the activation the previous device sent otherwise -- and stashes that input (or
+  its vjp residuals) in a ring buffer of
+  :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size).
+  The last stage applies ``loss_fn`` and adds the masked sum of its per-example losses, over
+  the batch size, to the loss.
+* **B**: the stage's pullback (rebuilt from the residuals, or by running the stage again on its
+  input under ``jax.vjp``) is applied to the cotangent the next device sent (the last stage
+  seeds it with the loss): "1f1b" gets the parameter and the input cotangents, "zb-h1" the input
+  cotangent only and stashes the output cotangent for W. Stage 0 computes no input cotangent.
+* **W** ("zb-h1"): the parameter cotangent, from the stash and the stashed output cotangent.
 
 After the slots, activations go one device forward and cotangents one device back (``ppermute``
 on a mesh; without one the devices are virtual and run one after the other within the tick).
 Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
 
-Memory and compute: a device keeps at most ``stash_slots`` stage inputs (``2 n - 1``), however
-many micro-batches run, and recomputes each stage's forward once in B (and once more in W), like
-``checkpoint="always"``. Keys are those of the forward pipeline (:func:`engine.stage_keys`), so
-recomputation replays the same dropout masks and the loss and gradients equal those of
-``jax.value_and_grad`` of the GPipe pipeline, up to the order of floating-point sums.
+Memory and compute: a device keeps what B and W need of at most ``stash_slots`` micro-batches
+(``2 n - 1``), however many run. With ``checkpoint="never"`` that is the residuals of the
+stage's ``jax.vjp`` taken in F (those that depend on the micro-batch; parameter-only ones are
+computed again in B and W); with any other mode it is the stage's input, and B (and W) recompute
+the stage's forward, as ``checkpoint="always"`` does. Keys are those of the forward pipeline
+(:func:`engine.stage_keys`), so recomputation replays the same dropout masks, and the loss and
+gradients equal those of ``jax.value_and_grad`` of the GPipe pipeline, up to the order of
+floating-point sums.
 
 There is no ``custom_vjp``: the program is ordinary JAX (``jax.vjp`` inside the loop), so
 ``jax.jvp`` of it gives Hessian-vector products (forward-over-reverse).
