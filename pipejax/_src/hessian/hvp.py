@@ -120,9 +120,9 @@ def from_value_and_grad(value_and_grad: Callable[..., tuple[jax.Array, PyTree]])
     ``value_and_grad(params, *args) -> (loss, grads)``, e.g. what
     :meth:`pipejax.Pipeline.value_and_grad` returns for the ``"1f1b"`` and ``"zb-h1"``
     schedules, whose gradient is not ``jax.grad`` of a forward program. Hessian-vector products
-    are then ``jax.jvp`` of that gradient function (forward-over-reverse), so the curvature of a
-    model trained with a schedule is computed with the same schedule. Only ``mode="fwd_rev"``
-    and ``curvature="hessian"`` apply.
+    are then ``jax.jvp`` of that gradient function (``mode="fwd_rev"``) or the gradient of its
+    inner product with ``v`` (``"rev_rev"``), so the curvature of a model trained with a
+    schedule is computed with the same schedule. Only ``curvature="hessian"`` applies.
 
     Args:
       value_and_grad: ``value_and_grad(params, *args) -> (loss, grads)``, ``grads`` like ``params``.
@@ -152,11 +152,6 @@ def _hvp_one(loss: Callable[..., jax.Array], mode: str, params: PyTree, v: PyTre
             return fn.grad(p, *args)
         return jax.grad(fn)(p, *args)
 
-    if isinstance(fn, GradientLoss) and mode != "fwd_rev":
-        raise ValueError(
-            f"A loss from `from_value_and_grad` takes `mode='fwd_rev'` (a JVP of its gradient "
-            f"function), got mode={mode!r}. Drop `mode=` or pass `mode='fwd_rev'`."
-        )
 
     if mode == "fwd_rev":  # a JVP of the gradient: about 2-3 gradients of cost
         return jax.jvp(grad, (params,), (v,))[1]
