@@ -407,35 +407,32 @@ class _Program:
         # B
         xb = _get(dev["stash"], j % K)
 
-        def b_work(xb, g, j):
+        # the parameter cotangent is added inside the branch: see `mesh`
+        def b_work(xb, g, j, grad):
             dx, dp = self.pull(v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first)
-            return dx, dp, jnp.ones((), jnp.int32)
+            return dx, grad if dp is None else _add(grad, dp), jnp.ones((), jnp.int32)
 
-        def b_idle(xb, g, j):
-            out = jax.eval_shape(lambda: b_work(xb, g, j))
-            return _zeros_like(out[0]), _zeros_like(out[1]), jnp.zeros((), jnp.int32)
+        def b_idle(xb, g, j, grad):
+            out = jax.eval_shape(lambda: b_work(xb, g, j, grad))
+            return _zeros_like(out[0]), grad, jnp.zeros((), jnp.int32)
 
-        dx, dp, c = lax.cond(j >= 0, b_work, b_idle, xb, dev["bin"], j)
+        dx, dev["grad"], c = lax.cond(j >= 0, b_work, b_idle, xb, dev["bin"], j, dev["grad"])
         counts = counts.at[1].add(c)
-        if dp is not None:
-            dev["grad"] = _add(dev["grad"], dp)
         if zb:
             if dev["gstash"] is not None:
                 dev["gstash"] = _put(dev["gstash"], dev["bin"], j % S, j >= 0)
             xw = _get(dev["stash"], k % K)
             gw = None if dev["gstash"] is None else _get(dev["gstash"], k % S)
 
-            def w_work(xw, gw, k):
+            def w_work(xw, gw, k, grad):
                 dp = self.pull(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
-                return dp, jnp.ones((), jnp.int32)
+                return _add(grad, dp), jnp.ones((), jnp.int32)
 
-            def w_idle(xw, gw, k):
-                out = jax.eval_shape(lambda: w_work(xw, gw, k))
-                return _zeros_like(out[0]), jnp.zeros((), jnp.int32)
+            def w_idle(xw, gw, k, grad):
+                return grad, jnp.zeros((), jnp.int32)
 
-            dp, c = lax.cond(k >= 0, w_work, w_idle, xw, gw, k)
+            dev["grad"], c = lax.cond(k >= 0, w_work, w_idle, xw, gw, k, dev["grad"])
             counts = counts.at[2].add(c)
-            dev["grad"] = _add(dev["grad"], dp)
         dev["counts"] = counts
         if y is None:
             y = engine.zeros(v.y_layout)
@@ -529,8 +526,10 @@ class _Program:
                 # B
                 xb = _get(stash, b % K)
 
+                # The parameter cotangent is added inside the branch (an idle branch returns the
+                # accumulator as it is), so no parameter-sized temporary leaves the branch.
                 def b_branch(v):
-                    def run(prow, xb, g, b):
+                    def run(prow, xb, g, b, grad):
                         dx, dp = prog.pull(
                             v,
                             prow,
@@ -541,23 +540,22 @@ class _Program:
                             wrt_input=not v.first,
                         )
                         dx = msg_zeros() if dx is None else pack(dx)
-                        dp = _zeros_like(prow) if dp is None else dp
-                        return dx, dp, jnp.ones((), jnp.int32)
+                        grad = grad if dp is None else _add(grad, dp)
+                        return dx, grad, jnp.ones((), jnp.int32)
 
                     return run
 
-                b_idle = lambda prow, xb, g, b: (msg_zeros(), _zeros_like(prow), jnp.zeros((), jnp.int32))
-                dx, dp, c1 = lax.switch(
-                    jnp.where(b >= 0, vindex, idle), [*branches(b_branch), b_idle], prow, xb, bin_, b
+                b_idle = lambda prow, xb, g, b, grad: (msg_zeros(), grad, jnp.zeros((), jnp.int32))
+                dx, grad, c1 = lax.switch(
+                    jnp.where(b >= 0, vindex, idle), [*branches(b_branch), b_idle], prow, xb, bin_, b, grad
                 )
-                grad = _add(grad, dp)
                 c2 = jnp.zeros((), jnp.int32)
                 if zb:
                     gstash = _put(gstash, bin_, b % S, b >= 0)
                     xw, gw = _get(stash, w % K), _get(gstash, w % S)
 
                     def w_branch(v):
-                        def run(prow, xw, gw, w):
+                        def run(prow, xw, gw, w, grad):
                             g = None if v.last else unpack(gw, v.y_layout)
                             _, dp = prog.pull(
                                 v,
@@ -568,15 +566,14 @@ class _Program:
                                 wrt_params=True,
                                 wrt_input=False,
                             )
-                            return dp, jnp.ones((), jnp.int32)
+                            return _add(grad, dp), jnp.ones((), jnp.int32)
 
                         return run
 
-                    w_idle = lambda prow, xw, gw, w: (_zeros_like(prow), jnp.zeros((), jnp.int32))
-                    dp, c2 = lax.switch(
-                        jnp.where(w >= 0, vindex, idle), [*branches(w_branch), w_idle], prow, xw, gw, w
+                    w_idle = lambda prow, xw, gw, w, grad: (grad, jnp.zeros((), jnp.int32))
+                    grad, c2 = lax.switch(
+                        jnp.where(w >= 0, vindex, idle), [*branches(w_branch), w_idle], prow, xw, gw, w, grad
                     )
-                    grad = _add(grad, dp)
                 counts = counts + jnp.stack([c0, c1, c2])
                 fin = engine._shift(y, axis, S)
                 bin_ = _shift_back(dx, axis, S)
