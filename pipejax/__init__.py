@@ -37,6 +37,7 @@ from pipejax._src.schedule import circular as circular_schedule
 from pipejax._src.schedule import circular_bubble_fraction as circular_bubble_fraction
 from pipejax._src.schedule import gpipe as gpipe_schedule
 from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
+from pipejax._src.schedule import interleaved_one_f_one_b as interleaved_one_f_one_b_schedule
 from pipejax._src.schedule import one_f_one_b as one_f_one_b_schedule
 from pipejax._src.schedule import sequential as sequential_schedule
 from pipejax._src.schedule import zb_h1 as zb_h1_schedule
@@ -70,6 +71,7 @@ __all__ = [
     "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
+    "interleaved_one_f_one_b_schedule",
     "layer_costs",
     "layer_key",
     "memory_report",

@@ -39,14 +39,17 @@ SCHEDULES = ("1f1b", "zb-h1")
 # --- the tables -------------------------------------------------------------------------------
 
 
-def _ticks(table):
-    """{(device, micro): tick} of a slot table (each entry at most once)."""
+def _ticks(table, stages=None):
+    """{(stage, micro): tick} of a slot table (each entry at most once); the stage of a slot is
+    its device unless a stage table is given."""
     out = {}
     for t, d in itertools.product(range(table.shape[0]), range(table.shape[1])):
         i = int(table[t, d])
         if i >= 0:
-            assert (d, i) not in out, f"slot ({d}, {i}) twice"
-            out[(d, i)] = t
+            s = d if stages is None else int(stages[t, d])
+            assert s % table.shape[1] == d, f"stage {s} on device {d}"
+            assert (s, i) not in out, f"slot ({s}, {i}) twice"
+            out[(s, i)] = t
     return out
 
 
@@ -69,6 +72,27 @@ def test_table_is_valid(name, n, m):
     per_device = flight.max(axis=0)
     expect = [min(m, 2 * (n - d) - 1 if name == "1f1b" else 2 * n - 1 - d) for d in range(n)]
     assert per_device.tolist() == expect
+
+
+@pytest.mark.parametrize(("n", "m", "v"), [(1, 3, 2), (2, 2, 2), (2, 6, 3), (3, 9, 2), (4, 8, 2), (4, 16, 2)])
+def test_interleaved_table_is_valid(n, m, v):
+    s = pj.interleaved_one_f_one_b_schedule(n, m, v)
+    S = n * v
+    fs, bs = s.stages()
+    F, B = _ticks(s.forward, fs), _ticks(s.backward, bs)
+    every = {(j, i) for j in range(S) for i in range(m)}
+    assert set(F) == set(B) == every
+    for j, i in every:
+        if j + 1 < S:  # over the ring: device n - 1 hands stage j + 1 to device 0
+            assert F[(j + 1, i)] == F[(j, i)] + 1 and B[(j, i)] == B[(j + 1, i)] + 1
+    assert all(B[(S - 1, i)] == F[(S - 1, i)] for i in range(m))
+    # per device at most one F and one B per tick (the tables hold one entry per cell), every
+    # device does v m of each, and the lockstep bubble is the circular schedule's
+    assert s.slots()["F"].tolist() == s.slots()["B"].tolist() == [v * m] * n
+    np.testing.assert_allclose(s.bubble_fraction(1 / v, 2 / v), pj.circular_bubble_fraction(n, m, v))
+    assert s.stash_slots() == min(m, 2 * n)  # per stage held, flat in m
+    with pytest.raises(ValueError, match="multiple of n"):
+        pj.interleaved_one_f_one_b_schedule(n + 1, n + 2, v)
 
 
 @pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 4), (4, 16), (8, 32)])
@@ -134,6 +158,70 @@ CASES = [("1f1b", "none", "always"), ("1f1b", "explicit", "never"), ("zb-h1", "n
 CASES += [("zb-h1", "auto", "except_last")]
 
 
+def extra(p, y, key):
+    """A fourth stage for the interleaved schedule (4 stages on 2 devices)."""
+    return jnp.tanh(y) @ p["w"]
+
+
+STAGES4 = (*STAGES, extra)
+
+
+def _params4():
+    return [*models.token_params(), {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)) / 2)}]
+
+
+@functools.cache
+def _reference4(batch, chunks, seed):
+    params, x, labels = _params4(), models.token_inputs(batch), _labels(batch)
+    return pj.pipeline(list(STAGES4), chunks=chunks).value_and_grad(xent)(
+        params, x, labels, jax.random.key(seed)
+    )
+
+
+@pytest.mark.parametrize(
+    ("placement", "checkpoint"), [("explicit", "always"), ("auto", "never"), ("none", "never")]
+)
+def test_interleaved_heterogeneous_with_dropout_uneven_batch(placement, checkpoint):
+    """4 stages on 2 devices (stages 0, 2 on device 0; 1, 3 on device 1); without a mesh the
+    stages run as 1F1B on 4 virtual devices."""
+    batch, chunks = 11, 4  # micro-batches of 3, the last with one padding row
+    x, labels = models.token_inputs(batch), _labels(batch)
+    mesh = None if placement == "none" else models.make_mesh(placement, 2)
+    pipe = pj.pipeline(
+        list(STAGES4), chunks=chunks, schedule="interleaved-1f1b", repeats=2, mesh=mesh, checkpoint=checkpoint
+    )
+    got = pipe.value_and_grad(xent)(_params4(), x, labels, jax.random.key(3))
+    models.assert_trees_close(got, _reference4(batch, chunks, 3), **TOL)
+    if mesh is not None:  # every device runs v m = 8 F and 8 B slots
+        counts = train.slot_counts(pipe, xent, _params4(), x, labels, jax.random.key(3))
+        np.testing.assert_array_equal(counts, [[8, 8, 0], [8, 8, 0]])
+
+
+def test_interleaved_homogeneous_placed():
+    n, batch, chunks = 4, 8, 4
+    params, x = models.stacked_params(n), models.stacked_inputs(batch)
+    t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, models.WIDTH)))
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    mesh = models.make_mesh("explicit", 2)
+    pipe = pj.pipeline(
+        models.residual, num_stages=n, chunks=chunks, schedule="interleaved-1f1b", repeats=2, mesh=mesh
+    )
+    ref = pj.pipeline(models.residual, num_stages=n, chunks=chunks).value_and_grad(sq)(params, x, t)
+    models.assert_trees_close(pipe.value_and_grad(sq)(params, x, t), ref, **TOL)
+    loss, grads = pipe.value_and_grad(sq)(pipe.place(params), x, t)  # (v, n, ...) in and out
+    assert grads["w"].shape == (2, 2, models.WIDTH, models.WIDTH)
+    stage_major = jax.tree.map(lambda a: np.asarray(a).reshape(n, *a.shape[2:]), grads)
+    models.assert_trees_close((loss, stage_major), ref, **TOL)
+
+
+def test_interleaved_needs_a_multiple_of_n_micro_batches():
+    pipe = pj.pipeline(
+        list(STAGES4), chunks=3, schedule="interleaved-1f1b", repeats=2, mesh=models.make_mesh("auto", 2)
+    )
+    with pytest.raises(ValueError, match=r"multiple of 2, but a batch of 9 with `chunks=3`.*`chunks=2`"):
+        pipe.value_and_grad(xent)(_params4(), models.token_inputs(9), _labels(9))
+
+
 @pytest.mark.parametrize(("name", "placement", "checkpoint"), CASES)
 def test_heterogeneous_with_dropout_uneven_batch(name, placement, checkpoint):
     batch, chunks = 10, 4  # micro-batches of 3, the last with 2 padding rows
@@ -188,21 +276,27 @@ def test_placed_params_give_placed_grads(name, placement):
 
 
 @pytest.mark.parametrize(
-    ("name", "placement", "checkpoint"), [("1f1b", "explicit", "always"), ("zb-h1", "none", "never")]
+    ("name", "placement", "checkpoint"),
+    [("1f1b", "explicit", "always"), ("zb-h1", "none", "never"), ("interleaved-1f1b", "explicit", "never")],
 )
 def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
     """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
-    batch, chunks = 5, 3
-    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
-    mesh = models.make_mesh(placement, 3)
-    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint)
+    stages, params, v = STAGES, models.token_params(), 1
+    if name == "interleaved-1f1b":  # 4 stages on 2 devices
+        stages, params, v = STAGES4, _params4(), 2
+    batch, chunks = (8, 4) if v == 2 else (5, 3)  # interleaved: 4 micro-batches, a multiple of 2
+    x, labels = models.token_inputs(batch), _labels(batch)
+    mesh = models.make_mesh(placement, len(stages) // v)
+    pipe = pj.pipeline(
+        list(stages), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint, repeats=v
+    )
     flat, unravel = ravel_pytree(params)
     step = pipe.value_and_grad(xent)
 
     def grad_flat(v):
         return ravel_pytree(step(unravel(v), x, labels)[1])[0]
 
-    composed = lambda v: jnp.mean(xent(models.compose(STAGES, unravel(v), x), labels))
+    composed = lambda v: jnp.mean(xent(models.compose(stages, unravel(v), x), labels))
     hessian = jax.hessian(composed)(flat)
     direction = jnp.asarray(np.random.default_rng(1).normal(size=flat.shape))
     _, hvp = jax.jit(lambda v, u: jax.jvp(grad_flat, (v,), (u,)))(flat, direction)
@@ -233,7 +327,9 @@ def test_unknown_schedule_lists_the_valid_ones():
 
 
 def test_repeats_with_1f1b_names_the_fix():
-    with pytest.raises(ValueError, match=r"`repeats=2` needs `schedule='circular'`.*'1f1b'"):
+    with pytest.raises(
+        ValueError, match=r"`repeats=2` needs `schedule='circular'` or `'interleaved-1f1b'`.*'1f1b'"
+    ):
         pj.pipeline(models.residual, num_stages=4, schedule="1f1b", repeats=2)
 
 

@@ -614,10 +614,10 @@ def _check_schedule(schedule, repeats, num_stages) -> None:
         raise ValueError(
             f"`repeats` must be >= 1 (the number of stages each device holds), but got {repeats}."
         )
-    if schedule != "circular" and repeats != 1:
+    if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
         raise ValueError(
-            f"`repeats={repeats}` needs `schedule='circular'`: the {schedule!r} schedule runs one "
-            "stage per device. Pass `schedule='circular'` or drop `repeats`."
+            f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
+            f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
         )
     if num_stages % repeats:
         raise ValueError(

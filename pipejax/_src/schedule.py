@@ -167,7 +167,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 # ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
 # with a deeper stash.)
 
-TRAINING_KINDS = ("1f1b", "zb-h1")
+TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b")
 
 
 class TrainingSchedule(NamedTuple):
@@ -175,7 +175,9 @@ class TrainingSchedule(NamedTuple):
 
     ``forward[t, d] = i`` when device ``d`` runs the forward of its stage on micro-batch ``i`` at
     tick ``t`` (``-1``: none); ``backward`` and ``weight`` likewise. ``weight`` is ``None`` when B
-    computes the parameter cotangent too ("1f1b"). Device ``d`` runs stage ``d``.
+    computes the parameter cotangent too. Device ``d`` runs stage ``d``, or with ``repeats = v >
+    1`` ("interleaved-1f1b") the stage ``forward_stage[t, d]`` / ``backward_stage[t, d]``, one of
+    its stages ``d, d + n, ..., d + (v - 1) n``.
     """
 
     name: str
@@ -183,6 +185,16 @@ class TrainingSchedule(NamedTuple):
     backward: np.ndarray  # int32[ticks, n]
     weight: np.ndarray | None  # int32[ticks, n] or None
     num_micro: int
+    forward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
+    backward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
+    repeats: int = 1  # v: stages per device
+
+    def stages(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32[ticks, n] twice: the stage of each F slot and of each B (and W) slot."""
+        if self.forward_stage is not None:
+            return self.forward_stage, self.backward_stage
+        d = np.broadcast_to(np.arange(self.num_devices, dtype=np.int32), self.forward.shape)
+        return d, d
 
     @property
     def num_ticks(self) -> int:
@@ -199,23 +211,30 @@ class TrainingSchedule(NamedTuple):
             out["W"] = (self.weight >= 0).sum(0)
         return out
 
-    def in_flight(self) -> np.ndarray:
+    def in_flight(self, per_stage: bool = False) -> np.ndarray:
         """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
-        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``)."""
+        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``).
+        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``)."""
         last = self.backward if self.weight is None else self.weight
-        t = np.arange(self.num_ticks)
-        count = np.zeros(self.forward.shape, np.int64)
-        for d in range(self.num_devices):
-            f = {i: tick for tick, i in enumerate(self.forward[:, d]) if i >= 0}
-            u = {i: tick for tick, i in enumerate(last[:, d]) if i >= 0}
-            for i in f:
-                count[:, d] += (t >= f[i]) & (t <= u[i])
-        return count
+        fs, bs = self.stages()
+        n, t = self.num_devices, np.arange(self.num_ticks)
+        count = np.zeros((self.num_ticks, n * self.repeats), np.int64)
+        first, done = {}, {}
+        for tick, d in np.ndindex(self.forward.shape):
+            if self.forward[tick, d] >= 0:
+                first[(int(fs[tick, d]), int(self.forward[tick, d]))] = tick
+            if last[tick, d] >= 0:
+                done[(int(bs[tick, d]), int(last[tick, d]))] = tick
+        for (j, i), tick in first.items():
+            count[:, j] += (t >= tick) & (t <= done[(j, i)])
+        if per_stage:
+            return count
+        return count.reshape(self.num_ticks, self.repeats, n).sum(axis=1)
 
     def stash_slots(self) -> int:
-        """The ring-buffer slots a device needs for stage inputs: the most micro-batches ever in
-        flight on a device (``2 n - 1`` for ``m >= n``), independent of ``m`` once ``m >= 2 n - 1``."""
-        return max(1, int(self.in_flight().max()))
+        """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
+        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
+        return max(1, int(self.in_flight(per_stage=True).max()))
 
     def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
         """The lockstep time of the table: every tick lasts as long as its busiest device, which
@@ -228,8 +247,9 @@ class TrainingSchedule(NamedTuple):
 
     def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
         """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
-        busy = self.num_micro * (f + b + (w if self.weight is not None else 0.0))
-        return 1.0 - busy / self.step_time(f, b, w)
+        slots = self.slots()
+        busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
+        return float(1.0 - busy / self.step_time(f, b, w))
 
 
 def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
@@ -261,13 +281,53 @@ def zb_h1(num_stages: int, num_micro: int) -> TrainingSchedule:
     return _training_table("zb-h1", num_stages, num_micro)
 
 
-def training(name: str, num_stages: int, num_micro: int) -> TrainingSchedule:
-    """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`)."""
+def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> TrainingSchedule:
+    """Interleaved 1F1B (Megatron's virtual stages) in lockstep: ``S = v n`` stages on ``n``.
+
+    Device ``d`` holds stages ``d, d + n, ..., d + (v - 1) n``. Micro-batches go in groups of
+    ``n``: micro-batch ``i = g n + k`` starts at ``base(i) = g n v + k``, and its F on stage
+    ``j`` runs at tick ``base(i) + j`` and its B at ``base(i) + 2 (S - 1) - j``, so an activation
+    leaving device ``n - 1`` enters device 0 for its next round at the next tick (the ring), and
+    every device has at most one F and one B per tick. Needs ``m`` a multiple of ``n``. With
+    ``v = 1`` it is :func:`one_f_one_b`.
+
+    Examples:
+      >>> s = interleaved_one_f_one_b(2, 2, 2)  # 4 stages on 2 devices
+      >>> s.forward.T.tolist()[0], s.forward_stage.T.tolist()[0]  # device 0: micro-batch, stage
+      ([0, 1, 0, 1, -1, -1, -1, -1], [0, 0, 2, 2, 0, 0, 0, 0])
+      >>> s.slots()["F"].tolist(), s.stash_slots()
+      ([4, 4], 2)
+    """
+    n, m, v = num_devices, num_micro, repeats
+    if m % n:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple of n = {n}")
+    S = n * v
+    i = np.arange(m)
+    base = (i // n) * n * v + i % n
+    ticks = int(base[-1]) + 2 * (S - 1) + 1
+    forward, backward = (np.full((ticks, n), -1, np.int32) for _ in range(2))
+    fstage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy()
+    bstage = fstage.copy()
+    for j in range(S):
+        d = j % n
+        for k, b0 in enumerate(base):
+            tf, tb = b0 + j, b0 + 2 * (S - 1) - j
+            assert forward[tf, d] < 0 and backward[tb, d] < 0
+            forward[tf, d], fstage[tf, d] = k, j
+            backward[tb, d], bstage[tb, d] = k, j
+    return TrainingSchedule("interleaved-1f1b", forward, backward, None, m, fstage, bstage, v)
+
+
+def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> TrainingSchedule:
+    """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`) for ``num_stages`` stages
+    (``num_stages / repeats`` devices for "interleaved-1f1b")."""
+    if name == "interleaved-1f1b":
+        return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats)
     return _training_table(name, num_stages, num_micro)
 
 
 def _training_table(name, n, m) -> TrainingSchedule:
-    assert name in TRAINING_KINDS, name
+    assert name in ("1f1b", "zb-h1"), name
     ticks = m + 2 * (n - 1)
     t = np.arange(ticks)[:, None]
     s = np.arange(n)[None, :]

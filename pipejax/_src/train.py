@@ -49,7 +49,6 @@ from jax.sharding import PartitionSpec
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
-from pipejax._src.placement import StageParams
 
 PyTree = Any
 
@@ -150,7 +149,25 @@ def _run(pipe, loss_fn, params, x, targets, key):
     xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
     ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
     num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
-    table = sched.training(pipe.schedule_name, pipe.num_stages, num_micro)
+    name = pipe.schedule_name
+    if name == "interleaved-1f1b" and pipe.mesh is None:
+        name = "1f1b"  # virtual devices: one per stage, no ring to share (the same keys and sums)
+    elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
+        n, p = pipe.num_devices, pipe.data_size
+        per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+        fits = [
+            c for c in range(1, plan.batch + 1) if microbatch.plan(plan.batch, c).num_micro % (n * p) == 0
+        ]
+        fix = "a batch of at least that many examples"
+        if fits:
+            fix = f"e.g. `chunks={min(fits, key=lambda c: (abs(c - pipe.chunks), c))}` for this batch"
+        raise ValueError(
+            f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
+            f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+            f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
+            f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
+        )
+    table = sched.training(name, pipe.num_stages, num_micro, pipe.repeats if pipe.mesh is not None else 1)
     key_struct = None
     if key is not None:
         lead = (plan.micro_size,) if pipe.per_example_keys else ()
@@ -171,9 +188,20 @@ def _run(pipe, loss_fn, params, x, targets, key):
         loss, grads, counts = prog.local(runner)
     else:
         loss, grads, counts = prog.mesh(runner)
-    if pipe.mesh is not None and not pipe.homogeneous and not isinstance(params, StageParams):
-        grads = compat.replicate(grads)  # per-stage pytrees: unstacked, so not split over stages
-    return loss, to_user(grads)[0], counts
+    if _same_form(params, runner):  # already the engine's form (e.g. `place`d): keep its sharding
+        return loss, grads, counts
+    # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
+    # unstacks or reshapes the stage axis, so the grads must not be split over stages there
+    return loss, to_user(compat.replicate(grads))[0], counts
+
+
+def _same_form(a, b) -> bool:
+    """Whether two pytrees have the same structure and leaf shapes."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        jnp.shape(x) == jnp.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def _micro(tree):
@@ -349,7 +377,7 @@ class _Program:
 
         def body(c, r):
             devs, loss = c
-            f, b, w = r
+            f, b, w = r[:3]  # virtual device d runs stage d
             sent_f, sent_b, new = [], [], []
             for d, v in enumerate(variants):
                 dev, y, dx, dloss = self._device_tick(v, d, prows[d], devs[d], f[d], b[d], w[d])
@@ -384,7 +412,7 @@ class _Program:
     def _rows(self):
         t = self.table
         w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
-        return t.forward, t.backward, w
+        return (t.forward, t.backward, w, *t.stages())
 
     def _device_tick(self, v, d, prow, dev, i, j, k):
         """One tick of virtual device ``d`` (static stage ``v``); ``lax.cond`` skips idle slots."""
@@ -444,6 +472,7 @@ class _Program:
 
     def mesh(self, runner):
         pipe, S, K, zb = self.pipe, self.S, self.K, self.zb
+        n, v_rep = pipe.num_devices, pipe.repeats  # device d holds stages d, d + n, ...
         axis, mesh = pipe.axis_name, pipe.mesh
         bnd = self.boundaries
         if pipe.homogeneous:
@@ -469,8 +498,9 @@ class _Program:
         pack = (lambda tree: tree) if box is None else box.pack
         unpack = (lambda msg, layout: msg) if box is None else box.unpack
         msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
+        lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
         if self.keep:  # residuals differ per stage (and role): one container for all
-            row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), prows_in)
+            row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
             saved_layouts = [Layout.of(self.saved_structs(v, row)) for v in variants]
             sbox = Container.for_layouts(saved_layouts)
             s_pack, s_zeros = sbox.pack, sbox.zeros
@@ -481,7 +511,7 @@ class _Program:
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
-        spec = PartitionSpec(axis)
+        spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
         rep = PartitionSpec()
         batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
         prows_in = compat.constrain(prows_in, mesh, spec, axis)
@@ -489,12 +519,13 @@ class _Program:
         key = compat.constrain(self.key, mesh, rep, axis)
 
         def body(prows, xs, mask, ts, key):
-            prow = jax.tree.map(lambda a: a[0], prows)
+            # the device's stages as rows (v, ...); a slot picks row `stage // n`
+            rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
             prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key)
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
-            vindex = jnp.asarray(index, jnp.int32)[d]
+            variant_of = jnp.asarray(index, jnp.int32)
             idle = len(variants)
 
             def branches(make):
@@ -502,95 +533,110 @@ class _Program:
 
             def tick(c, r):
                 fin, bin_, stash, gstash, grad, loss, counts = c
-                f, b, w = (a[d] for a in r)
+                f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
                 # F
                 fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
-                x_in = jax.tree.map(lambda a, b: jnp.where(d == 0, a, b), fresh, fin)
+                x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, fin)
 
                 def f_branch(v):
-                    def run(prow, x_in, f):
-                        y, dloss, saved = prog.save(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, d))
+                    def run(rows_p, x_in, f):
+                        prow = _row(rows_p, fs // n)
+                        y, dloss, saved = prog.save(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, fs))
                         y = msg_zeros() if y is None else pack(y)
                         dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
                         return y, dloss, s_pack(saved), jnp.ones((), jnp.int32)
 
                     return run
 
-                def f_idle(prow, x_in, f):
+                def f_idle(rows_p, x_in, f):
                     return msg_zeros(), jnp.zeros_like(loss), s_zeros(), jnp.zeros((), jnp.int32)
 
                 y, dloss, saved, c0 = lax.switch(
-                    jnp.where(f >= 0, vindex, idle), [*branches(f_branch), f_idle], prow, x_in, f
+                    jnp.where(f >= 0, variant_of[fs], idle), [*branches(f_branch), f_idle], rows_p, x_in, f
                 )
-                stash = _put(stash, saved, f % K, f >= 0)
+                stash = _put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
                 # B
-                xb = _get(stash, b % K)
+                xb = _get(stash, (bs // n) * K + b % K)
 
                 # The parameter cotangent is added inside the branch (an idle branch returns the
                 # accumulator as it is), so no parameter-sized temporary leaves the branch.
                 def b_branch(v):
-                    def run(prow, xb, g, b, grad):
+                    def run(rows_p, xb, g, b, grad):
                         dx, dp = prog.pull(
                             v,
-                            prow,
+                            _row(rows_p, bs // n),
                             s_unpack(xb, v),
                             None if v.last else unpack(g, v.y_layout),
-                            *prog._inputs(b, d),
+                            *prog._inputs(b, bs),
                             wrt_params=not zb,
                             wrt_input=not v.first,
                         )
                         dx = msg_zeros() if dx is None else pack(dx)
-                        grad = grad if dp is None else _add(grad, dp)
+                        grad = grad if dp is None else _add_row(grad, bs // n, dp)
                         return dx, grad, jnp.ones((), jnp.int32)
 
                     return run
 
-                b_idle = lambda prow, xb, g, b, grad: (msg_zeros(), grad, jnp.zeros((), jnp.int32))
+                b_idle = lambda rows_p, xb, g, b, grad: (msg_zeros(), grad, jnp.zeros((), jnp.int32))
                 dx, grad, c1 = lax.switch(
-                    jnp.where(b >= 0, vindex, idle), [*branches(b_branch), b_idle], prow, xb, bin_, b, grad
+                    jnp.where(b >= 0, variant_of[bs], idle),
+                    [*branches(b_branch), b_idle],
+                    rows_p,
+                    xb,
+                    bin_,
+                    b,
+                    grad,
                 )
                 c2 = jnp.zeros((), jnp.int32)
                 if zb:
-                    gstash = _put(gstash, bin_, b % S, b >= 0)
-                    xw, gw = _get(stash, w % K), _get(gstash, w % S)
+                    # (ZB-H1 runs one stage per device: W's stage is B's, the device's)
+                    gstash = _put(gstash, bin_, b % n, b >= 0)
+                    xw, gw = _get(stash, w % K), _get(gstash, w % n)
 
                     def w_branch(v):
-                        def run(prow, xw, gw, w, grad):
+                        def run(rows_p, xw, gw, w, grad):
                             g = None if v.last else unpack(gw, v.y_layout)
                             _, dp = prog.pull(
                                 v,
-                                prow,
+                                _row(rows_p, 0),
                                 s_unpack(xw, v),
                                 g,
                                 *prog._inputs(w, d),
                                 wrt_params=True,
                                 wrt_input=False,
                             )
-                            return _add(grad, dp), jnp.ones((), jnp.int32)
+                            return _add_row(grad, 0, dp), jnp.ones((), jnp.int32)
 
                         return run
 
-                    w_idle = lambda prow, xw, gw, w, grad: (grad, jnp.zeros((), jnp.int32))
+                    w_idle = lambda rows_p, xw, gw, w, grad: (grad, jnp.zeros((), jnp.int32))
                     grad, c2 = lax.switch(
-                        jnp.where(w >= 0, vindex, idle), [*branches(w_branch), w_idle], prow, xw, gw, w, grad
+                        jnp.where(w >= 0, variant_of[d], idle),
+                        [*branches(w_branch), w_idle],
+                        rows_p,
+                        xw,
+                        gw,
+                        w,
+                        grad,
                     )
                 counts = counts + jnp.stack([c0, c1, c2])
-                fin = engine._shift(y, axis, S)
-                bin_ = _shift_back(dx, axis, S)
+                fin = engine._shift(y, axis, n, ring=v_rep > 1)
+                bin_ = _shift_back(dx, axis, n, ring=v_rep > 1)
                 return (fin, bin_, stash, gstash, grad, loss + dloss, counts), None
 
             init = (
                 msg_zeros(),
                 msg_zeros(),
-                s_zeros((K,)),
-                msg_zeros((S,)) if zb else None,
-                _zeros_like(prow),
+                s_zeros((v_rep * K,)),
+                msg_zeros((n,)) if zb else None,
+                _zeros_like(rows_p),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
             )
             c, _ = lax.scan(tick, init, rows)
             grad, loss, counts = c[4], c[5], c[6]
-            lead = lambda tree: jax.tree.map(lambda a: a[None], tree)
+            # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
+            lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
             loss = lax.psum(loss, axis)
             if data is None:
                 return loss, lead(grad), counts[None]
@@ -601,7 +647,7 @@ class _Program:
             body,
             mesh=mesh,
             in_specs=(spec, batch_spec, batch_spec, batch_spec, None if key is None else rep),
-            out_specs=(rep, spec, spec if data is None else PartitionSpec(data, axis)),
+            out_specs=(rep, spec, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
             check_vma=False,
         )
         loss, grads, counts = fn(prows_in, xs, mask, ts, key)
@@ -621,11 +667,29 @@ class _Program:
 # --- small exact helpers ---------------------------------------------------------------------
 
 
-def _shift_back(tree, axis_name, n):
-    """Sends every device's value to the previous device along the stage axis."""
+def _shift_back(tree, axis_name, n, ring=False):
+    """Sends every device's value to the previous device along the stage axis (first to last:
+    ``ring``)."""
     if n == 1:
         return tree
-    return lax.ppermute(tree, axis_name, [(s, s - 1) for s in range(1, n)])
+    perm = [(s, s - 1) for s in range(1, n)] + ([(0, n - 1)] if ring else [])
+    return lax.ppermute(tree, axis_name, perm)
+
+
+def _row(rows, r):
+    """Row ``r`` (traced) of the device's stacked stages."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), rows)
+
+
+def _add_row(acc, r, delta):
+    """``acc[r] += delta``."""
+
+    def one(a, g):
+        return lax.dynamic_update_index_in_dim(
+            a, lax.dynamic_index_in_dim(a, r, keepdims=False) + g.astype(a.dtype), r, 0
+        )
+
+    return jax.tree.map(one, acc, delta)
 
 
 def _put(buf, value, slot, enabled):
