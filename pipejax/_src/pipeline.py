@@ -168,9 +168,12 @@ def pipeline(
         pipeline does not change ``state``; update it from ``stats`` after the call, once per
         mini-batch (e.g. :func:`pipejax.batch_norm_update`). Stats are bitwise identical across
         checkpoint modes and with or without a mesh.
-      schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``).
-      repeats: with ``schedule="circular"``, the number ``v >= 1`` of stages each device holds;
-        ``num_stages`` must be a multiple of it. ``1`` for GPipe.
+      schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
+        or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"`` or
+        ``"interleaved-1f1b"`` (with ``repeats``), which :meth:`Pipeline.value_and_grad` runs (the
+        forward call alone runs the GPipe or circular table).
+      repeats: with ``schedule="circular"`` or ``"interleaved-1f1b"``, the number ``v >= 1`` of
+        stages each device holds; ``num_stages`` must be a multiple of it. ``1`` for GPipe.
       data_axis_name: the name of a second mesh axis to split the micro-batches over (data x
         pipeline parallelism), or ``None``. The number of micro-batches, ``ceil(B / ceil(B /
         chunks))``, must be a multiple of its size. Parameters are replicated over it; ``y`` comes
@@ -345,13 +348,14 @@ class Pipeline:
         grads)``, jitted, with ``grads`` in the form of ``params``.
 
         With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
-        the pipeline's output. With ``"1f1b"`` or ``"zb-h1"`` one program interleaves forwards and
-        backwards of different micro-batches (:mod:`pipejax._src.train`): a device keeps what
-        the backward needs of at most ``2 n - 1`` micro-batches whatever their number: the
+        the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program
+        interleaves forwards and backwards of different micro-batches
+        (:mod:`pipejax._src.train`): a device keeps what the backward needs of a bounded number
+        of micro-batches (``2 n - 1`` per stage it holds at most) whatever their number: the
         stage inputs, recomputing each stage in its backward slot, or with
-        ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward pipeline's, so
-        every schedule gives the same loss and gradients (up to the order of float sums), and
-        ``jax.jvp`` of ``f`` gives Hessian-vector products.
+        ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward
+        pipeline's, so every schedule gives the same loss and gradients (up to the order of
+        float sums), and ``jax.jvp`` of ``f`` gives Hessian-vector products.
 
         Examples:
           >>> import jax, jax.numpy as jnp
