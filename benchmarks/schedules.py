@@ -63,12 +63,15 @@ def sq(y, t):
     return jnp.sum((y - t) ** 2, axis=-1)
 
 
-def setup(m, name, checkpoint="always"):
+def setup(m, name, checkpoint="always", repeats=1):
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
-    pipe = pj.pipeline(stage, num_stages=N, chunks=m, schedule=name, checkpoint=checkpoint, mesh=mesh)
+    S = N * repeats  # interleaved: `repeats` stages per device
+    pipe = pj.pipeline(
+        stage, num_stages=S, chunks=m, schedule=name, checkpoint=checkpoint, mesh=mesh, repeats=repeats
+    )
     params = {
-        "w": normal((N, LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5),
-        "b": normal((N, LAYERS, WIDTH), 1, 0.1),
+        "w": normal((S, LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5),
+        "b": normal((S, LAYERS, WIDTH), 1, 0.1),
     }
     x, t = normal((m * MICRO, WIDTH), 2), normal((m * MICRO, WIDTH), 3)
     return pipe, pipe.value_and_grad(sq), (params, x, t)
@@ -114,23 +117,22 @@ def memory(quick: bool) -> None:
 def slots(quick: bool) -> None:
     section("Slots: executed F/B/W per device (counted in the program) against the table")
     rows = []
-    for name in ("1f1b", "zb-h1"):
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
         for m in (4, 8) if quick else (4, 8, 16):
-            pipe, _, args = setup(m, name)
+            pipe, _, args = setup(m, name, repeats=v)
             counts = train.slot_counts(pipe, sq, *args)
-            table_ = sched.training(name, N, m)
+            table_ = sched.training(name, N * v, m, v)
             s = table_.slots()
             expect = np.stack([s["F"], s["B"], s.get("W", np.zeros(N, int))], axis=1)
             f, b, w = 1.0, 1.0, 1.0  # equal costs: ZB's B and W are each half of 1F1B's B
-            bubble = table_.bubble_fraction(f, b + w) if name == "1f1b" else table_.bubble_fraction(f, b, w)
-            theory = (
-                sched.gpipe_bubble_fraction(N, m)
-                if name == "1f1b"
-                else sched.zb_h1_bubble_fraction(N, m, f, b, w)
-            )
+            if name == "zb-h1":
+                bubble, theory = table_.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(N, m, f, b, w)
+            else:  # a stage of the interleaved schedule is 1/v of a device's share
+                bubble = table_.bubble_fraction(f / v, (b + w) / v)
+                theory = sched.circular_bubble_fraction(N, m, v)
             rows.append(
                 [
-                    name,
+                    name if v == 1 else f"{name} v={v}",
                     m,
                     " ".join("/".join(str(int(c)) for c in row) for row in counts),
                     bool((counts == expect).all()),
@@ -142,8 +144,9 @@ def slots(quick: bool) -> None:
             )
     print(
         "F/B/W per device 0..3; bubble: the table's lockstep idle fraction with costs F = 1, "
-        "B = 2 (1f1b) or B = W = 1 (zb-h1); theory: GPipe's (n-1)/(m+n-1) for 1f1b, "
-        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1."
+        "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
+        "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
+        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1. stash: slots per stage held."
     )
     print()
     print(
@@ -214,10 +217,13 @@ def predicted(quick: bool) -> None:
                 base = sim.simulate([f] * n, **common).makespan
                 one = sched.one_f_one_b(n, m).step_time(f, one_b)
                 zb = sched.zb_h1(n, m).step_time(f, zb_b, zb_w)
-                row += [f"{base * 1e3:.3f}", f"{one / base:.2f}x", f"{zb / base:.2f}x"]
+                # interleaved, v = 2: the device's share cut into 2 stages of half the cost each
+                il = sched.interleaved_one_f_one_b(n, m, 2).step_time(f / 2, one_b / 2)
+                row += [f"{base * 1e3:.3f}", f"{one / base:.2f}x", f"{zb / base:.2f}x", f"{il / base:.2f}x"]
             rows.append(row)
     print()
-    heads = ["gpipe always ms", "1f1b always", "zb-h1 always", "gpipe never ms", "1f1b never", "zb-h1 never"]
+    heads = ["gpipe always ms", "1f1b always", "zb-h1 always", "interleaved v=2 always"]
+    heads += ["gpipe never ms", "1f1b never", "zb-h1 never", "interleaved v=2 never"]
     print(table(["n", "m", *heads], rows))
 
 

@@ -351,7 +351,7 @@ class Pipeline:
         the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program
         interleaves forwards and backwards of different micro-batches
         (:mod:`pipejax._src.train`): a device keeps what the backward needs of a bounded number
-        of micro-batches (``2 n - 1`` per stage it holds at most) whatever their number: the
+        of micro-batches (at most ``2 n`` per stage it holds) whatever their number: the
         stage inputs, recomputing each stage in its backward slot, or with
         ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward
         pipeline's, so every schedule gives the same loss and gradients (up to the order of
