@@ -178,9 +178,7 @@ def _reference4(batch, chunks, seed):
     )
 
 
-@pytest.mark.parametrize(
-    ("placement", "checkpoint"), [("explicit", "always"), ("auto", "never"), ("none", "never")]
-)
+@pytest.mark.parametrize(("placement", "checkpoint"), [("explicit", "always"), ("none", "never")])
 def test_interleaved_heterogeneous_with_dropout_uneven_batch(placement, checkpoint):
     """4 stages on 2 devices (stages 0, 2 on device 0; 1, 3 on device 1); without a mesh the
     stages run as 1F1B on 4 virtual devices."""
