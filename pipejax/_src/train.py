@@ -80,6 +80,8 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
     def f(params, x, targets, key=None):
         keys.check_key(key)
         _check_params(pipe, params)
+        # concrete inputs committed to other devices are moved where the pipeline runs
+        params, (x, targets), key, _ = pipe._commit(params, (x, targets), key, None)
         return jitted(params, x, targets, key)
 
     f.__doc__ = (
