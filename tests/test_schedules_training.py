@@ -396,3 +396,14 @@ def test_hessian_tools_take_the_schedule_gradient():
     np.testing.assert_allclose(np.asarray(got), hessian @ np.asarray(u), **TOL)
     rev = ravel_pytree(pj.hessian.hvp(loss, params, unravel(u), x, labels, mode="rev_rev"))[0]
     np.testing.assert_allclose(np.asarray(rev), hessian @ np.asarray(u), **TOL)
+
+
+def test_per_example_keys():
+    """``per_example_keys=True``: every example draws its own dropout mask, as in GPipe."""
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    kw = dict(chunks=chunks, per_example_keys=True)
+    stages = (lambda p, x, k: pj.dropout(models.embed(p, x, k), k, 0.3), models.wide, models.head)
+    ref = pj.pipeline(list(stages), **kw).value_and_grad(xent)(params, x, labels, jax.random.key(1))
+    pipe = pj.pipeline(list(stages), schedule="zb-h1", checkpoint="never", **kw)
+    models.assert_trees_close(pipe.value_and_grad(xent)(params, x, labels, jax.random.key(1)), ref, **TOL)
