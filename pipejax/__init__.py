@@ -32,11 +32,16 @@ from pipejax._src.pipeline import pipeline as pipeline
 from pipejax._src.placement import StageParams as StageParams
 from pipejax._src.random import dropout as dropout
 from pipejax._src.schedule import Schedule as Schedule
+from pipejax._src.schedule import TrainingSchedule as TrainingSchedule
 from pipejax._src.schedule import circular as circular_schedule
 from pipejax._src.schedule import circular_bubble_fraction as circular_bubble_fraction
 from pipejax._src.schedule import gpipe as gpipe_schedule
 from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
+from pipejax._src.schedule import interleaved_one_f_one_b as interleaved_one_f_one_b_schedule
+from pipejax._src.schedule import one_f_one_b as one_f_one_b_schedule
 from pipejax._src.schedule import sequential as sequential_schedule
+from pipejax._src.schedule import zb_h1 as zb_h1_schedule
+from pipejax._src.schedule import zb_h1_bubble_fraction as zb_h1_bubble_fraction
 
 __version__ = "0.1.0"
 
@@ -54,6 +59,7 @@ __all__ = [
     "StageFn",
     "StageParams",
     "StatefulStageFn",
+    "TrainingSchedule",
     "balance",
     "balance_costs",
     "batch_norm",
@@ -65,6 +71,7 @@ __all__ = [
     "dropout",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
+    "interleaved_one_f_one_b_schedule",
     "layer_costs",
     "layer_key",
     "memory_report",
@@ -72,9 +79,12 @@ __all__ = [
     "merge_moments",
     "microbatch_plan",
     "moments",
+    "one_f_one_b_schedule",
     "partition",
     "pipeline",
     "sequential_schedule",
     "split_microbatches",
     "stage_key",
+    "zb_h1_bubble_fraction",
+    "zb_h1_schedule",
 ]

@@ -36,6 +36,7 @@ def run_quick(script: str, *args: str) -> str:
         ("pipeline.py", ("Bubble", "Memory", "Overhead", "Compile")),
         ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "float32", "float64")),
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
+        ("schedules.py", ("Memory: compiled temp bytes", "Slots:", "Compile time", "Predicted step time")),
     ],
 )
 def test_benchmark_quick(script, headings):

@@ -309,3 +309,10 @@ def test_linen_and_nnx_adapters_split_parameters_as_their_layers_metadata_says()
     reported = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model, nnx.Param)), is_leaf=is_spec)
     assert any(tuple(spec)[:2] == ("stage", "model") for spec in reported), reported
     np.testing.assert_allclose(model(x), want, rtol=1e-12)
+
+
+def test_training_schedules_refuse_param_specs_for_now():
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    apply = pj.pipeline(mlp, num_stages=2, chunks=2, mesh=mesh, schedule="1f1b", param_specs=MLP_SPECS)
+    with pytest.raises(NotImplementedError, match="not supported by the '1f1b' training program"):
+        apply.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, engine, keys, microbatch, placement
+from pipejax._src import compat, engine, keys, microbatch, placement, train
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Layout
 from pipejax._src.placement import StageParams, stage_index
@@ -169,9 +169,12 @@ def pipeline(
         pipeline does not change ``state``; update it from ``stats`` after the call, once per
         mini-batch (e.g. :func:`pipejax.batch_norm_update`). Stats are bitwise identical across
         checkpoint modes and with or without a mesh.
-      schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``).
-      repeats: with ``schedule="circular"``, the number ``v >= 1`` of stages each device holds;
-        ``num_stages`` must be a multiple of it. ``1`` for GPipe.
+      schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
+        or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"`` or
+        ``"interleaved-1f1b"`` (with ``repeats``), which :meth:`Pipeline.value_and_grad` runs (the
+        forward call alone runs the GPipe or circular table).
+      repeats: with ``schedule="circular"`` or ``"interleaved-1f1b"``, the number ``v >= 1`` of
+        stages each device holds; ``num_stages`` must be a multiple of it. ``1`` for GPipe.
       data_axis_name: the name of a second mesh axis to split the micro-batches over (data x
         pipeline parallelism), or ``None``. The number of micro-batches, ``ceil(B / ceil(B /
         chunks))``, must be a multiple of its size. Parameters are replicated over it; ``y`` comes
@@ -305,7 +308,8 @@ class Pipeline:
         where = "no mesh" if self.mesh is None else f"mesh axis {self.axis_name!r}"
         if self.data_axis_name is not None:
             where += f", data axis {self.data_axis_name!r}"
-        how = "" if self.schedule_name == "gpipe" else f", schedule='circular', repeats={self.repeats}"
+        how = "" if self.schedule_name == "gpipe" else f", schedule={self.schedule_name!r}"
+        how += f", repeats={self.repeats}" if self.repeats > 1 else ""
         return (
             f"Pipeline({self.num_stages} {kind} stages, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}{how}, {where})"
@@ -355,6 +359,42 @@ class Pipeline:
             _check_params_shape(state, self, name="state")
         params, (x, context), key, state = self._commit(params, (x, context), key, state)
         return self._jitted(params, x, key, state, context)
+
+    def value_and_grad(self, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
+        """A training step that returns the loss and its gradient, computed by this schedule.
+
+        ``loss_fn(outputs, targets)`` gives one loss per example (``outputs`` and ``targets`` with
+        the same leading batch axis); the loss is their mean over the batch (padding rows of an
+        uneven last micro-batch excluded). Returns ``f(params, x, targets, key=None) -> (loss,
+        grads)``, jitted, with ``grads`` in the form of ``params``.
+
+        With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
+        the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program
+        interleaves forwards and backwards of different micro-batches
+        (:mod:`pipejax._src.train`): a device keeps what the backward needs of a bounded number
+        of micro-batches (at most ``2 n`` per stage it holds) whatever their number: the
+        stage inputs, recomputing each stage in its backward slot, or with
+        ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward
+        pipeline's, so every schedule gives the same loss and gradients (up to the order of
+        float sums), and ``jax.jvp`` of ``f`` gives Hessian-vector products.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp
+          >>> import pipejax as pj
+          >>> def affine(p, x, key):
+          ...     return x * p["w"] + p["b"]
+          >>> params = [{"w": 2.0, "b": 1.0}, {"w": 3.0, "b": 0.0}]
+          >>> x, t = jnp.arange(5.0), jnp.ones(5)
+          >>> sq = lambda y, t: (y - t) ** 2
+          >>> for schedule in ("gpipe", "1f1b", "zb-h1"):
+          ...     apply = pj.pipeline([affine, affine], chunks=3, schedule=schedule)
+          ...     loss, grads = apply.value_and_grad(sq)(params, x, t)
+          ...     print(schedule, float(loss), float(grads[1]["w"]))
+          gpipe 268.0 188.0
+          1f1b 268.0 188.0
+          zb-h1 268.0 188.0
+        """
+        return train.value_and_grad(self, loss_fn)
 
     def place(self, params: Any) -> Any:
         """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
@@ -669,10 +709,10 @@ def _check_chunks(chunks) -> int:
 
 
 def _check_schedule(schedule, repeats, num_stages) -> None:
-    kinds = ", ".join(repr(k) for k in sched.KINDS)
+    kinds = ", ".join(repr(k) for k in sched.KINDS + sched.TRAINING_KINDS)
     if not isinstance(schedule, str):
         raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
-    if schedule not in sched.KINDS:
+    if schedule not in sched.KINDS + sched.TRAINING_KINDS:
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
     if _integer(repeats) is None:
         raise TypeError(f"`repeats` must be an int >= 1, but got {type(repeats).__name__} {repeats!r}.")
@@ -681,10 +721,10 @@ def _check_schedule(schedule, repeats, num_stages) -> None:
         raise ValueError(
             f"`repeats` must be >= 1 (the number of stages each device holds), but got {repeats}."
         )
-    if schedule == "gpipe" and repeats != 1:
+    if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
         raise ValueError(
-            f"`repeats={repeats}` needs `schedule='circular'`: the GPipe schedule runs one stage "
-            "per device. Pass `schedule='circular'` or drop `repeats`."
+            f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
+            f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
         )
     if num_stages % repeats:
         raise ValueError(

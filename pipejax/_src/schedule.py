@@ -138,3 +138,215 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
     """
     n, m, v = num_devices, num_micro, repeats
     return (n - 1) / (v * m + n - 1)
+
+
+# --- schedules that own the backward pass --------------------------------------------------------
+#
+# 1F1B (PipeDream-flush, Narayanan et al. 2021) and ZB-H1 (Qi et al. 2023) interleave forward and
+# backward work of different micro-batches, so they are not the reverse of a forward scan: the
+# training program (:mod:`pipejax._src.train`) runs their tables itself. A tick of a device runs,
+# in this order, at most one forward slot F (its stage on one micro-batch), one backward slot B
+# (the stage's vjp: input and parameter cotangents for "1f1b", the input cotangent only for
+# "zb-h1") and, for "zb-h1", one weight slot W (the parameter cotangent); then activations move
+# one device forward and cotangents one device back. Lockstep SPMD makes a tick as long as its
+# slowest device, so the tables give every device one F and one B (and one W) per steady-state tick.
+#
+# Device (= stage) ``s`` of ``n``, micro-batch ``i`` of ``m``:
+#
+# * F(s, i) at tick ``i + s`` (GPipe's forward skew);
+# * B(s, i) at tick ``i + 2 (n - 1) - s``: the last stage runs B right after F in the same tick,
+#   and each cotangent reaches the previous device the tick after;
+# * "zb-h1" only: W(s, i) at tick ``i + 2 (n - 1)``, i.e. ``s`` ticks after its B. Every device's
+#   W runs on the same ticks, so a tick with W on one device has it on all, and the last ``n - 1``
+#   ticks (the cool-down, where only B's run in "1f1b" as B+W) carry W's that were deferred there.
+#
+# ``m + 2 (n - 1)`` ticks. Micro-batches in flight on device ``s`` (input stashed, last use not yet
+# run): ``2 (n - s) - 1`` for "1f1b", ``2 n - 1 - s`` for "zb-h1"; at most ``2 n - 1`` whatever
+# ``m``. (Megatron's 1F1B keeps ``n - s`` by alternating F and B ticks on each device; in lockstep
+# that puts F on half the devices and B on the other half in every tick, so a tick costs
+# ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
+# with a deeper stash.)
+
+TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b")
+
+
+class TrainingSchedule(NamedTuple):
+    """A static table of forward (F), backward (B) and weight-gradient (W) slots.
+
+    ``forward[t, d] = i`` when device ``d`` runs the forward of its stage on micro-batch ``i`` at
+    tick ``t`` (``-1``: none); ``backward`` and ``weight`` likewise. ``weight`` is ``None`` when B
+    computes the parameter cotangent too. Device ``d`` runs stage ``d``, or with ``repeats = v >
+    1`` ("interleaved-1f1b") the stage ``forward_stage[t, d]`` / ``backward_stage[t, d]``, one of
+    its stages ``d, d + n, ..., d + (v - 1) n``.
+    """
+
+    name: str
+    forward: np.ndarray  # int32[ticks, n]
+    backward: np.ndarray  # int32[ticks, n]
+    weight: np.ndarray | None  # int32[ticks, n] or None
+    num_micro: int
+    forward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
+    backward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
+    repeats: int = 1  # v: stages per device
+
+    def stages(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32[ticks, n] twice: the stage of each F slot and of each B (and W) slot."""
+        if self.forward_stage is not None:
+            return self.forward_stage, self.backward_stage
+        d = np.broadcast_to(np.arange(self.num_devices, dtype=np.int32), self.forward.shape)
+        return d, d
+
+    @property
+    def num_ticks(self) -> int:
+        return self.forward.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self.forward.shape[1]
+
+    def slots(self) -> dict[str, np.ndarray]:
+        """int[n] per kind ("F", "B", and "W" for "zb-h1"): the slots each device runs."""
+        out = {"F": (self.forward >= 0).sum(0), "B": (self.backward >= 0).sum(0)}
+        if self.weight is not None:
+            out["W"] = (self.weight >= 0).sum(0)
+        return out
+
+    def in_flight(self, per_stage: bool = False) -> np.ndarray:
+        """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
+        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``).
+        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``)."""
+        last = self.backward if self.weight is None else self.weight
+        fs, bs = self.stages()
+        n, t = self.num_devices, np.arange(self.num_ticks)
+        count = np.zeros((self.num_ticks, n * self.repeats), np.int64)
+        first, done = {}, {}
+        for tick, d in np.ndindex(self.forward.shape):
+            if self.forward[tick, d] >= 0:
+                first[(int(fs[tick, d]), int(self.forward[tick, d]))] = tick
+            if last[tick, d] >= 0:
+                done[(int(bs[tick, d]), int(last[tick, d]))] = tick
+        for (j, i), tick in first.items():
+            count[:, j] += (t >= tick) & (t <= done[(j, i)])
+        if per_stage:
+            return count
+        return count.reshape(self.num_ticks, self.repeats, n).sum(axis=1)
+
+    def stash_slots(self) -> int:
+        """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
+        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
+        return max(1, int(self.in_flight(per_stage=True).max()))
+
+    def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
+        """The lockstep time of the table: every tick lasts as long as its busiest device, which
+        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (for "1f1b" pass the
+        whole backward as ``b``)."""
+        cost = f * (self.forward >= 0) + b * (self.backward >= 0)
+        if self.weight is not None:
+            cost = cost + w * (self.weight >= 0)
+        return float(cost.max(axis=1).sum())
+
+    def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
+        """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
+        slots = self.slots()
+        busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
+        return float(1.0 - busy / self.step_time(f, b, w))
+
+
+def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The lockstep 1F1B table: F(s, i) at tick ``i + s``, B(s, i) at tick ``i + 2 (n - 1) - s``.
+
+    Examples:
+      >>> s = one_f_one_b(2, 3)
+      >>> s.forward.T.tolist(), s.backward.T.tolist()
+      ([[0, 1, 2, -1, -1], [-1, 0, 1, 2, -1]], [[-1, -1, 0, 1, 2], [-1, 0, 1, 2, -1]])
+      >>> s.in_flight().max(axis=0).tolist(), s.stash_slots()
+      ([3, 1], 3)
+      >>> s.bubble_fraction(1.0, 2.0), gpipe_bubble_fraction(2, 3)
+      (0.25, 0.25)
+    """
+    return _training_table("1f1b", num_stages, num_micro)
+
+
+def zb_h1(num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The lockstep ZB-H1 table: F and B as :func:`one_f_one_b` (B the input cotangent only),
+    W(s, i) at tick ``i + 2 (n - 1)``.
+
+    Examples:
+      >>> s = zb_h1(2, 3)
+      >>> s.weight.T.tolist()
+      [[-1, -1, 0, 1, 2], [-1, -1, 0, 1, 2]]
+      >>> s.bubble_fraction(1.0, 1.0, 1.0), zb_h1_bubble_fraction(2, 3, 1.0, 1.0, 1.0)
+      (0.181..., 0.181...)
+    """
+    return _training_table("zb-h1", num_stages, num_micro)
+
+
+def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> TrainingSchedule:
+    """Interleaved 1F1B (Megatron's virtual stages) in lockstep: ``S = v n`` stages on ``n``.
+
+    Device ``d`` holds stages ``d, d + n, ..., d + (v - 1) n``. Micro-batches go in groups of
+    ``n``: micro-batch ``i = g n + k`` starts at ``base(i) = g n v + k``, and its F on stage
+    ``j`` runs at tick ``base(i) + j`` and its B at ``base(i) + 2 (S - 1) - j``, so an activation
+    leaving device ``n - 1`` enters device 0 for its next round at the next tick (the ring), and
+    every device has at most one F and one B per tick. Needs ``m`` a multiple of ``n``. With
+    ``v = 1`` it is :func:`one_f_one_b`.
+
+    Examples:
+      >>> s = interleaved_one_f_one_b(2, 2, 2)  # 4 stages on 2 devices
+      >>> s.forward.T.tolist()[0], s.forward_stage.T.tolist()[0]  # device 0: micro-batch, stage
+      ([0, 1, 0, 1, -1, -1, -1, -1], [0, 0, 2, 2, 0, 0, 0, 0])
+      >>> s.slots()["F"].tolist(), s.stash_slots()
+      ([4, 4], 2)
+    """
+    n, m, v = num_devices, num_micro, repeats
+    if m % n:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple of n = {n}")
+    S = n * v
+    i = np.arange(m)
+    base = (i // n) * n * v + i % n
+    ticks = int(base[-1]) + 2 * (S - 1) + 1
+    forward, backward = (np.full((ticks, n), -1, np.int32) for _ in range(2))
+    fstage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy()
+    bstage = fstage.copy()
+    for j in range(S):
+        d = j % n
+        for k, b0 in enumerate(base):
+            tf, tb = b0 + j, b0 + 2 * (S - 1) - j
+            assert forward[tf, d] < 0 and backward[tb, d] < 0
+            forward[tf, d], fstage[tf, d] = k, j
+            backward[tb, d], bstage[tb, d] = k, j
+    return TrainingSchedule("interleaved-1f1b", forward, backward, None, m, fstage, bstage, v)
+
+
+def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> TrainingSchedule:
+    """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`) for ``num_stages`` stages
+    (``num_stages / repeats`` devices for "interleaved-1f1b")."""
+    if name == "interleaved-1f1b":
+        return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats)
+    return _training_table(name, num_stages, num_micro)
+
+
+def _training_table(name, n, m) -> TrainingSchedule:
+    assert name in ("1f1b", "zb-h1"), name
+    ticks = m + 2 * (n - 1)
+    t = np.arange(ticks)[:, None]
+    s = np.arange(n)[None, :]
+
+    def slot(offset):
+        i = t - offset
+        return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
+
+    forward, backward = slot(s), slot(2 * (n - 1) - s)
+    weight = slot(np.broadcast_to(2 * (n - 1), (1, n))) if name == "zb-h1" else None
+    return TrainingSchedule(name, forward, backward, weight, m)
+
+
+def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w: float) -> float:
+    """ZB-H1's lockstep bubble for ``m >= n``: ``(n - 1)(f + b) / ((m + n - 1)(f + b) + m w)``.
+
+    The fill and drain cost ``(n - 1)(f + b)`` as in 1F1B, whose bubble (with ``b`` its whole
+    backward) is GPipe's ``(n - 1) / (m + n - 1)``; the ``n - 1`` deferred W's of each device run
+    in the drain, where they cost nothing extra.
+    """
+    n, m = num_stages, num_micro
+    return (n - 1) * (f + b) / ((m + n - 1) * (f + b) + m * w)

@@ -11,8 +11,10 @@ from pipejax._src.hessian.density import density as density
 from pipejax._src.hessian.density import smooth_density as smooth_density
 from pipejax._src.hessian.density import spectral_range as spectral_range
 from pipejax._src.hessian.hvp import CompositeLoss as CompositeLoss
+from pipejax._src.hessian.hvp import GradientLoss as GradientLoss
 from pipejax._src.hessian.hvp import Stream as Stream
 from pipejax._src.hessian.hvp import composite as composite
+from pipejax._src.hessian.hvp import from_value_and_grad as from_value_and_grad
 from pipejax._src.hessian.hvp import hvp as hvp
 from pipejax._src.hessian.hvp import stream as stream
 from pipejax._src.hessian.lanczos import Tridiagonal as Tridiagonal
@@ -23,11 +25,13 @@ from pipejax._src.hessian.trace import trace as trace
 __all__ = [
     "CompositeLoss",
     "Density",
+    "GradientLoss",
     "Stream",
     "Tridiagonal",
     "composite",
     "density",
     "eigenvalues",
+    "from_value_and_grad",
     "hvp",
     "lanczos",
     "smooth_density",

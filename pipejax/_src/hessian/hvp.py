@@ -90,13 +90,68 @@ def composite(outputs: Callable[..., PyTree], output_loss: Callable[..., jax.Arr
     return CompositeLoss(outputs, output_loss)
 
 
+class GradientLoss:
+    """A loss that brings its own gradient (see :func:`from_value_and_grad`)."""
+
+    def __init__(self, value_and_grad: Callable[..., tuple[jax.Array, PyTree]]):
+        if not callable(value_and_grad):
+            raise TypeError(
+                "`from_value_and_grad` takes a function `value_and_grad(params, *args) -> (loss, "
+                f"grads)`, got {value_and_grad!r}."
+            )
+        self.value_and_grad = value_and_grad
+
+    def __call__(self, params: PyTree, *args: Any) -> jax.Array:
+        return self.value_and_grad(params, *args)[0]
+
+    def grad(self, params: PyTree, *args: Any) -> PyTree:
+        return self.value_and_grad(params, *args)[1]
+
+    def __eq__(self, other: Any) -> bool:  # a static argument of the compiled programs
+        return type(other) is GradientLoss and self.value_and_grad is other.value_and_grad
+
+    def __hash__(self) -> int:
+        return hash(id(self.value_and_grad))
+
+
+def from_value_and_grad(value_and_grad: Callable[..., tuple[jax.Array, PyTree]]) -> GradientLoss:
+    """A loss given by a function that computes its gradient itself, for every function here.
+
+    ``value_and_grad(params, *args) -> (loss, grads)``, e.g. what
+    :meth:`pipejax.Pipeline.value_and_grad` returns for the ``"1f1b"`` and ``"zb-h1"``
+    schedules, whose gradient is not ``jax.grad`` of a forward program. Hessian-vector products
+    are then ``jax.jvp`` of that gradient function (``mode="fwd_rev"``) or the gradient of its
+    inner product with ``v`` (``"rev_rev"``), so the curvature of a model trained with a
+    schedule is computed with the same schedule. Only ``curvature="hessian"`` applies.
+
+    Args:
+      value_and_grad: ``value_and_grad(params, *args) -> (loss, grads)``, ``grads`` like ``params``.
+
+    Returns:
+      A callable ``loss(params, *args)`` (the value) that :func:`hvp`, :func:`lanczos`,
+      :func:`eigenvalues`, :func:`trace` and :func:`density` accept.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from pipejax.hessian import from_value_and_grad, hvp
+      >>> f = jax.value_and_grad(lambda w, x: jnp.sum((x @ w) ** 2))  # H = 2 x^T x
+      >>> x = jnp.array([[1.0, 2.0], [0.0, 1.0]])
+      >>> hvp(from_value_and_grad(f), jnp.zeros(2), jnp.array([1.0, 0.0]), x).tolist()
+      [2.0, 4.0]
+    """
+    return GradientLoss(value_and_grad)
+
+
 def _hvp_one(loss: Callable[..., jax.Array], mode: str, params: PyTree, v: PyTree, args: tuple) -> PyTree:
     if isinstance(loss, _Product) and loss.curvature != "hessian":
         return _gauss_newton(loss.fn, loss.curvature, mode, params, v, args)
     fn = loss.fn if isinstance(loss, _Product) else loss
 
     def grad(p):
+        if isinstance(fn, GradientLoss):
+            return fn.grad(p, *args)
         return jax.grad(fn)(p, *args)
+
 
     if mode == "fwd_rev":  # a JVP of the gradient: about 2-3 gradients of cost
         return jax.jvp(grad, (params,), (v,))[1]

@@ -1,0 +1,244 @@
+"""Training schedules: memory against micro-batches, executed slots, compile time, predicted step time.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/schedules.py            # all sections (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/schedules.py --quick    # smoke run
+
+Sections (markdown tables):
+
+1. ``memory``: compiled temp bytes of one training step (``value_and_grad``) of a 4-stage
+   pipeline on 4 fake CPU devices against the number of micro-batches ``m``, for GPipe (each
+   checkpoint mode; ``jax.value_and_grad`` of the forward pipeline) and for "1f1b" and "zb-h1"
+   (the program that owns the backward pass; "always" recomputes the stage in B and W, "never"
+   keeps F's residuals). The SPMD program is one device's program, so the
+   bytes are per device.
+2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
+   table, and the table's lockstep bubble against the theory.
+3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
+   same recomputation). Noisy on a shared machine: medians of interleaved rounds.
+4. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
+   CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
+   (:meth:`TrainingSchedule.step_time`, lockstep: a tick lasts as long as its busiest device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+N = 4  # stages = fake devices
+if __name__ == "__main__":
+    import os
+
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pipejax as pj  # noqa: E402
+from benchmarks import _simulate as sim  # noqa: E402
+from benchmarks._common import header, interleaved_times, kib, normal, section, table, temp_bytes  # noqa: E402
+from pipejax._src import schedule as sched  # noqa: E402
+from pipejax._src import train  # noqa: E402
+
+WIDTH, LAYERS, MICRO = 128, 3, 16  # a stage: LAYERS tanh dense layers; rows per micro-batch
+
+
+def stage(p, x, key):
+    for j in range(LAYERS):
+        x = jnp.tanh(x @ p["w"][j] + p["b"][j])
+    return x
+
+
+def sq(y, t):
+    return jnp.sum((y - t) ** 2, axis=-1)
+
+
+def setup(m, name, checkpoint="always", repeats=1):
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    S = N * repeats  # interleaved: `repeats` stages per device
+    pipe = pj.pipeline(
+        stage, num_stages=S, chunks=m, schedule=name, checkpoint=checkpoint, mesh=mesh, repeats=repeats
+    )
+    params = {
+        "w": normal((S, LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5),
+        "b": normal((S, LAYERS, WIDTH), 1, 0.1),
+    }
+    x, t = normal((m * MICRO, WIDTH), 2), normal((m * MICRO, WIDTH), 3)
+    return pipe, pipe.value_and_grad(sq), (params, x, t)
+
+
+VARIANTS = [
+    ("gpipe", "never"),
+    ("gpipe", "except_last"),
+    ("gpipe", "always"),
+    ("1f1b", "always"),
+    ("1f1b", "never"),
+    ("zb-h1", "always"),
+    ("zb-h1", "never"),
+]
+
+
+def memory(quick: bool) -> None:
+    section("Memory: compiled temp bytes per device of one training step against m")
+    ms = (4, 8) if quick else (4, 8, 16, 32, 64)
+    rows, got = [], {}
+    for name, ckpt in VARIANTS:
+        row = [f"{name} {ckpt}"]
+        for m in ms:
+            _, f, args = setup(m, name, ckpt)
+            got[(name, ckpt, m)] = temp_bytes(f, *args)
+            row.append(kib(got[(name, ckpt, m)]))
+        hi = ms[-1]
+        row.append(f"{got[(name, ckpt, hi)] / got[(name, ckpt, 8)]:.2f}x")
+        rows.append(row)
+    act = MICRO * WIDTH * 4
+    print(
+        f"{N} homogeneous stages of {LAYERS} tanh dense layers ({WIDTH} wide, float32) on {N} fake CPU "
+        f"devices, micro-batches of {MICRO} rows (one activation: {kib(act)} KiB). KiB per device."
+    )
+    print()
+    print(
+        table(
+            ["schedule", *(f"m={m}" for m in ms), f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (len(ms) + 1)
+        )
+    )
+
+
+def slots(quick: bool) -> None:
+    section("Slots: executed F/B/W per device (counted in the program) against the table")
+    rows = []
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        for m in (4, 8) if quick else (4, 8, 16):
+            pipe, _, args = setup(m, name, repeats=v)
+            counts = train.slot_counts(pipe, sq, *args)
+            table_ = sched.training(name, N * v, m, v)
+            s = table_.slots()
+            expect = np.stack([s["F"], s["B"], s.get("W", np.zeros(N, int))], axis=1)
+            f, b, w = 1.0, 1.0, 1.0  # equal costs: ZB's B and W are each half of 1F1B's B
+            if name == "zb-h1":
+                bubble, theory = table_.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(N, m, f, b, w)
+            else:  # a stage of the interleaved schedule is 1/v of a device's share
+                bubble = table_.bubble_fraction(f / v, (b + w) / v)
+                theory = sched.circular_bubble_fraction(N, m, v)
+            rows.append(
+                [
+                    name if v == 1 else f"{name} v={v}",
+                    m,
+                    " ".join("/".join(str(int(c)) for c in row) for row in counts),
+                    bool((counts == expect).all()),
+                    table_.num_ticks,
+                    table_.stash_slots(),
+                    f"{bubble:.4f}",
+                    f"{theory:.4f}",
+                ]
+            )
+    print(
+        "F/B/W per device 0..3; bubble: the table's lockstep idle fraction with costs F = 1, "
+        "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
+        "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
+        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1. stash: slots per stage held."
+    )
+    print()
+    print(
+        table(
+            ["schedule", "m", "F/B/W", "= table", "ticks", "stash", "bubble", "theory"],
+            rows,
+            align="lrlrrrrr",
+        )
+    )
+
+
+def compile_time(quick: bool) -> None:
+    section("Compile time of one training step against GPipe (checkpoint='always')")
+    rounds = 1 if quick else 3
+    rows = []
+    for m in (8,) if quick else (8, 32):
+        times = {name: [] for name in ("gpipe", "1f1b", "zb-h1")}
+        for _ in range(rounds):
+            for name in times:
+                _, f, args = setup(m, name)
+                t0 = time.perf_counter()
+                jax.jit(f).lower(*args).compile()
+                times[name].append(time.perf_counter() - t0)
+        base = statistics.median(times["gpipe"])
+        for name, ts in times.items():
+            rows.append([m, name, f"{statistics.median(ts):.2f}", f"{statistics.median(ts) / base:.2f}x"])
+    print(f"Medians of {rounds} interleaved compiles each (trace + lower + compile); shared, noisy machine.")
+    print()
+    print(table(["m", "schedule", "seconds", "/ gpipe"], rows, align="rlrr"))
+
+
+def predicted(quick: bool) -> None:
+    section("Predicted step time on n devices from measured F, B, W costs (lockstep)")
+    p = {"w": normal((LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5), "b": normal((LAYERS, WIDTH), 1, 0.1)}
+    x = normal((64, WIDTH), 2)
+    g = normal((64, WIDTH), 3)
+    fwd = jax.jit(lambda p, x: stage(p, x, None))
+    full = jax.jit(lambda p, x, g: jax.vjp(lambda p, x: stage(p, x, None), p, x)[1](g))
+    dx = jax.jit(lambda p, x, g: jax.vjp(lambda x: stage(p, x, None), x)[1](g))
+    dp = jax.jit(lambda p, x, g: jax.vjp(lambda p: stage(p, x, None), p)[1](g))
+    t = interleaved_times(
+        {
+            "f": lambda: fwd(p, x),
+            "fb": lambda: full(p, x, g),
+            "fbx": lambda: dx(p, x, g),
+            "fbw": lambda: dp(p, x, g),
+        },
+        (),
+        rounds=20 if quick else 200,
+    )
+    f, fb, fbx, fbw = (float(np.median(t[k])) for k in ("f", "fb", "fbx", "fbw"))
+    b, bx, bw = (max(v - f, 0.0) for v in (fb, fbx, fbw))
+    print(
+        f"One stage ({LAYERS} tanh layers, {WIDTH} wide, 64 rows, float32) on this CPU, medians: "
+        f"F {f * 1e6:.1f} us, F+B {fb * 1e6:.1f} us, F+B(input) {fbx * 1e6:.1f} us, "
+        f"F+W(params) {fbw * 1e6:.1f} us. With checkpoint='always' the schedules recompute the "
+        "forward in each backward slot (a 1f1b B slot costs F+B, a zb-h1 B slot F+B(input), a W "
+        "slot F+W(params)); with 'never' they keep F's residuals (B, B(input), W(params) alone). "
+        "GPipe 'always' recomputes once per backward, 'never' not at all. Ratios: against GPipe "
+        "with the same mode."
+    )
+    rows = []
+    for n in (4, 8):
+        for m in (8, 32):
+            row = [n, m]
+            for mode, one_b, zb_b, zb_w in (("always", fb, fbx, fbw), ("never", b, bx, bw)):
+                common = dict(num_micro=m, backward=[b] * n, checkpoint=mode, lockstep=True)
+                base = sim.simulate([f] * n, **common).makespan
+                one = sched.one_f_one_b(n, m).step_time(f, one_b)
+                zb = sched.zb_h1(n, m).step_time(f, zb_b, zb_w)
+                # interleaved, v = 2: the device's share cut into 2 stages of half the cost each
+                il = sched.interleaved_one_f_one_b(n, m, 2).step_time(f / 2, one_b / 2)
+                row += [f"{base * 1e3:.3f}", f"{one / base:.2f}x", f"{zb / base:.2f}x", f"{il / base:.2f}x"]
+            rows.append(row)
+    print()
+    heads = ["gpipe always ms", "1f1b always", "zb-h1 always", "interleaved v=2 always"]
+    heads += ["gpipe never ms", "1f1b never", "zb-h1 never", "interleaved v=2 never"]
+    print(table(["n", "m", *heads], rows))
+
+
+SECTIONS = {"memory": memory, "slots": slots, "compile": compile_time, "predicted": predicted}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run with small sizes")
+    ap.add_argument("--section", choices=sorted(SECTIONS), action="append")
+    args = ap.parse_args(argv)
+    header("Training schedules (1f1b, zb-h1) against GPipe", args.quick)
+    for name in args.section or list(SECTIONS):
+        SECTIONS[name](args.quick)
+
+
+if __name__ == "__main__":
+    main()

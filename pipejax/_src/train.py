@@ -1,0 +1,773 @@
+"""Training programs that own the backward pass: ``Pipeline.value_and_grad(loss_fn)``.
+
+GPipe and circular pipelines are forward scans, and ``jax.value_and_grad`` of them is their
+training step. The 1F1B and ZB-H1 schedules (:func:`pipejax._src.schedule.training`) interleave
+forward and backward work of different micro-batches, which no transformation of a forward
+program produces, so the program here runs their table itself, in one ``lax.scan`` over its ticks:
+
+* **F** (micro-batch ``i``): the device runs its stage on its input -- micro-batch ``i`` of ``x``
+  on stage 0, the activation the previous device sent otherwise -- and stashes that input (or
+  its vjp residuals) in a ring buffer of
+  :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size).
+  The last stage applies ``loss_fn`` and adds the masked sum of its per-example losses, over
+  the batch size, to the loss.
+* **B**: the stage's pullback (rebuilt from the residuals, or by running the stage again on its
+  input under ``jax.vjp``) is applied to the cotangent the next device sent (the last stage
+  seeds it with the loss): "1f1b" gets the parameter and the input cotangents, "zb-h1" the input
+  cotangent only and stashes the output cotangent for W. Stage 0 computes no input cotangent.
+* **W** ("zb-h1"): the parameter cotangent, from the stash and the stashed output cotangent.
+
+After the slots, activations go one device forward and cotangents one device back (``ppermute``
+on a mesh; without one the devices are virtual and run one after the other within the tick).
+Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
+
+Memory and compute: a device keeps what B and W need of at most ``stash_slots`` micro-batches
+(``2 n - 1``), however many run. With ``checkpoint="never"`` that is the residuals of the
+stage's ``jax.vjp`` taken in F (those that depend on the micro-batch; parameter-only ones are
+computed again in B and W); with any other mode it is the stage's input, and B (and W) recompute
+the stage's forward, as ``checkpoint="always"`` does. Keys are those of the forward pipeline
+(:func:`engine.stage_keys`), so recomputation replays the same dropout masks, and the loss and
+gradients equal those of ``jax.value_and_grad`` of the GPipe pipeline, up to the order of
+floating-point sums.
+
+There is no ``custom_vjp``: the program is ordinary JAX (``jax.vjp`` inside the loop), so
+``jax.jvp`` of it gives Hessian-vector products (forward-over-reverse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from pipejax._src import compat, engine, keys, microbatch
+from pipejax._src import schedule as sched
+from pipejax._src.layout import Container, Layout
+
+PyTree = Any
+
+
+def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
+    """``f(params, x, targets, key=None) -> (loss, grads)`` for ``pipe``; see
+    :meth:`pipejax.Pipeline.value_and_grad`."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
+            f"example, but got {type(loss_fn).__name__} {loss_fn!r}."
+        )
+    if pipe.stateful:
+        raise ValueError(
+            "`value_and_grad` does not support stateful pipelines (`stateful=True`) yet: their "
+            "stats would have to be returned too. Use `jax.value_and_grad` of a loss around the "
+            "pipeline with `schedule='gpipe'`."
+        )
+    owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
+    if owns_backward and pipe.param_specs is not None:
+        raise NotImplementedError(
+            f"`param_specs` (parameters split inside their stage) is not supported by the "
+            f"{pipe.schedule_name!r} training program yet: its shard_map is manual over every mesh "
+            "axis. Use `schedule='gpipe'` or `'circular'` with `param_specs`, or drop `param_specs`."
+        )
+
+    def traced(params, x, targets, key):
+        if owns_backward:
+            loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key)
+            return loss, grads
+        return jax.value_and_grad(lambda p: mean_loss(loss_fn, pipe(p, x, key), targets))(params)
+
+    jitted = jax.jit(traced)
+
+    def f(params, x, targets, key=None):
+        keys.check_key(key)
+        _check_params(pipe, params)
+        # concrete inputs committed to other devices are moved where the pipeline runs
+        params, (x, targets), key, _ = pipe._commit(params, (x, targets), key, None)
+        return jitted(params, x, targets, key)
+
+    f.__doc__ = (
+        f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
+    )
+    return f
+
+
+def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
+    """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
+    working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
+    ``p``. For tests and benchmarks."""
+    _check_params(pipe, params)
+    counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)
+    return np.asarray(counts)
+
+
+def mean_loss(loss_fn, outputs, targets) -> jax.Array:
+    """The mean over the batch of ``loss_fn(outputs, targets)`` (one loss per example)."""
+    losses = _per_example(loss_fn, outputs, targets, microbatch.batch_size(outputs, name="outputs"))
+    return jnp.sum(losses) / losses.shape[0]
+
+
+def _per_example(loss_fn, outputs, targets, size):
+    losses = loss_fn(outputs, targets)
+    if jnp.shape(losses) != (size,):
+        raise ValueError(
+            f"`loss_fn(outputs, targets)` must return one loss per example, shape ({size},), but "
+            f"returned shape {jnp.shape(losses)}. Return the per-example losses (e.g. "
+            "`jnp.sum((y - t) ** 2, axis=-1)`), not their mean: the pipeline averages them over the "
+            "whole batch, padding rows excluded."
+        )
+    return losses
+
+
+def _check_params(pipe, params):
+    from pipejax._src.pipeline import _check_params_shape  # the pipeline module imports this one
+
+    _check_params_shape(params, pipe)
+
+
+# --- the program -----------------------------------------------------------------------------
+
+
+class _Variant(NamedTuple):
+    """What one branch of a device's slot computes: a stage function and its role."""
+
+    fn: Callable[..., Any]
+    first: bool  # stage 0: reads x, computes no input cotangent
+    last: bool  # the last stage: applies the loss
+    params_of: Callable[[Any], Any]  # device's parameter row -> the stage's parameter pytree
+    x_layout: Layout
+    y_layout: Layout
+
+
+def _run(pipe, loss_fn, params, x, targets, key):
+    """``(loss, grads, counts int[n, 3])`` of one training step on ``pipe.schedule_name``'s table."""
+    from pipejax._src import pipeline as pl  # the pipeline module imports this one
+
+    plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
+    t_size = microbatch.batch_size(targets, name="targets")
+    if t_size != plan.batch:
+        raise ValueError(
+            f"`targets` has a batch of {t_size} examples but `x` has {plan.batch}; targets are cut "
+            "into micro-batches with `x`, so their leaves need `x`'s leading batch axis."
+        )
+    xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
+    ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
+    num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
+    name = pipe.schedule_name
+    if name == "interleaved-1f1b" and pipe.mesh is None:
+        name = "1f1b"  # virtual devices: one per stage, no ring to share (the same keys and sums)
+    elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
+        n, p = pipe.num_devices, pipe.data_size
+        per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+        fits = [
+            c for c in range(1, plan.batch + 1) if microbatch.plan(plan.batch, c).num_micro % (n * p) == 0
+        ]
+        fix = "a batch of at least that many examples"
+        if fits:
+            fix = f"e.g. `chunks={min(fits, key=lambda c: (abs(c - pipe.chunks), c))}` for this batch"
+        raise ValueError(
+            f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
+            f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+            f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
+            f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
+        )
+    table = sched.training(name, pipe.num_stages, num_micro, pipe.repeats if pipe.mesh is not None else 1)
+    key_struct = None
+    if key is not None:
+        lead = (plan.micro_size,) if pipe.per_example_keys else ()
+        key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
+    runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p), params)
+    if pipe.homogeneous:
+        boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct)
+    else:
+        boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct)
+    y_struct = boundaries[-1].structs()
+    ys_struct = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
+    )
+    jax.eval_shape(lambda y, t: _per_example(loss_fn, y, t, plan.micro_size), ys_struct, _micro(ts))
+    cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, "always", pipe.axis_name, None)
+    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key)
+    if pipe.mesh is None:
+        loss, grads, counts = prog.local(runner)
+    else:
+        loss, grads, counts = prog.mesh(runner)
+    if _same_form(params, runner):  # already the engine's form (e.g. `place`d): keep its sharding
+        return loss, grads, counts
+    # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
+    # unstacks or reshapes the stage axis, so the grads must not be split over stages there
+    return loss, to_user(compat.replicate(grads))[0], counts
+
+
+def _same_form(a, b) -> bool:
+    """Whether two pytrees have the same structure and leaf shapes."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        jnp.shape(x) == jnp.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _micro(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+
+
+class _Program:
+    def __init__(self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key):
+        self.pipe, self.cfg, self.loss_fn, self.table = pipe, cfg, loss_fn, table
+        self.boundaries, self.plan = boundaries, plan
+        self.xs, self.mask, self.ts, self.key = xs, mask, ts, key
+        self.S, self.m = pipe.num_stages, table.num_micro  # micro-batches of this data shard
+        self.offset = 0  # index of its first micro-batch in the mini-batch (for the keys)
+        self.K = table.stash_slots()  # stage inputs a device keeps
+        self.zb = table.weight is not None
+        self.scale = 1.0 / plan.batch
+        # "never": F keeps the stage's residuals for B and W; otherwise B and W recompute the
+        # stage from its stashed input (see `save`)
+        self.keep = pipe.checkpoint == "never"
+        self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
+
+    # -- the slots, on typed values ---------------------------------------------------------
+
+    def _inputs(self, i, s):
+        ic = engine.clip(i, self.m)
+        k = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
+        return k, engine.take(self.ts, ic), engine.take(self.mask, ic)
+
+    def _loss(self, y, t, mask):
+        losses = _per_example(self.loss_fn, y, t, self.plan.micro_size)
+        zero = jnp.zeros((), losses.dtype)
+        return jnp.sum(jnp.where(mask, losses, zero)) * jnp.asarray(self.scale, losses.dtype)
+
+    def forward(self, v: _Variant, prow, x, k, t, mask):
+        """``(y or None, loss contribution)``."""
+        y = v.fn(v.params_of(prow), x, k)
+        if v.last:
+            return None, self._loss(y, t, mask)
+        return y, None
+
+    def save(self, v: _Variant, prow, x, k, t, mask):
+        """F: ``(y or None, loss contribution or None, saved)``; ``saved`` is what B and W read
+        back: the stage input ``x``, or (``checkpoint="never"``) the residuals of its vjp."""
+        if not self.keep:
+            y, dloss = self.forward(v, prow, x, k, t, mask)
+            return y, dloss, x
+        out, saved = self._vjp(v, prow, x, k, t, mask)
+        return (None, out, saved) if v.last else (out, None, saved)
+
+    def _residuals(self, v: _Variant, prow, x, k, t, mask):
+        """``(value, residual leaves, treedef)`` of the stage's (the last stage: its loss's) pullback.
+
+        ``jax.vjp``'s pullback is a pytree whose leaves are its residuals and whose treedef holds
+        the rest (a closed program), so it can be taken apart, stashed and put back together.
+        """
+        p = v.params_of(prow)
+        xf, rebuild = _floats(x)
+
+        def h(p, xf):
+            y = v.fn(p, rebuild(xf), k)
+            return self._loss(y, t, mask) if v.last else y
+
+        out, back = jax.vjp(h, p, xf)
+        leaves, treedef = jax.tree.flatten(back)
+        return out, leaves, treedef
+
+    def _meta_of(self, v: _Variant, prow):
+        """``(treedef, per_micro, value type)`` of variant ``v``'s pullback; ``per_micro[j]``
+        says whether residual ``j`` depends on the micro-batch (its input, key, targets or
+        mask). Those are saved by F; the others are functions of the parameters alone (e.g.
+        the slice ``w[j]`` of a stacked weight) and are computed again in B and W instead of
+        being stored once per micro-batch."""
+        if id(v) not in self._meta:
+            info = {}
+
+            def leaves(prow, x, k, t, mask):
+                out, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
+                info["out"] = jax.tree.map(_struct, out)
+                return res
+
+            k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
+            args = jax.tree.map(_struct, (prow, v.x_layout.structs(), k, t, mask))
+            per_micro = _depends(leaves, args, (False, True, True, True, True))
+            self._meta[id(v)] = (info["treedef"], per_micro, info["out"])
+        return self._meta[id(v)]
+
+    def saved_structs(self, v: _Variant, prow):
+        """The type of what F saves for B and W (:meth:`save`)."""
+        k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
+        return jax.eval_shape(lambda p, x: self.save(v, p, x, k, t, mask)[2], prow, v.x_layout.structs())
+
+    def _vjp(self, v: _Variant, prow, x, k, t, mask):
+        """F with ``checkpoint="never"``: the value and the residuals that depend on the micro-batch."""
+        _, per_micro, _ = self._meta_of(v, prow)
+        out, leaves, _ = self._residuals(v, prow, x, k, t, mask)
+        return out, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
+
+    def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
+        """B and W: :meth:`pullback` from what :meth:`save` kept."""
+        if not self.keep:
+            return self.pullback(v, prow, saved, g, k, t, mask, wrt_params, wrt_input)
+        if not (wrt_params or wrt_input):
+            return None, None
+        treedef, per_micro, out = self._meta_of(v, prow)
+        fresh = [None] * len(per_micro)
+        if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
+            fresh = self._residuals(v, prow, engine.zeros(v.x_layout), k, t, mask)[1]
+        it = iter(saved)
+        back = jax.tree.unflatten(
+            treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
+        )
+        seed = jnp.ones(out.shape, out.dtype) if v.last else _cotangent(g, out)
+        dp, dxf = back(seed)
+        dprow = jax.vjp(v.params_of, prow)[1](dp)[0] if wrt_params else None
+        dx = _fill(v.x_layout.structs(), dxf) if wrt_input else None
+        return dx, dprow
+
+    def pullback(self, v: _Variant, prow, x, g, k, t, mask, wrt_params: bool, wrt_input: bool):
+        """``(input cotangent or None, parameter-row cotangent or None)`` of the stage (the
+        last stage: of its loss) at ``x``, pulled back with ``g``."""
+        if not (wrt_params or wrt_input):  # ZB's B on stage 0: nothing to send back
+            return None, None
+        xf, rebuild = _floats(x)
+
+        def h(prow, xf):
+            y = v.fn(v.params_of(prow), rebuild(xf), k)
+            return self._loss(y, t, mask) if v.last else y
+
+        if wrt_params and wrt_input:
+            out, back = jax.vjp(h, prow, xf)
+        elif wrt_params:
+            out, back = jax.vjp(lambda p: h(p, xf), prow)
+        else:
+            out, back = jax.vjp(lambda a: h(prow, a), xf)
+        seed = jnp.ones_like(out) if v.last else _cotangent(g, out)
+        cts = back(seed)
+        dp = cts[0] if wrt_params else None
+        dx = _fill(x, cts[-1]) if wrt_input else None
+        return dx, dp
+
+    # -- without a mesh: virtual devices, one after the other in each tick -------------------
+
+    def local(self, runner):
+        S, K, zb, pipe = self.S, self.K, self.zb, self.pipe
+        bnd = self.boundaries
+        if pipe.homogeneous:
+            prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
+        else:
+            prows = list(runner)
+        variants = [
+            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1]) for d in range(S)
+        ]
+        rows = tuple(jnp.asarray(a) for a in self._rows())
+
+        def zero(layout, lead=()):
+            return engine.zeros(layout, lead)
+
+        init = []
+        for d, v in enumerate(variants):
+            init.append(
+                dict(
+                    fin=zero(v.x_layout),
+                    bin=zero(v.y_layout),
+                    stash=jax.tree.map(
+                        lambda a: jnp.zeros((K, *a.shape), a.dtype), self.saved_structs(v, prows[d])
+                    ),
+                    gstash=zero(v.y_layout, (S,)) if zb and not v.last else None,
+                    grad=jax.tree.map(jnp.zeros_like, prows[d]),
+                    counts=jnp.zeros((3,), jnp.int32),
+                )
+            )
+        loss0 = self._loss_zero(variants[-1])
+
+        def body(c, r):
+            devs, loss = c
+            f, b, w = r[:3]  # virtual device d runs stage d
+            sent_f, sent_b, new = [], [], []
+            for d, v in enumerate(variants):
+                dev, y, dx, dloss = self._device_tick(v, d, prows[d], devs[d], f[d], b[d], w[d])
+                new.append(dev)
+                sent_f.append(y)
+                sent_b.append(dx)
+                if v.last:
+                    loss = loss + dloss
+            for d in range(S):  # the sends: a local shift
+                if d > 0:
+                    new[d]["fin"] = sent_f[d - 1]
+                if d < S - 1:
+                    new[d]["bin"] = sent_b[d + 1]
+            return (new, loss), None
+
+        (devs, loss), _ = lax.scan(body, (init, loss0), rows)
+        grads = [dev["grad"] for dev in devs]
+        if pipe.homogeneous:
+            grads = jax.tree.map(lambda *a: jnp.stack(a), *grads)
+        counts = jnp.stack([dev["counts"] for dev in devs])
+        return loss, grads, counts
+
+    def _loss_zero(self, v):
+        out = jax.eval_shape(
+            lambda y, t, mask: self._loss(y, t, mask),
+            v.y_layout.structs(),
+            _micro(self.ts),
+            _micro(self.mask),
+        )
+        return jnp.zeros((), out.dtype)
+
+    def _rows(self):
+        t = self.table
+        w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
+        return (t.forward, t.backward, w, *t.stages())
+
+    def _device_tick(self, v, d, prow, dev, i, j, k):
+        """One tick of virtual device ``d`` (static stage ``v``); ``lax.cond`` skips idle slots."""
+        K, S, zb = self.K, self.S, self.zb
+        dev = dict(dev)
+        counts = dev["counts"]
+        # F
+        x_in = engine.take(self.xs, engine.clip(i, self.m)) if v.first else dev["fin"]
+
+        def f_work(x_in, i):
+            return *self.save(v, prow, x_in, *self._inputs(i, d)), jnp.ones((), jnp.int32)
+
+        def f_idle(x_in, i):
+            y, dloss, saved = jax.eval_shape(lambda: self.save(v, prow, x_in, *self._inputs(i, d)))
+            return _zeros_like(y), _zeros_like(dloss), _zeros_like(saved), jnp.zeros((), jnp.int32)
+
+        y, dloss, saved, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
+        dev["stash"] = _put(dev["stash"], saved, i % K, i >= 0)
+        counts = counts.at[0].add(c)
+        # B
+        xb = _get(dev["stash"], j % K)
+
+        # the parameter cotangent is added inside the branch: see `mesh`
+        def b_work(xb, g, j, grad):
+            dx, dp = self.pull(v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first)
+            return dx, grad if dp is None else _add(grad, dp), jnp.ones((), jnp.int32)
+
+        def b_idle(xb, g, j, grad):
+            out = jax.eval_shape(lambda: b_work(xb, g, j, grad))
+            return _zeros_like(out[0]), grad, jnp.zeros((), jnp.int32)
+
+        dx, dev["grad"], c = lax.cond(j >= 0, b_work, b_idle, xb, dev["bin"], j, dev["grad"])
+        counts = counts.at[1].add(c)
+        if zb:
+            if dev["gstash"] is not None:
+                dev["gstash"] = _put(dev["gstash"], dev["bin"], j % S, j >= 0)
+            xw = _get(dev["stash"], k % K)
+            gw = None if dev["gstash"] is None else _get(dev["gstash"], k % S)
+
+            def w_work(xw, gw, k, grad):
+                dp = self.pull(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
+                return _add(grad, dp), jnp.ones((), jnp.int32)
+
+            def w_idle(xw, gw, k, grad):
+                return grad, jnp.zeros((), jnp.int32)
+
+            dev["grad"], c = lax.cond(k >= 0, w_work, w_idle, xw, gw, k, dev["grad"])
+            counts = counts.at[2].add(c)
+        dev["counts"] = counts
+        if y is None:
+            y = engine.zeros(v.y_layout)
+        if dx is None:
+            dx = engine.zeros(v.x_layout)
+        return dev, y, dx, dloss
+
+    # -- on a mesh: one SPMD program, a device per stage ------------------------------------
+
+    def mesh(self, runner):
+        pipe, S, K, zb = self.pipe, self.S, self.K, self.zb
+        n, v_rep = pipe.num_devices, pipe.repeats  # device d holds stages d, d + n, ...
+        axis, mesh = pipe.axis_name, pipe.mesh
+        bnd = self.boundaries
+        if pipe.homogeneous:
+            variants, index = self._homogeneous_variants()
+            prows_in = runner
+            box = None
+        else:
+            pbox = Container.for_layouts(runner.layouts)
+            variants = [
+                _Variant(
+                    pipe.stages[t],
+                    t == 0,
+                    t == S - 1,
+                    lambda prow, t=t: pbox.unpack(prow, runner.layouts[t]),
+                    bnd[t],
+                    bnd[t + 1],
+                )
+                for t in range(S)
+            ]
+            index = np.arange(S)
+            prows_in = runner.buffers
+            box = Container.for_layouts(bnd)
+        pack = (lambda tree: tree) if box is None else box.pack
+        unpack = (lambda msg, layout: msg) if box is None else box.unpack
+        msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
+        lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
+        if self.keep:  # residuals differ per stage (and role): one container for all
+            row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
+            saved_layouts = [Layout.of(self.saved_structs(v, row)) for v in variants]
+            sbox = Container.for_layouts(saved_layouts)
+            s_pack, s_zeros = sbox.pack, sbox.zeros
+            s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
+        else:  # the stage input, as a message
+            s_pack, s_zeros = pack, msg_zeros
+            s_unpack = lambda msg, v: unpack(msg, v.x_layout)
+        loss0 = self._loss_zero(variants[-1])
+        rows = tuple(jnp.asarray(a) for a in self._rows())
+        data = pipe.data_axis_name
+        spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
+        rep = PartitionSpec()
+        batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
+        prows_in = compat.constrain(prows_in, mesh, spec, axis)
+        xs, mask, ts = (compat.constrain(a, mesh, batch_spec, axis) for a in (self.xs, self.mask, self.ts))
+        key = compat.constrain(self.key, mesh, rep, axis)
+
+        def body(prows, xs, mask, ts, key):
+            # the device's stages as rows (v, ...); a slot picks row `stage // n`
+            rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
+            d = lax.axis_index(axis)
+            prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key)
+            if data is not None:
+                prog.offset = lax.axis_index(data) * self.m
+            variant_of = jnp.asarray(index, jnp.int32)
+            idle = len(variants)
+
+            def branches(make):
+                return [make(v) for v in variants]
+
+            def tick(c, r):
+                fin, bin_, stash, gstash, grad, loss, counts = c
+                f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
+                # F
+                fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
+                x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, fin)
+
+                def f_branch(v):
+                    def run(rows_p, x_in, f):
+                        prow = _row(rows_p, fs // n)
+                        y, dloss, saved = prog.save(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, fs))
+                        y = msg_zeros() if y is None else pack(y)
+                        dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
+                        return y, dloss, s_pack(saved), jnp.ones((), jnp.int32)
+
+                    return run
+
+                def f_idle(rows_p, x_in, f):
+                    return msg_zeros(), jnp.zeros_like(loss), s_zeros(), jnp.zeros((), jnp.int32)
+
+                y, dloss, saved, c0 = lax.switch(
+                    jnp.where(f >= 0, variant_of[fs], idle), [*branches(f_branch), f_idle], rows_p, x_in, f
+                )
+                stash = _put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
+                # B
+                xb = _get(stash, (bs // n) * K + b % K)
+
+                # The parameter cotangent is added inside the branch (an idle branch returns the
+                # accumulator as it is), so no parameter-sized temporary leaves the branch.
+                def b_branch(v):
+                    def run(rows_p, xb, g, b, grad):
+                        dx, dp = prog.pull(
+                            v,
+                            _row(rows_p, bs // n),
+                            s_unpack(xb, v),
+                            None if v.last else unpack(g, v.y_layout),
+                            *prog._inputs(b, bs),
+                            wrt_params=not zb,
+                            wrt_input=not v.first,
+                        )
+                        dx = msg_zeros() if dx is None else pack(dx)
+                        grad = grad if dp is None else _add_row(grad, bs // n, dp)
+                        return dx, grad, jnp.ones((), jnp.int32)
+
+                    return run
+
+                b_idle = lambda rows_p, xb, g, b, grad: (msg_zeros(), grad, jnp.zeros((), jnp.int32))
+                dx, grad, c1 = lax.switch(
+                    jnp.where(b >= 0, variant_of[bs], idle),
+                    [*branches(b_branch), b_idle],
+                    rows_p,
+                    xb,
+                    bin_,
+                    b,
+                    grad,
+                )
+                c2 = jnp.zeros((), jnp.int32)
+                if zb:
+                    # (ZB-H1 runs one stage per device: W's stage is B's, the device's)
+                    gstash = _put(gstash, bin_, b % n, b >= 0)
+                    xw, gw = _get(stash, w % K), _get(gstash, w % n)
+
+                    def w_branch(v):
+                        def run(rows_p, xw, gw, w, grad):
+                            g = None if v.last else unpack(gw, v.y_layout)
+                            _, dp = prog.pull(
+                                v,
+                                _row(rows_p, 0),
+                                s_unpack(xw, v),
+                                g,
+                                *prog._inputs(w, d),
+                                wrt_params=True,
+                                wrt_input=False,
+                            )
+                            return _add_row(grad, 0, dp), jnp.ones((), jnp.int32)
+
+                        return run
+
+                    w_idle = lambda rows_p, xw, gw, w, grad: (grad, jnp.zeros((), jnp.int32))
+                    grad, c2 = lax.switch(
+                        jnp.where(w >= 0, variant_of[d], idle),
+                        [*branches(w_branch), w_idle],
+                        rows_p,
+                        xw,
+                        gw,
+                        w,
+                        grad,
+                    )
+                counts = counts + jnp.stack([c0, c1, c2])
+                fin = engine._shift(y, axis, n, ring=v_rep > 1)
+                bin_ = _shift_back(dx, axis, n, ring=v_rep > 1)
+                return (fin, bin_, stash, gstash, grad, loss + dloss, counts), None
+
+            init = (
+                msg_zeros(),
+                msg_zeros(),
+                s_zeros((v_rep * K,)),
+                msg_zeros((n,)) if zb else None,
+                _zeros_like(rows_p),
+                loss0,
+                jnp.zeros((3,), jnp.int32),
+            )
+            c, _ = lax.scan(tick, init, rows)
+            grad, loss, counts = c[4], c[5], c[6]
+            # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
+            lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
+            loss = lax.psum(loss, axis)
+            if data is None:
+                return loss, lead(grad), counts[None]
+            # every data shard ran its own micro-batches: sum their losses and gradients
+            return lax.psum(loss, data), lead(lax.psum(grad, data)), counts[None, None]
+
+        fn = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, batch_spec, batch_spec, batch_spec, None if key is None else rep),
+            out_specs=(rep, spec, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
+            check_vma=False,
+        )
+        loss, grads, counts = fn(prows_in, xs, mask, ts, key)
+        if not pipe.homogeneous:
+            grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
+        return loss, grads, counts
+
+    def _homogeneous_variants(self):
+        """One stage function, so one branch per role: (first, last) pairs that occur."""
+        S, bnd, fn = self.S, self.boundaries, self.pipe.stages[0]
+        roles = sorted({(t == 0, t == S - 1) for t in range(S)}, reverse=True)
+        variants = [_Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
+        index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
+        return variants, index
+
+
+# --- small exact helpers ---------------------------------------------------------------------
+
+
+def _shift_back(tree, axis_name, n, ring=False):
+    """Sends every device's value to the previous device along the stage axis (first to last:
+    ``ring``)."""
+    if n == 1:
+        return tree
+    perm = [(s, s - 1) for s in range(1, n)] + ([(0, n - 1)] if ring else [])
+    return lax.ppermute(tree, axis_name, perm)
+
+
+def _row(rows, r):
+    """Row ``r`` (traced) of the device's stacked stages."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), rows)
+
+
+def _add_row(acc, r, delta):
+    """``acc[r] += delta``."""
+
+    def one(a, g):
+        return lax.dynamic_update_index_in_dim(
+            a, lax.dynamic_index_in_dim(a, r, keepdims=False) + g.astype(a.dtype), r, 0
+        )
+
+    return jax.tree.map(one, acc, delta)
+
+
+def _put(buf, value, slot, enabled):
+    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``)."""
+
+    def one(a, v):
+        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def _get(buf, slot):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, keepdims=False), buf)
+
+
+def _add(acc, delta):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, delta)
+
+
+def _zeros_like(tree):
+    if tree is None:
+        return None
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def _struct(a):
+    return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+
+
+def _depends(fn, args, varying) -> list[bool]:
+    """For each output leaf of ``fn(*args)``: whether it depends on a leaf of an argument whose
+    ``varying`` flag is set (conservatively: an equation with any such input taints all its
+    outputs, nested programs included)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    flags = [f for a, f in zip(args, varying, strict=True) for _ in jax.tree.leaves(a)]
+    tainted = {var for var, f in zip(closed.jaxpr.invars, flags, strict=True) if f}
+    for eqn in closed.jaxpr.eqns:
+        if any(not isinstance(a, jex_core.Literal) and a in tainted for a in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not isinstance(a, jex_core.Literal) and a in tainted for a in closed.jaxpr.outvars]
+
+
+def _inexact(a) -> bool:
+    dtype = a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _floats(x):
+    """The floating leaves of ``x`` (the ones that have cotangents) and how to put them back."""
+    leaves, treedef = jax.tree.flatten(x)
+    where = [_inexact(a) for a in leaves]
+    floats = [a for a, f in zip(leaves, where, strict=True) if f]
+
+    def rebuild(fl):
+        it = iter(fl)
+        return jax.tree.unflatten(treedef, [next(it) if f else a for a, f in zip(leaves, where, strict=True)])
+
+    return floats, rebuild
+
+
+def _fill(x, float_cts):
+    """A cotangent of ``x``'s type: ``float_cts`` on its floating leaves, zeros elsewhere."""
+    leaves, treedef = jax.tree.flatten(x)
+    it = iter(float_cts)
+    return jax.tree.unflatten(
+        treedef, [next(it) if _inexact(a) else jnp.zeros(a.shape, a.dtype) for a in leaves]
+    )
+
+
+def _cotangent(g, out):
+    """``g`` with ``out``'s dtypes (exact for the containers' round trip)."""
+    return jax.tree.map(lambda a, o: a.astype(o.dtype), g, out)

@@ -1,0 +1,409 @@
+"""Schedules that own the backward pass ("1f1b", "zb-h1") and ``Pipeline.value_and_grad``.
+
+* The tables: every (stage, micro-batch) has its F, B (and W) exactly once, in an order the
+  program can run (an activation or cotangent is consumed the tick after it is sent), with at
+  most ``2 n - 1`` micro-batches in flight per device whatever ``m``, and the lockstep bubble
+  of the theory.
+* The program: loss and gradients equal ``jax.value_and_grad`` of the GPipe pipeline on
+  heterogeneous stages with dropout and an uneven batch, with and without a mesh, and on
+  homogeneous stages; ``jax.jvp`` of it gives the Hessian-vector products of ``jax.hessian`` of
+  the composed model; the F/B/W slots counted inside the program equal the table's.
+
+Tolerances (float64, eps 2.2e-16): the schedules sum the loss and the parameter cotangents per
+micro-batch in another order than GPipe's autodiff (and recompute the forward in B), so results
+agree to rounding: rtol 1e-10 and atol 1e-12 leave a margin of about 100x over <= 16 reordered
+O(1) terms, as in test_pipeline_contract.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import pipejax as pj
+import pipejax.hessian
+from pipejax._src import schedule as sched
+from pipejax._src import train
+from tests import models
+
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+# --- the tables -------------------------------------------------------------------------------
+
+
+def _ticks(table, stages=None):
+    """{(stage, micro): tick} of a slot table (each entry at most once); the stage of a slot is
+    its device unless a stage table is given."""
+    out = {}
+    for t, d in itertools.product(range(table.shape[0]), range(table.shape[1])):
+        i = int(table[t, d])
+        if i >= 0:
+            s = d if stages is None else int(stages[t, d])
+            assert s % table.shape[1] == d, f"stage {s} on device {d}"
+            assert (s, i) not in out, f"slot ({s}, {i}) twice"
+            out[(s, i)] = t
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("n", "m"), [(1, 3), (2, 1), (2, 5), (3, 2), (3, 7), (4, 4), (4, 9)])
+def test_table_is_valid(name, n, m):
+    s = sched.training(name, n, m)
+    every = {(d, i) for d in range(n) for i in range(m)}
+    F, B = _ticks(s.forward), _ticks(s.backward)
+    W = _ticks(s.weight) if s.weight is not None else B
+    assert set(F) == set(B) == set(W) == every  # each slot exactly once
+    for d, i in every:
+        if d + 1 < n:  # the activation is consumed the tick after it was sent
+            assert F[(d + 1, i)] == F[(d, i)] + 1
+            assert B[(d, i)] == B[(d + 1, i)] + 1  # and so is the cotangent
+        assert B[(d, i)] >= F[(d, i)]  # the last stage: F then B in the same tick
+        assert W[(d, i)] >= B[(d, i)]
+    flight = s.in_flight()
+    assert s.stash_slots() == flight.max() == min(m, 2 * n - 1)
+    per_device = flight.max(axis=0)
+    expect = [min(m, 2 * (n - d) - 1 if name == "1f1b" else 2 * n - 1 - d) for d in range(n)]
+    assert per_device.tolist() == expect
+
+
+@pytest.mark.parametrize(("n", "m", "v"), [(1, 3, 2), (2, 2, 2), (2, 6, 3), (3, 9, 2), (4, 8, 2), (4, 16, 2)])
+def test_interleaved_table_is_valid(n, m, v):
+    s = pj.interleaved_one_f_one_b_schedule(n, m, v)
+    S = n * v
+    fs, bs = s.stages()
+    F, B = _ticks(s.forward, fs), _ticks(s.backward, bs)
+    every = {(j, i) for j in range(S) for i in range(m)}
+    assert set(F) == set(B) == every
+    for j, i in every:
+        if j + 1 < S:  # over the ring: device n - 1 hands stage j + 1 to device 0
+            assert F[(j + 1, i)] == F[(j, i)] + 1 and B[(j, i)] == B[(j + 1, i)] + 1
+    assert all(B[(S - 1, i)] == F[(S - 1, i)] for i in range(m))
+    # per device at most one F and one B per tick (the tables hold one entry per cell), every
+    # device does v m of each, and the lockstep bubble is the circular schedule's
+    assert s.slots()["F"].tolist() == s.slots()["B"].tolist() == [v * m] * n
+    np.testing.assert_allclose(s.bubble_fraction(1 / v, 2 / v), pj.circular_bubble_fraction(n, m, v))
+    assert s.stash_slots() == min(m, 2 * n)  # per stage held, flat in m
+    with pytest.raises(ValueError, match="multiple of n"):
+        pj.interleaved_one_f_one_b_schedule(n + 1, n + 2, v)
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (4, 4), (4, 16), (8, 32)])
+def test_bubble_matches_theory(n, m):
+    f, b, w = 1.0, 1.3, 0.7
+    one = sched.one_f_one_b(n, m)
+    zb = sched.zb_h1(n, m)
+    # 1F1B in lockstep costs GPipe's (m + n - 1)(f + b): the same bubble, memory flat in m
+    np.testing.assert_allclose(one.bubble_fraction(f, b + w), sched.gpipe_bubble_fraction(n, m))
+    np.testing.assert_allclose(zb.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(n, m, f, b, w))
+    assert zb.step_time(f, b, w) == pytest.approx(one.step_time(f, b + w) - (n - 1) * w)
+    assert one.stash_slots() == zb.stash_slots() == min(m, 2 * n - 1)
+
+
+def test_stash_is_flat_in_m():
+    assert {sched.one_f_one_b(4, m).stash_slots() for m in (7, 8, 64, 512)} == {7}
+
+
+# --- the program: against GPipe's jax.value_and_grad -------------------------------------------------
+
+RATE = 0.25
+
+
+def _dropout(key, h):
+    if key is None:
+        return h
+    keep = jax.random.bernoulli(key, 1.0 - RATE, h.shape)
+    return jnp.where(keep, h / (1.0 - RATE), jnp.zeros_like(h))
+
+
+def embed(p, x, key):
+    return _dropout(key, models.embed(p, x, key))
+
+
+def wide(p, e, key):
+    h, skip = models.wide(p, e, key)
+    return _dropout(key, h), skip
+
+
+STAGES = (embed, wide, models.head)
+
+
+def xent(logits, labels):
+    """Per-example cross-entropy."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+
+
+def _labels(batch):
+    return jnp.asarray(np.arange(batch) % models.CLASSES, jnp.int32)
+
+
+@functools.cache
+def _reference(batch, chunks, seed):
+    """GPipe's ``jax.value_and_grad`` on the token stages (computed once per arguments)."""
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = None if seed is None else jax.random.key(seed)
+    return pj.pipeline(list(STAGES), chunks=chunks).value_and_grad(xent)(params, x, labels, key)
+
+
+# checkpoint: "never" keeps the residuals of F for B and W; the other modes recompute the stage
+CASES = [("1f1b", "none", "always"), ("1f1b", "explicit", "never"), ("zb-h1", "none", "never")]
+CASES += [("zb-h1", "auto", "except_last")]
+
+
+def extra(p, y, key):
+    """A fourth stage for the interleaved schedule (4 stages on 2 devices)."""
+    return jnp.tanh(y) @ p["w"]
+
+
+STAGES4 = (*STAGES, extra)
+
+
+def _params4():
+    return [*models.token_params(), {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)) / 2)}]
+
+
+@functools.cache
+def _reference4(batch, chunks, seed):
+    params, x, labels = _params4(), models.token_inputs(batch), _labels(batch)
+    return pj.pipeline(list(STAGES4), chunks=chunks).value_and_grad(xent)(
+        params, x, labels, jax.random.key(seed)
+    )
+
+
+@pytest.mark.parametrize(("placement", "checkpoint"), [("explicit", "always"), ("none", "never")])
+def test_interleaved_heterogeneous_with_dropout_uneven_batch(placement, checkpoint):
+    """4 stages on 2 devices (stages 0, 2 on device 0; 1, 3 on device 1); without a mesh the
+    stages run as 1F1B on 4 virtual devices."""
+    batch, chunks = 11, 4  # micro-batches of 3, the last with one padding row
+    x, labels = models.token_inputs(batch), _labels(batch)
+    mesh = None if placement == "none" else models.make_mesh(placement, 2)
+    pipe = pj.pipeline(
+        list(STAGES4), chunks=chunks, schedule="interleaved-1f1b", repeats=2, mesh=mesh, checkpoint=checkpoint
+    )
+    got = pipe.value_and_grad(xent)(_params4(), x, labels, jax.random.key(3))
+    models.assert_trees_close(got, _reference4(batch, chunks, 3), **TOL)
+    if mesh is not None:  # every device runs v m = 8 F and 8 B slots
+        counts = train.slot_counts(pipe, xent, _params4(), x, labels, jax.random.key(3))
+        np.testing.assert_array_equal(counts, [[8, 8, 0], [8, 8, 0]])
+
+
+def test_interleaved_homogeneous_placed():
+    n, batch, chunks = 4, 8, 4
+    params, x = models.stacked_params(n), models.stacked_inputs(batch)
+    t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, models.WIDTH)))
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    mesh = models.make_mesh("explicit", 2)
+    pipe = pj.pipeline(
+        models.residual, num_stages=n, chunks=chunks, schedule="interleaved-1f1b", repeats=2, mesh=mesh
+    )
+    ref = pj.pipeline(models.residual, num_stages=n, chunks=chunks).value_and_grad(sq)(params, x, t)
+    models.assert_trees_close(pipe.value_and_grad(sq)(params, x, t), ref, **TOL)
+    loss, grads = pipe.value_and_grad(sq)(pipe.place(params), x, t)  # (v, n, ...) in and out
+    assert grads["w"].shape == (2, 2, models.WIDTH, models.WIDTH)
+    stage_major = jax.tree.map(lambda a: np.asarray(a).reshape(n, *a.shape[2:]), grads)
+    models.assert_trees_close((loss, stage_major), ref, **TOL)
+
+
+def test_interleaved_needs_a_multiple_of_n_micro_batches():
+    pipe = pj.pipeline(
+        list(STAGES4), chunks=3, schedule="interleaved-1f1b", repeats=2, mesh=models.make_mesh("auto", 2)
+    )
+    with pytest.raises(ValueError, match=r"multiple of 2, but a batch of 9 with `chunks=3`.*`chunks=2`"):
+        pipe.value_and_grad(xent)(_params4(), models.token_inputs(9), _labels(9))
+
+
+@pytest.mark.parametrize(("name", "placement", "checkpoint"), CASES)
+def test_heterogeneous_with_dropout_uneven_batch(name, placement, checkpoint):
+    batch, chunks = 10, 4  # micro-batches of 3, the last with 2 padding rows
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = jax.random.key(7)
+    mesh = models.make_mesh(placement, 3)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint)
+    loss, grads = jax.jit(pipe.value_and_grad(xent))(params, x, labels, key)
+    ref = _reference(batch, chunks, 7)
+    models.assert_trees_close((loss, grads), ref, **TOL)
+
+
+def test_gpipe_value_and_grad_is_autodiff_of_the_mean_loss():
+    batch, chunks = 5, 2
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    key = jax.random.key(3)
+    gpipe = pj.pipeline(list(STAGES), chunks=chunks)
+    plain = jax.jit(jax.value_and_grad(lambda p: jnp.mean(xent(gpipe(p, x, key), labels))))
+    models.assert_trees_close(gpipe.value_and_grad(xent)(params, x, labels, key), plain(params), **TOL)
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "checkpoint"), [("1f1b", "explicit", "never"), ("zb-h1", "none", "always")]
+)
+def test_homogeneous_stages(name, placement, checkpoint):
+    n, batch, chunks = 4, 9, 5  # micro-batches of 2, the last with one padding row
+    params, x = models.stacked_params(n), models.stacked_inputs(batch)
+    targets = jnp.asarray(np.random.default_rng(0).normal(size=(batch, models.WIDTH)))
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    mesh = models.make_mesh(placement, n)
+    pipe = pj.pipeline(
+        models.residual, num_stages=n, chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint
+    )
+    got = pipe.value_and_grad(sq)(params, x, targets)
+    ref = pj.pipeline(models.residual, num_stages=n, chunks=chunks).value_and_grad(sq)(params, x, targets)
+    models.assert_trees_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize(("name", "placement"), [("1f1b", "explicit")])
+def test_placed_params_give_placed_grads(name, placement):
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    placed = pipe.place(params)
+    loss, grads = pipe.value_and_grad(xent)(placed, x, labels, jax.random.key(7))
+    assert isinstance(grads, pj.StageParams)
+    ref = _reference(batch, chunks, 7)
+    models.assert_trees_close((loss, grads.unpack()), ref, **TOL)
+
+
+# --- second order -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "checkpoint"),
+    [("1f1b", "explicit", "always"), ("zb-h1", "none", "never"), ("interleaved-1f1b", "explicit", "never")],
+)
+def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
+    """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
+    stages, params, v = STAGES, models.token_params(), 1
+    if name == "interleaved-1f1b":  # 4 stages on 2 devices
+        stages, params, v = STAGES4, _params4(), 2
+    batch, chunks = (8, 4) if v == 2 else (5, 3)  # interleaved: 4 micro-batches, a multiple of 2
+    x, labels = models.token_inputs(batch), _labels(batch)
+    mesh = models.make_mesh(placement, len(stages) // v)
+    pipe = pj.pipeline(
+        list(stages), chunks=chunks, schedule=name, mesh=mesh, checkpoint=checkpoint, repeats=v
+    )
+    flat, unravel = ravel_pytree(params)
+    step = pipe.value_and_grad(xent)
+
+    def grad_flat(v):
+        return ravel_pytree(step(unravel(v), x, labels)[1])[0]
+
+    composed = lambda v: jnp.mean(xent(models.compose(stages, unravel(v), x), labels))
+    hessian = jax.hessian(composed)(flat)
+    direction = jnp.asarray(np.random.default_rng(1).normal(size=flat.shape))
+    _, hvp = jax.jit(lambda v, u: jax.jvp(grad_flat, (v,), (u,)))(flat, direction)
+    np.testing.assert_allclose(np.asarray(hvp), np.asarray(hessian @ direction), **TOL)
+
+
+# --- the slots the program runs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "placement"), [("zb-h1", "explicit")])
+def test_counted_slots_equal_the_table(name, placement):
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=models.make_mesh(placement, 3))
+    counts = train.slot_counts(pipe, xent, params, x, labels)
+    table = sched.training(name, 3, 4)
+    slots = table.slots()
+    expect = np.stack([slots["F"], slots["B"], slots.get("W", np.zeros(3, int))], axis=1)
+    np.testing.assert_array_equal(counts, expect)
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def test_unknown_schedule_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"'gpipe', 'circular', '1f1b', 'zb-h1'.*'2f2b'"):
+        pj.pipeline(list(STAGES), schedule="2f2b")
+
+
+def test_repeats_with_1f1b_names_the_fix():
+    with pytest.raises(
+        ValueError, match=r"`repeats=2` needs `schedule='circular'` or `'interleaved-1f1b'`.*'1f1b'"
+    ):
+        pj.pipeline(models.residual, num_stages=4, schedule="1f1b", repeats=2)
+
+
+def test_loss_fn_must_give_per_example_losses():
+    pipe = pj.pipeline(list(STAGES), chunks=2, schedule="1f1b")
+    mean = lambda y, t: jnp.mean(xent(y, t))
+    with pytest.raises(ValueError, match=r"one loss per example, shape \(2,\)"):
+        pipe.value_and_grad(mean)(models.token_params(), models.token_inputs(4), _labels(4))
+
+
+def test_data_axis_needs_whole_micro_batches_per_shard():
+    mesh = jax.make_mesh((2, 2), ("data", "stage"))
+    pipe = pj.pipeline(list(PAIR), chunks=3, schedule="zb-h1", mesh=mesh, data_axis_name="data")
+    x = models.pair_inputs(6)
+    with pytest.raises(ValueError, match=r"data axis 'data' of size 2 does not divide"):
+        pipe.value_and_grad(sq)(models.pair_params(), x, jnp.zeros((6, 1)))
+
+
+# --- data x pipeline ------------------------------------------------------------------------------
+
+
+def dense_in(p, x, key):
+    return _dropout(key, models.dense_in(p, x, key))
+
+
+PAIR = (dense_in, models.dense_out)  # the second stage has a float32 parameter among float64 ones
+
+
+def sq(y, t):
+    return jnp.sum((y - t) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize(("name", "checkpoint"), [("1f1b", "always"), ("zb-h1", "never")])
+def test_data_axis(name, checkpoint):
+    """Data shard q runs micro-batches q m/p, ...: keys, loss and grads as without the data axis."""
+    batch, chunks = 11, 4  # micro-batches of 3 (the last with one padding row), 2 per data shard
+    params, x = models.pair_params(), models.pair_inputs(batch)
+    t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 1)))
+    key = jax.random.key(5)
+    mesh = jax.make_mesh((2, 2), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    pipe = pj.pipeline(
+        list(PAIR), chunks=chunks, schedule=name, mesh=mesh, data_axis_name="data", checkpoint=checkpoint
+    )
+    got = pipe.value_and_grad(sq)(params, x, t, key)
+    ref = pj.pipeline(list(PAIR), chunks=chunks).value_and_grad(sq)(params, x, t, key)
+    models.assert_trees_close(got, ref, **TOL)
+    counts = train.slot_counts(pipe, sq, params, x, t, key)
+    assert counts.shape == (2, 2, 3) and (counts[..., 0] == 2).all() and (counts[..., 1] == 2).all()
+
+
+# --- pipejax.hessian through a schedule -----------------------------------------------------------
+
+
+def test_hessian_tools_take_the_schedule_gradient():
+    """``pj.hessian.from_value_and_grad``: HVPs through the 1F1B program, forward-over-reverse and
+    reverse-over-reverse (autodiff of the program in both modes)."""
+    batch, chunks = 6, 3
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule="1f1b", mesh=models.make_mesh("auto", 3))
+    loss = pj.hessian.from_value_and_grad(pipe.value_and_grad(xent))
+    flat, unravel = ravel_pytree(params)
+    composed = lambda v: jnp.mean(xent(models.compose(STAGES, unravel(v), x), labels))
+    hessian = np.asarray(jax.hessian(composed)(flat))
+    u = jnp.asarray(np.random.default_rng(2).normal(size=flat.shape))
+    got = ravel_pytree(pj.hessian.hvp(loss, params, unravel(u), x, labels))[0]
+    np.testing.assert_allclose(np.asarray(got), hessian @ np.asarray(u), **TOL)
+    rev = ravel_pytree(pj.hessian.hvp(loss, params, unravel(u), x, labels, mode="rev_rev"))[0]
+    np.testing.assert_allclose(np.asarray(rev), hessian @ np.asarray(u), **TOL)
+
+
+def test_per_example_keys():
+    """``per_example_keys=True``: every example draws its own dropout mask, as in GPipe."""
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    kw = dict(chunks=chunks, per_example_keys=True)
+    stages = (lambda p, x, k: pj.dropout(models.embed(p, x, k), k, 0.3), models.wide, models.head)
+    ref = pj.pipeline(list(stages), **kw).value_and_grad(xent)(params, x, labels, jax.random.key(1))
+    pipe = pj.pipeline(list(stages), schedule="zb-h1", checkpoint="never", **kw)
+    models.assert_trees_close(pipe.value_and_grad(xent)(params, x, labels, jax.random.key(1)), ref, **TOL)
