@@ -152,6 +152,31 @@ def test_lanczos_basis_stays_orthogonal_without_ghosts(mlp, dtype, reorth):
     np.testing.assert_allclose(ritz[:5], exact[:5], rtol=1e-5 if dtype == jnp.float32 else 1e-10)
 
 
+def test_basis_stored_in_float32_keeps_the_float64_accuracy(mlp):
+    """basis_dtype=float32 halves the basis of a float64 Lanczos and keeps its accuracy contract."""
+    args, key = (mlp["params"], mlp["x"], mlp["y"]), jax.random.key(0)
+    vals, vecs = ph.eigenvalues(
+        mlp_loss, *args, key=key, k=5, return_eigenvectors=True, basis_dtype=jnp.float32
+    )
+    exact = mlp["evals"][::-1][:5]
+    # a ghost would repeat a converged eigenvalue and shift the rest off `exact`
+    np.testing.assert_allclose(vals, exact, rtol=1e-6)
+    assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(vecs))
+    for j in range(5):  # Ritz vectors as accurate as float32 rows allow
+        u = flat(jax.tree.map(lambda a, j=j: a[j], vecs))
+        assert abs(np.linalg.norm(u) - 1) < 1e-6
+        assert np.linalg.norm(mlp["dense"] @ u - exact[j] * u) < 1e-3 * exact[0]
+    d = ph.density(mlp_loss, *args, key=jax.random.key(4), num_steps=90, num_runs=10, basis_dtype=jnp.float32)
+    evals = mlp["evals"]
+    nodes, weights = np.asarray(d.nodes).ravel(), np.asarray(d.weights).ravel() / 10
+    grid = np.linspace(min(evals.min(), nodes.min()), max(evals.max(), nodes.max()), 200_001)
+    w1 = wasserstein1(nodes, weights, evals, np.full(evals.size, 1 / evals.size), grid)
+    assert w1 / (evals.max() - evals.min()) < 0.005
+    # the public lanczos stores its rows in basis_dtype
+    t = ph.lanczos(lambda v: jnp.arange(1.0, 201.0) * v, jnp.ones(200), 20, basis_dtype=jnp.float32)
+    assert t.basis.dtype == jnp.float32 and t.diag.dtype == jnp.float64
+
+
 def test_partial_reorthogonalisation_on_a_clustered_spectrum():
     """Many eigenvalues converge in 150 steps (a spread top and a cluster): no ghosts, all exact."""
     top = np.geomspace(100.0, 2.0, 30)
@@ -367,5 +392,14 @@ def test_bad_input_is_reported():
         ph.hvp(lambda p: jnp.sum(p["a"] ** 2), p, {"a": jnp.ones(3), "b": jnp.ones(3)})
     with pytest.raises(TypeError, match=r"`v` must hold floating-point arrays"):
         ph.hvp(quad, w, jnp.ones(5, jnp.int32))
+    # basis_dtype: a float dtype, no finer than the vectors', coarse enough only for large n
+    with pytest.raises(ValueError, match=r"`basis_dtype` must be None or a real floating dtype.*int32"):
+        ph.eigenvalues(quad, w, key=key, basis_dtype=jnp.int32)
+    with pytest.raises(
+        ValueError, match=r"`basis_dtype` must not be more precise than.*float32, got float64"
+    ):
+        ph.density(quad, w.astype(jnp.float32), key=key, num_steps=3, basis_dtype=jnp.float64)
+    with pytest.raises(ValueError, match=r"`basis_dtype` bfloat16 is too coarse for 5 float64 parameters"):
+        ph.eigenvalues(quad, w, key=key, basis_dtype=jnp.bfloat16)
     # a legacy uint32[2] key is accepted
     assert ph.eigenvalues(quad, w, key=jax.random.PRNGKey(0), num_steps=3).shape == (1,)
