@@ -234,6 +234,7 @@ def _lanczos(
     ks = jnp.arange(m + 1)
     zero = jnp.zeros((), dtype)
     one = jnp.ones((), dtype)
+    exact_rows = bdtype == jnp.dtype(dtype)  # the basis holds the vectors as computed
     tiny = jnp.finfo(dtype).tiny
     q0 = pin(tree.scale(1 / tree.norm(v0), v0))
     basis = pin(tree.set_row(pin(tree.zeros_basis(v0, rows, bdtype), 1), 0, q0), 1)
@@ -284,7 +285,7 @@ def _lanczos(
         i: jax.Array  # steps done: q_0 .. q_i are known (q_i possibly pending a pass, see `due`)
         basis: PyTree
         q: PyTree  # q_i
-        q_prev: PyTree  # q_{i-1} (zero for i = 0)
+        q_prev: PyTree  # q_{i-1} (zero for i = 0) if carried, else a placeholder (see `exact_rows`)
         diag: jax.Array
         offdiag: jax.Array
         size: jax.Array  # a running estimate of ||T||
@@ -301,13 +302,16 @@ def _lanczos(
         i = st.i
         b_prev = jnp.where(i > 0, st.offdiag[jnp.maximum(i - 1, 0)], zero)
         # the three-term recurrence: w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i
-        w = tree.sub(tree.astype(matvec(st.q), dtype), tree.scale(b_prev, st.q_prev))
+        # q_{i-1} is read back from the basis when its rows are exact (a slice fused into its
+        # uses); carrying it too made XLA copy both carried vectors at every step
+        q_prev = tree.row(st.basis, jnp.maximum(i - 1, 0)) if exact_rows else st.q_prev
+        w = tree.sub(tree.astype(matvec(st.q), dtype), tree.scale(b_prev, q_prev))
         alpha = tree.dot(st.q, w)
         w = tree.sub(w, tree.scale(alpha, st.q))
         # a second local pass (classical Gram-Schmidt against q_i and q_{i-1}): keeps
         # |q_{i+1}^T q_i| and |q_{i+1}^T q_{i-1}| at eps
-        c, d = tree.dot(st.q, w), tree.dot(st.q_prev, w)
-        w = pin(tree.sub(w, tree.axpy(c, st.q, tree.scale(d, st.q_prev))))
+        c, d = tree.dot(st.q, w), jnp.where(i > 0, tree.dot(q_prev, w), zero)
+        w = pin(tree.sub(w, tree.axpy(c, st.q, tree.scale(d, q_prev))))
         alpha = alpha + c
         beta = tree.norm(w)
         diag = st.diag.at[i].set(alpha)
@@ -319,7 +323,8 @@ def _lanczos(
         q = pin(tree.scale(1 / jnp.maximum(beta, tiny), w))
         report(progress, task, i + 1, m)
         return State(
-            i + 1, pin(tree.set_row(st.basis, i + 1, q), 1), q, st.q, diag, st.offdiag.at[i].set(beta), size,
+            i + 1, pin(tree.set_row(st.basis, i + 1, q), 1), q, st.q_prev if exact_rows else st.q, diag,
+            st.offdiag.at[i].set(beta), size,
             st.om_cur, om, due & ~st.again, due, lost, st.passes + due.astype(jnp.int32),
         )  # fmt: skip
 
@@ -356,9 +361,9 @@ def _lanczos(
 
     false = jnp.zeros((), bool)
     init = State(
-        jnp.zeros((), ks.dtype), basis, q0, tree.scale(zero, q0), jnp.zeros(m + 1, dtype),
-        jnp.zeros(m + 1, dtype), zero, jnp.zeros(m + 1, dtype), jnp.zeros(m + 1, dtype).at[0].set(1),
-        false, false, false, jnp.zeros((), jnp.int32),
+        jnp.zeros((), ks.dtype), basis, q0, zero if exact_rows else tree.scale(zero, q0),
+        jnp.zeros(m + 1, dtype), jnp.zeros(m + 1, dtype), zero, jnp.zeros(m + 1, dtype),
+        jnp.zeros(m + 1, dtype).at[0].set(1), false, false, false, jnp.zeros((), jnp.int32),
     )  # fmt: skip
     # the outer loop runs once, plus once per pass or restart; the last step's pass (if due) too
     st = jax.lax.while_loop(lambda st: (st.i < m) | st.due | st.lost, plain_steps, init)
