@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import threadpoolctl
 from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
@@ -65,7 +66,11 @@ def mlp():
     flat, unravel = ravel_pytree(params)
     dense = jax.jit(jax.hessian(lambda f: mlp_loss(unravel(f), x, y)))(flat)
     dense = np.asarray(dense)
-    evals = np.linalg.eigvalsh(dense)  # ascending; eigvalsh is ~1.6x faster than eigh at n = 2,906
+    # ascending; eigvalsh is ~1.6x faster than eigh at n = 2,906. On one BLAS thread: on the shared
+    # 2-core machine OpenBLAS's two threads took 68-77 s here under load (they spin against the
+    # other jobs), one thread 18 s
+    with threadpoolctl.threadpool_limits(1):
+        evals = np.linalg.eigvalsh(dense)
     return dict(params=params, x=x, y=y, unravel=unravel, dense=dense, evals=evals)
 
 
