@@ -160,6 +160,56 @@ def lanczos_rows(sizes, batch, m, rounds, dtype):
     return rows
 
 
+def breakdown_row(sizes, batch, m, rounds, dtype):
+    """Where partial Lanczos's time over m bare HVPs goes, in CPU time, side by side: the basis
+    (a bare loop that also writes each vector into an (m + 1) x n basis), the passes (their count
+    times a full pass: an upper bound, since a pass reads only the rows written so far), the rest."""
+    params, x, y = make(sizes, batch, dtype)
+    v = tree.normal(jax.random.key(1), params, dtype)
+    diag = jax.tree.map(
+        lambda a: jnp.abs(a) + jnp.asarray(1, dtype), tree.normal(jax.random.key(2), params, dtype)
+    )
+
+    def matvec(p, x, y):
+        return lambda u: ph.hvp(loss, p, u, x, y)
+
+    def body(p, x, y):
+        def step(u):
+            w = matvec(p, x, y)(u)
+            return tree.scale(1 / tree.norm(w), w)
+
+        return step
+
+    @jax.jit
+    def bare(p, v, x, y):
+        return jax.lax.fori_loop(0, m, lambda i, u: body(p, x, y)(u), v)
+
+    @jax.jit
+    def bare_basis(p, v, x, y):
+        def loop(i, c):
+            u = body(p, x, y)(c[0])
+            return u, tree.set_row(c[1], i + 1, u)
+
+        return jax.lax.fori_loop(0, m, loop, (v, tree.zeros_basis(v, m + 1, dtype)))[1]
+
+    partial = jax.jit(lambda p, v, x, y: _lanczos(matvec(p, x, y), v, m, None, False, "", "partial")[0].diag)
+    full_pass = jax.jit(
+        lambda p, v, x, y: (
+            ph.lanczos(lambda u: jax.tree.map(jnp.multiply, u, diag), v, m, reorthogonalise="full").diag
+        )
+    )
+    fns = {"bare": bare, "bare + basis": bare_basis, "partial": partial, "full pass": full_pass}
+    args = (params, v, x, y)
+    _, cpu, _ = cpu_and_wall_times(fns, args, rounds)
+    med = {k: float(np.median(t)) for k, t in cpu.items()}
+    passes = int(_lanczos(matvec(*args[:1], x, y), v, m, None, False, "", "partial")[1])
+    total = ratio_stats(cpu["partial"], cpu["bare"])[0] - 1
+    basis = ratio_stats(cpu["bare + basis"], cpu["bare"])[0] - 1
+    pass_share = passes * med["full pass"] / m / med["bare"]
+    return [jnp.dtype(dtype).name, batch, f"{1e3 * med['bare'] / m:.2f}", f"{total:+.3f}", f"{basis:+.3f}",
+            f"{passes}/{m}: <= {pass_share:+.3f}", f"{total - basis - pass_share:+.3f}"]  # fmt: skip
+
+
 def run(sizes, batches, m, rounds, dtypes):
     rows_hvp = [hvp_rows(sizes, batches[0], rounds, dtype) for dtype in dtypes]
     section("HVP / grad")
@@ -187,6 +237,28 @@ def run(sizes, batches, m, rounds, dtypes):
         "of the bare loop (the basis is fresh\nmemory in every run, and each of its pages faults once). "
         "basis: (m + 1) x n x itemsize of the stored\nbasis; temp over bare: XLA's compiled temp bytes "
         "of the run minus those of the bare loop."
+    )
+    rows_bd = [breakdown_row(sizes, batches[0], m, max(3, rounds // 4), dtype) for dtype in dtypes]
+    section("Where partial Lanczos's time goes (CPU time, over m bare HVPs)")
+    print(
+        table(
+            [
+                "dtype",
+                "batch",
+                "bare HVP (CPU ms/step)",
+                "partial - 1",
+                "basis",
+                "passes",
+                "rest (vector work)",
+            ],
+            rows_bd,
+        )
+    )
+    print(
+        "\nbasis: a bare loop that also writes each vector into an (m + 1) x n basis, over the bare loop "
+        "(fresh memory\nevery run: page faults, zero-fill, row writes). passes: their count times a full "
+        "pass (an upper bound: a\npass reads only the rows written so far). rest: the steps' own vector "
+        "work (recurrence, local pass,\nnorm, scaling) and the loops."
     )
 
 
