@@ -4,14 +4,15 @@ After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis `
 q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
 ``T = Q^T H Q``. The eigenvalues of ``T`` (Ritz values) converge to the extreme eigenvalues of
 ``H`` first. In floating point the plain three-term recurrence loses orthogonality as Ritz values
-converge, and converged eigenvalues come back as "ghost" copies that hide the next ones. So after
-the recurrence each new vector goes through one classical Gram-Schmidt pass against all previous
-ones (full reorthogonalisation): ``m + 1`` stored vectors, and per step two matrix-vector products
-with the stored basis, ``4 (m + 1) n`` flops that are bound by memory bandwidth (they read
-``(m + 1) n`` numbers twice), next to the HVP's ``O(batch n)``.
+converge, and converged eigenvalues come back as "ghost" copies that hide the next ones. So a new
+vector goes through a Gram-Schmidt pass against the previous ones: at every step (full
+reorthogonalisation), or only where Simon's estimate of the lost orthogonality asks for it
+(partial, the default). A pass is a memory-bound product with the stored basis (it reads up to
+``m n`` numbers), next to the HVP's ``O(batch n)``.
 
-The loop is one ``lax.fori_loop`` whose body calls the HVP, so the HVP is traced and compiled
-once, whatever ``m`` is.
+The loop is two nested ``lax.while_loop`` (plain steps inside, the rare passes outside, see
+``_lanczos``) whose inner body calls the HVP, so the HVP is traced and compiled once, whatever
+``m`` is.
 """
 
 from __future__ import annotations
