@@ -12,21 +12,26 @@ noisy, and ratios taken side by side survive that where absolute times do not.
 
 * ``HVP / grad``: forward-over-reverse (``fwd_rev``) and reverse-over-reverse (``rev_rev``) HVPs
   against ``jax.grad`` of the same loss.
-* ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps, partial (the default) and
-  full reorthogonalisation, against ``m`` bare HVPs in one ``lax.fori_loop`` (same jit, same
-  operator, each HVP fed the last normalised one). The difference is the reorthogonalisation: with
-  ``"full"`` one Gram-Schmidt pass per step reads the ``(m + 1) x n`` basis twice, a memory-bound
-  matrix-vector product whose cost grows with ``m n`` while the HVP's grows with ``batch n``
-  (timed alone as the same Lanczos on a diagonal operator); with ``"partial"`` only the steps that
-  Simon's estimate marks run that pass (their count is printed). Memory: the basis's size and
-  XLA's compiled temp bytes. The full run has a second batch size (2048).
+* ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps, partial (the default),
+  partial with the basis stored in a narrower dtype (``basis_dtype``: float32 for float64,
+  bfloat16 for float32) and full reorthogonalisation, against ``m`` bare HVPs in one
+  ``lax.fori_loop`` (same jit, same operator, each HVP fed the last normalised one). What Lanczos
+  adds: the vector work of each step (the recurrence, a local pass, the norm, the row write);
+  the passes against the whole basis, which read up to ``(m + 1) x n`` numbers (every step with
+  ``"full"``, timed alone as the same Lanczos on a diagonal operator; with ``"partial"`` only the
+  steps that Simon's estimate marks, counted); and the basis itself, ``(m + 1) x n`` fresh numbers
+  per run whose pages the OS faults in one by one (counted). Times are wall and process CPU time
+  (the latter much steadier on a shared machine). Memory: the basis's size and XLA's compiled
+  temp bytes. The full run has a second batch size (2048).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import resource
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -78,10 +83,33 @@ def hvp_rows(sizes, batch, rounds, dtype):
             fmt(ratio_stats(t["fwd_rev"], t["grad"])), fmt(ratio_stats(t["rev_rev"], t["grad"]))]  # fmt: skip
 
 
-def lanczos_row(sizes, batch, m, rounds, dtype):
-    """Lanczos (partial and full reorthogonalisation) against m bare HVPs; passes and memory."""
+def cpu_and_wall_times(fns, args, rounds):
+    """Wall and process CPU times (seconds) in interleaved rounds, and minor page faults per call.
+
+    CPU time counts the work of this process's threads only, so it is much less disturbed than
+    wall time by other programs on a shared machine (its ratios are the steadier ones).
+    """
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    names = list(fns)
+    wall, cpu, faults = ({k: [] for k in names} for _ in range(3))
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fns[k](*args))
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+            faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    arr = lambda d: {k: np.asarray(v) for k, v in d.items()}
+    return arr(wall), arr(cpu), {k: int(np.median(v)) for k, v in faults.items()}
+
+
+def lanczos_rows(sizes, batch, m, rounds, dtype):
+    """Lanczos (partial, partial with a narrower basis, full) against m bare HVPs; passes and memory."""
     params, x, y = make(sizes, batch, dtype)
     v = tree.normal(jax.random.key(1), params, dtype)
+    narrow = jnp.float32 if dtype == jnp.float64 else jnp.bfloat16
     # a diagonal operator with a spread spectrum: Lanczos on it costs the reorthogonalisation only
     diag = tree.normal(jax.random.key(2), params, dtype)
     diag = jax.tree.map(lambda a: jnp.abs(a) + jnp.asarray(1, dtype), diag)
@@ -89,8 +117,12 @@ def lanczos_row(sizes, batch, m, rounds, dtype):
     def matvec(p, x, y):
         return lambda u: ph.hvp(loss, p, u, x, y)
 
-    def lanczos(reorth):
-        return jax.jit(lambda p, v, x, y: _lanczos(matvec(p, x, y), v, m, None, False, "", reorth))
+    def lanczos(reorth, basis_dtype=None):
+        return jax.jit(
+            lambda p, v, x, y: _lanczos(
+                matvec(p, x, y), v, m, None, False, "", reorth, basis_dtype=basis_dtype
+            )
+        )
 
     @jax.jit
     def reorth(p, v, x, y):  # full reorthogonalisation on the diagonal operator: the passes alone
@@ -104,40 +136,129 @@ def lanczos_row(sizes, batch, m, rounds, dtype):
 
         return jax.lax.fori_loop(0, m, body, v)
 
-    fns = {"bare": bare, "partial": lanczos("partial"), "full": lanczos("full"), "reorth": reorth}
-    t = interleaved_times(fns, (params, v, x, y), rounds, warmup=1)
+    narrow_name = f"partial, {jnp.dtype(narrow).name} basis"
+    fns = {"bare": bare, "partial": lanczos("partial"), narrow_name: lanczos("partial", narrow),
+           "full": lanczos("full"), "reorth": reorth}  # fmt: skip
+    args = (params, v, x, y)
+    wall, cpu, faults = cpu_and_wall_times(fns, args, rounds)
     n = tree.size(params)
-    per_step = {k: 1e3 * np.median(t[k]) / m for k in fns}
-    passes = int(fns["partial"](params, v, x, y)[1])
-    basis_bytes = (m + 1) * n * jnp.dtype(dtype).itemsize
-    temp = {k: temp_bytes(fns[k], params, v, x, y) for k in ("bare", "partial", "full")}
+    hvp_ms = 1e3 * np.median(wall["bare"]) / m
+    pass_ms = 1e3 * np.median(wall["reorth"]) / m
     mib = lambda b: f"{b / 2**20:.1f}"
-    return [jnp.dtype(dtype).name, f"{n:,}", batch, m, f"{per_step['bare']:.2f}", f"{per_step['reorth']:.2f}",
-            f"{passes}/{m}", fmt(ratio_stats(t["partial"], t["bare"])),
-            fmt(ratio_stats(t["full"], t["bare"])), mib(basis_bytes), mib(temp["bare"]),
-            mib(temp["partial"]), mib(temp["full"])]  # fmt: skip
+    temp_bare = temp_bytes(bare, *args)
+    rows = []
+    for name, bdt in (("partial", dtype), (narrow_name, narrow), ("full", dtype)):
+        out = fns[name](*args)
+        passes = int(out[1])
+        rows.append([
+            jnp.dtype(dtype).name, f"{n:,}", batch, m, name, f"{hvp_ms:.2f}", f"{pass_ms:.2f}",
+            f"{passes}/{m}",
+            fmt(ratio_stats(wall[name], wall["bare"])), fmt(ratio_stats(cpu[name], cpu["bare"])),
+            f"{faults[name] - faults['bare']:,}", mib((m + 1) * n * jnp.dtype(bdt).itemsize),
+            mib(temp_bytes(fns[name], *args) - temp_bare),
+        ])  # fmt: skip
+    return rows
+
+
+def breakdown_row(sizes, batch, m, rounds, dtype):
+    """Where partial Lanczos's time over m bare HVPs goes, in CPU time, side by side: the basis
+    (a bare loop that also writes each vector into an (m + 1) x n basis), the passes (their count
+    times a full pass: an upper bound, since a pass reads only the rows written so far), the rest."""
+    params, x, y = make(sizes, batch, dtype)
+    v = tree.normal(jax.random.key(1), params, dtype)
+    diag = jax.tree.map(
+        lambda a: jnp.abs(a) + jnp.asarray(1, dtype), tree.normal(jax.random.key(2), params, dtype)
+    )
+
+    def matvec(p, x, y):
+        return lambda u: ph.hvp(loss, p, u, x, y)
+
+    def body(p, x, y):
+        def step(u):
+            w = matvec(p, x, y)(u)
+            return tree.scale(1 / tree.norm(w), w)
+
+        return step
+
+    @jax.jit
+    def bare(p, v, x, y):
+        return jax.lax.fori_loop(0, m, lambda i, u: body(p, x, y)(u), v)
+
+    @jax.jit
+    def bare_basis(p, v, x, y):
+        def loop(i, c):
+            u = body(p, x, y)(c[0])
+            return u, tree.set_row(c[1], i + 1, u)
+
+        return jax.lax.fori_loop(0, m, loop, (v, tree.zeros_basis(v, m + 1, dtype)))[1]
+
+    partial = jax.jit(lambda p, v, x, y: _lanczos(matvec(p, x, y), v, m, None, False, "", "partial")[0].diag)
+    full_pass = jax.jit(
+        lambda p, v, x, y: (
+            ph.lanczos(lambda u: jax.tree.map(jnp.multiply, u, diag), v, m, reorthogonalise="full").diag
+        )
+    )
+    fns = {"bare": bare, "bare + basis": bare_basis, "partial": partial, "full pass": full_pass}
+    args = (params, v, x, y)
+    _, cpu, _ = cpu_and_wall_times(fns, args, rounds)
+    med = {k: float(np.median(t)) for k, t in cpu.items()}
+    passes = int(_lanczos(matvec(*args[:1], x, y), v, m, None, False, "", "partial")[1])
+    total = ratio_stats(cpu["partial"], cpu["bare"])[0] - 1
+    basis = ratio_stats(cpu["bare + basis"], cpu["bare"])[0] - 1
+    pass_share = passes * med["full pass"] / m / med["bare"]
+    return [jnp.dtype(dtype).name, batch, f"{1e3 * med['bare'] / m:.2f}", f"{total:+.3f}", f"{basis:+.3f}",
+            f"{passes}/{m}: <= {pass_share:+.3f}", f"{total - basis - pass_share:+.3f}"]  # fmt: skip
 
 
 def run(sizes, batches, m, rounds, dtypes):
     rows_hvp = [hvp_rows(sizes, batches[0], rounds, dtype) for dtype in dtypes]
     section("HVP / grad")
     print(table(["dtype", "params", "batch", "grad (ms)", "fwd_rev / grad", "rev_rev / grad"], rows_hvp))
-    rows_lz = [lanczos_row(sizes, b, m, max(3, rounds // 4), dtype) for b in batches for dtype in dtypes]
+    rows_lz = [
+        row
+        for b in batches
+        for dtype in dtypes
+        for row in lanczos_rows(sizes, b, m, max(3, rounds // 4), dtype)
+    ]
     section("Lanczos / m HVPs")
     print(
         table(
-            ["dtype", "params", "batch", "m", "HVP (ms/step)", "full pass (ms/step)", "partial: passes",
-             "partial / m HVPs", "full / m HVPs", "basis (MiB)", "temp bare (MiB)", "temp partial (MiB)",
-             "temp full (MiB)"],
+            ["dtype", "params", "batch", "m", "Lanczos", "HVP (ms/step)", "full pass (ms/step)", "passes",
+             "wall / m HVPs", "CPU / m HVPs", "page faults / run", "basis (MiB)", "temp over bare (MiB)"],
             rows_lz,
         )
     )  # fmt: skip
     print(
-        "\nfull pass: Lanczos with full reorthogonalisation on a diagonal operator, i.e. one classical "
-        "Gram-Schmidt\npass per step alone (it reads the (m + 1) x n basis twice). partial: passes = the "
-        "steps where Simon's\nestimate of the lost orthogonality passed sqrt(eps) (each such step and the "
-        "next run a pass).\nbasis: (m + 1) x n stored numbers; temp: XLA's compiled temp bytes of the whole "
-        "jitted run\n(bare = m HVPs alone)."
+        "\nHVP: the bare loop's wall time per step. full pass: Lanczos with full reorthogonalisation on a "
+        "diagonal\noperator, i.e. one Gram-Schmidt pass per step alone. passes: the steps that ran a pass "
+        "against the\nwhole basis (partial: where Simon's estimate of the lost orthogonality passed "
+        "sqrt(eps); each such step\nand the next). wall, CPU: median (quartiles) of per-round ratios of wall "
+        "time and of this process's CPU\ntime. page faults / run: minor page faults of one run beyond those "
+        "of the bare loop (the basis is fresh\nmemory in every run, and each of its pages faults once). "
+        "basis: (m + 1) x n x itemsize of the stored\nbasis; temp over bare: XLA's compiled temp bytes "
+        "of the run minus those of the bare loop."
+    )
+    rows_bd = [breakdown_row(sizes, batches[0], m, max(3, rounds // 4), dtype) for dtype in dtypes]
+    section("Where partial Lanczos's time goes (CPU time, over m bare HVPs)")
+    print(
+        table(
+            [
+                "dtype",
+                "batch",
+                "bare HVP (CPU ms/step)",
+                "partial - 1",
+                "basis",
+                "passes",
+                "rest (vector work)",
+            ],
+            rows_bd,
+        )
+    )
+    print(
+        "\nbasis: a bare loop that also writes each vector into an (m + 1) x n basis, over the bare loop "
+        "(fresh memory\nevery run: page faults, zero-fill, row writes). passes: their count times a full "
+        "pass (an upper bound: a\npass reads only the rows written so far). rest: the steps' own vector "
+        "work (recurrence, local pass,\nnorm, scaling) and the loops."
     )
 
 

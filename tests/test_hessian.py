@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import threadpoolctl
 from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
@@ -65,7 +66,11 @@ def mlp():
     flat, unravel = ravel_pytree(params)
     dense = jax.jit(jax.hessian(lambda f: mlp_loss(unravel(f), x, y)))(flat)
     dense = np.asarray(dense)
-    evals = np.linalg.eigvalsh(dense)  # ascending; eigvalsh is ~1.6x faster than eigh at n = 2,906
+    # ascending; eigvalsh is ~1.6x faster than eigh at n = 2,906. On one BLAS thread: on the shared
+    # 2-core machine OpenBLAS's two threads took 68-77 s here under load (they spin against the
+    # other jobs), one thread 18 s
+    with threadpoolctl.threadpool_limits(1):
+        evals = np.linalg.eigvalsh(dense)
     return dict(params=params, x=x, y=y, unravel=unravel, dense=dense, evals=evals)
 
 
@@ -150,6 +155,31 @@ def test_lanczos_basis_stays_orthogonal_without_ghosts(mlp, dtype, reorth):
     # (measured 5e-8 relative in float32: the HVP's rounding; 4e-15 in float64)
     assert np.sum(np.abs(ritz - exact[0]) < 1e-3 * exact[0]) == 1
     np.testing.assert_allclose(ritz[:5], exact[:5], rtol=1e-5 if dtype == jnp.float32 else 1e-10)
+
+
+def test_basis_stored_in_float32_keeps_the_float64_accuracy(mlp):
+    """basis_dtype=float32 halves the basis of a float64 Lanczos and keeps its accuracy contract."""
+    args, key = (mlp["params"], mlp["x"], mlp["y"]), jax.random.key(0)
+    vals, vecs = ph.eigenvalues(
+        mlp_loss, *args, key=key, k=5, return_eigenvectors=True, basis_dtype=jnp.float32
+    )
+    exact = mlp["evals"][::-1][:5]
+    # a ghost would repeat a converged eigenvalue and shift the rest off `exact`
+    np.testing.assert_allclose(vals, exact, rtol=1e-6)
+    assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(vecs))
+    for j in range(5):  # Ritz vectors as accurate as float32 rows allow
+        u = flat(jax.tree.map(lambda a, j=j: a[j], vecs))
+        assert abs(np.linalg.norm(u) - 1) < 1e-6
+        assert np.linalg.norm(mlp["dense"] @ u - exact[j] * u) < 1e-3 * exact[0]
+    d = ph.density(mlp_loss, *args, key=jax.random.key(4), num_steps=90, num_runs=10, basis_dtype=jnp.float32)
+    evals = mlp["evals"]
+    nodes, weights = np.asarray(d.nodes).ravel(), np.asarray(d.weights).ravel() / 10
+    grid = np.linspace(min(evals.min(), nodes.min()), max(evals.max(), nodes.max()), 200_001)
+    w1 = wasserstein1(nodes, weights, evals, np.full(evals.size, 1 / evals.size), grid)
+    assert w1 / (evals.max() - evals.min()) < 0.005
+    # the public lanczos stores its rows in basis_dtype
+    t = ph.lanczos(lambda v: jnp.arange(1.0, 201.0) * v, jnp.ones(200), 20, basis_dtype=jnp.float32)
+    assert t.basis.dtype == jnp.float32 and t.diag.dtype == jnp.float64
 
 
 def test_partial_reorthogonalisation_on_a_clustered_spectrum():
@@ -367,5 +397,14 @@ def test_bad_input_is_reported():
         ph.hvp(lambda p: jnp.sum(p["a"] ** 2), p, {"a": jnp.ones(3), "b": jnp.ones(3)})
     with pytest.raises(TypeError, match=r"`v` must hold floating-point arrays"):
         ph.hvp(quad, w, jnp.ones(5, jnp.int32))
+    # basis_dtype: a float dtype, no finer than the vectors', coarse enough only for large n
+    with pytest.raises(ValueError, match=r"`basis_dtype` must be None or a real floating dtype.*int32"):
+        ph.eigenvalues(quad, w, key=key, basis_dtype=jnp.int32)
+    with pytest.raises(
+        ValueError, match=r"`basis_dtype` must not be more precise than.*float32, got float64"
+    ):
+        ph.density(quad, w.astype(jnp.float32), key=key, num_steps=3, basis_dtype=jnp.float64)
+    with pytest.raises(ValueError, match=r"`basis_dtype` bfloat16 is too coarse for 5 float64 parameters"):
+        ph.eigenvalues(quad, w, key=key, basis_dtype=jnp.bfloat16)
     # a legacy uint32[2] key is accepted
     assert ph.eigenvalues(quad, w, key=jax.random.PRNGKey(0), num_steps=3).shape == (1,)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
 from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, Reorth, _lanczos, check_reorth
+from pipejax._src.hessian.lanczos import Progress, Reorth, _lanczos, check_basis_dtype, check_reorth
 
 PyTree = Any
 
@@ -38,6 +38,7 @@ def density(
     reorthogonalise: Reorth = "partial",
     curvature: Curvature = "hessian",
     blocks: Sequence[PyTree] | None = None,
+    basis_dtype: Any = None,
 ) -> Density:
     """Stochastic Lanczos quadrature: the Hessian's eigenvalue density as nodes and weights.
 
@@ -69,6 +70,9 @@ def density(
 
       blocks: a list of masks (see :func:`pipejax.hessian.stage_blocks`): the density of each
         diagonal block ``H_bb`` (start vectors and restarts inside the block), all in one call.
+      basis_dtype: store each run's Lanczos basis in this dtype (e.g. ``jnp.float32`` for float64
+        parameters: half the memory); default the accumulation dtype. See
+        :func:`pipejax.hessian.lanczos`.
 
     Returns:
       A :class:`Density` of ``nodes`` and ``weights``, each of shape ``(num_runs, num_steps)``
@@ -104,15 +108,17 @@ def density(
             f"`blocks`), got {num_steps}."
         )
     check_reorth(reorthogonalise)
+    bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
     return _density_jit(
-        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise,
+        op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise, bdt,
         tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
 def _density_impl(
-    loss, mode, dtype, num_steps, num_runs, progress, reorth, flat, params, args, groups, masks, key
-):
+    loss, mode, dtype, num_steps, num_runs, progress, reorth, basis_dtype, flat, params, args, groups, masks,
+    key,
+):  # fmt: skip
     op = Operator(loss, params, args, groups, mode, dtype, flat)
     total = num_runs * num_steps
 
@@ -133,6 +139,7 @@ def _density_impl(
                 op.precision,
                 op.restrict,
                 op.constrain,
+                basis_dtype,
             )[0]
             theta, s = jnp.linalg.eigh(t.matrix())
             nodes, weights = out
@@ -153,7 +160,17 @@ def _print_run(task: str, done: int, total: int) -> None:
 
 _density_jit = jax.jit(
     _density_impl,
-    static_argnames=("loss", "mode", "dtype", "num_steps", "num_runs", "progress", "reorth", "flat"),
+    static_argnames=(
+        "loss",
+        "mode",
+        "dtype",
+        "num_steps",
+        "num_runs",
+        "progress",
+        "reorth",
+        "basis_dtype",
+        "flat",
+    ),
 )
 
 

@@ -4,14 +4,15 @@ After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis `
 q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
 ``T = Q^T H Q``. The eigenvalues of ``T`` (Ritz values) converge to the extreme eigenvalues of
 ``H`` first. In floating point the plain three-term recurrence loses orthogonality as Ritz values
-converge, and converged eigenvalues come back as "ghost" copies that hide the next ones. So after
-the recurrence each new vector goes through one classical Gram-Schmidt pass against all previous
-ones (full reorthogonalisation): ``m + 1`` stored vectors, and per step two matrix-vector products
-with the stored basis, ``4 (m + 1) n`` flops that are bound by memory bandwidth (they read
-``(m + 1) n`` numbers twice), next to the HVP's ``O(batch n)``.
+converge, and converged eigenvalues come back as "ghost" copies that hide the next ones. So a new
+vector goes through a Gram-Schmidt pass against the previous ones: at every step (full
+reorthogonalisation), or only where Simon's estimate of the lost orthogonality asks for it
+(partial, the default). A pass is a memory-bound product with the stored basis (it reads up to
+``m n`` numbers), next to the HVP's ``O(batch n)``.
 
-The loop is one ``lax.fori_loop`` whose body calls the HVP, so the HVP is traced and compiled
-once, whatever ``m`` is.
+The loop is two nested ``lax.while_loop`` (plain steps inside, the rare passes outside, see
+``_lanczos``) whose inner body calls the HVP, so the HVP is traced and compiled once, whatever
+``m`` is.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def lanczos(
     progress: Progress = False,
     task: str = "lanczos",
     reorthogonalise: Reorth = "partial",
+    basis_dtype: Any = None,
 ) -> Tridiagonal:
     """``num_steps`` Lanczos steps on a symmetric operator, with partial (or full) reorthogonalisation.
 
@@ -116,6 +118,13 @@ def lanczos(
         is called after each step.
       task: the name passed to ``progress``.
       reorthogonalise: ``"partial"`` (default) or ``"full"``.
+      basis_dtype: the dtype the basis is stored in; ``None`` (default): the vectors' dtype. A
+        narrower one (``jnp.float32`` for float64 vectors) halves the basis's memory: the
+        recurrence keeps ``q_i`` and ``q_{i-1}`` in the vectors' dtype, and the passes convert
+        the stored rows back a block at a time. The rows' rounding errors (``eps_b``) leave
+        ``q_{i+1}^T q_k`` at about ``eps_b / sqrt(12 n)`` after a pass, which must be at most
+        ``sqrt(eps)`` (a ``ValueError`` says so otherwise); Simon's estimate starts from that level,
+        so passes come more often. The returned ``basis`` is in ``basis_dtype``.
 
     Returns:
       A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis``.
@@ -132,12 +141,50 @@ def lanczos(
       Simon, *The Lanczos algorithm with partial reorthogonalization*, Math. Comp. 42, 1984.
       Parlett, *The Symmetric Eigenvalue Problem*, SIAM, 1998, chapter 13.
     """
-    return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise)[0]
+    return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, basis_dtype=basis_dtype)[0]
+
+
+def check_basis_dtype(basis_dtype: Any, dtype: Any, n: int) -> Any:
+    """The dtype the basis of ``n``-vectors is stored in: ``basis_dtype``, or ``dtype`` (that of the
+    vectors) for ``None``. A pass against rows rounded to eps_b leaves ``q^T q_k`` at about
+    ``eps_b / sqrt(n)`` (the rounding errors are random), which must stay below ``sqrt(eps)``."""
+    if basis_dtype is None:
+        return jnp.dtype(dtype)
+    try:
+        bdt = jnp.dtype(basis_dtype)
+    except TypeError:
+        bdt = None
+    if bdt is None or not jnp.issubdtype(bdt, jnp.floating):
+        raise ValueError(
+            f"`basis_dtype` must be None or a real floating dtype (jnp.float32, jnp.bfloat16, ...), got "
+            f"{basis_dtype!r}. Use None to store the basis in the vectors' dtype {jnp.dtype(dtype).name}."
+        )
+    eps, eps_b = float(jnp.finfo(dtype).eps), float(jnp.finfo(bdt).eps)
+    if eps_b < eps:
+        raise ValueError(
+            f"`basis_dtype` must not be more precise than the vectors' dtype {jnp.dtype(dtype).name}, got "
+            f"{bdt.name}: the stored vectors cannot be more accurate than the computed ones. Use None, or "
+            "`dtype=` to accumulate in a wider dtype."
+        )
+    if eps_b / n**0.5 > eps**0.5:
+        raise ValueError(
+            f"`basis_dtype` {bdt.name} is too coarse for {n} {jnp.dtype(dtype).name} parameters: a pass "
+            f"against rows stored with eps {eps_b:.1e} leaves them orthogonal to about eps / sqrt(n) = "
+            f"{eps_b / n**0.5:.1e}, and Lanczos needs at most sqrt(eps) = {eps**0.5:.1e} of the vectors' "
+            "dtype. Use None, or a finer dtype (jnp.float32 for float64 vectors, jnp.bfloat16 for float32 "
+            "ones once n >= 512)."
+        )
+    return bdt
+
+
+# rows of the basis per block of a pass against it (see _lanczos.passes)
+BLOCK = 8
 
 
 def _lanczos(
-    matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None, constrain=None
-):
+    matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None,
+    constrain=None, basis_dtype=None,
+):  # fmt: skip
     """:func:`lanczos`, and the number of steps that ran a pass against the whole basis.
 
     ``precision``: the least precise dtype the operator computes in (the HVP's, when Lanczos
@@ -145,6 +192,16 @@ def _lanczos(
     The rounding of the operator, not of the accumulation, sets how fast orthogonality is lost.
     ``restrict``: the projector on the operator's subspace (a block), applied to restart vectors.
     ``constrain(v, lead)``: pins vectors (``lead=0``) and the basis (``lead=1``) to one sharding.
+    ``basis_dtype``: the dtype the basis is stored in (see :func:`check_basis_dtype`).
+
+    Layout of the loop (measured in ``benchmarks/hessian.py``): an inner ``lax.while_loop`` runs
+    plain steps (the recurrence, a local pass against ``q_i`` and ``q_{i-1}``, Simon's estimate)
+    and stops after a step that needs a pass against the whole basis (or a restart); an outer
+    ``lax.while_loop`` runs that pass on the stopped step and re-enters the inner loop. So the
+    inner loop holds no ``lax.cond``: a never-taken branch that read the basis cost as much per step
+    as the rest of the step's vector work together on XLA's CPU backend. The current vector
+    ``q_i`` and ``q_{i-1}`` are carried (in the vectors' dtype) rather than read back from the
+    basis, which is only written, and read by the passes.
     """
     pin = (lambda v, lead=0: v) if constrain is None else constrain
     m = check_count("num_steps", num_steps, 1)
@@ -157,6 +214,7 @@ def _lanczos(
         )
     key = jax.random.key(0) if key is None else check_key(key)
     dtype = jnp.result_type(*jax.tree.leaves(v0))
+    bdtype = check_basis_dtype(basis_dtype, dtype, n)
     eps = jnp.finfo(dtype).eps
     full = reorthogonalise == "full"
     if precision is None:
@@ -169,19 +227,45 @@ def _lanczos(
     # reorthogonalisation on the test MLP), and eps halved the passes (float32: 35 -> 18 of 90)
     # while the basis stayed semi-orthogonal (max |q_i^T q_k| 1.1e-5 < sqrt(eps) = 3.5e-4)
     noise = jnp.asarray(op_eps, dtype)
-    q0 = tree.scale(1 / tree.norm(v0), v0)
-    basis = pin(tree.set_row(pin(tree.zeros_basis(v0, m + 1, dtype), 1), 0, q0), 1)
+    # after a pass against a basis stored in a lower precision, q_{i+1}^T q_k is left at the
+    # product of q_{i+1} with the rounding error of row k: random, of standard deviation
+    # eps_b / sqrt(12 n) for rounding to nearest (eps_b the storage's spacing), not at eps
+    reset = jnp.asarray(max(op_eps, float(jnp.finfo(bdtype).eps) / (12 * n) ** 0.5), dtype)
+    rows = -(-(m + 1) // BLOCK) * BLOCK  # whole blocks; rows past m stay zero
     ks = jnp.arange(m + 1)
     zero = jnp.zeros((), dtype)
+    one = jnp.ones((), dtype)
+    exact_rows = bdtype == jnp.dtype(dtype)  # the basis holds the vectors as computed
+    tiny = jnp.finfo(dtype).tiny
+    q0 = pin(tree.scale(1 / tree.norm(v0), v0))
+    basis = pin(tree.set_row(pin(tree.zeros_basis(v0, rows, bdtype), 1), 0, q0), 1)
 
-    def restart(i, basis):  # a random unit vector orthogonal to the basis (two passes)
-        r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
-        r, _ = tree.orthogonalise(basis, r if restrict is None else restrict(r))
+    def passes(basis, w, upto):
+        """``w`` minus its projections on rows ``0 .. upto`` of the basis, and the coefficient of row
+        ``upto``.
+
+        One block of ``BLOCK`` rows at a time, each converted to the vectors' dtype and used at
+        once (block modified Gram-Schmidt): the basis is read once (classical Gram-Schmidt reads
+        it twice), only the blocks up to row ``upto`` are read, and a basis stored in a lower
+        precision is never converted whole (that would be a temporary of its full size). Rows past
+        ``upto`` must be zero.
+        """
+
+        def body(b, carry):
+            w, last = carry
+            blk = pin(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, b * BLOCK, BLOCK), basis), 1)
+            blk = tree.astype(blk, dtype)
+            c = tree.project(blk, w)
+            w = pin(tree.sub(w, pin(tree.combine(c, blk))))
+            return w, last + jnp.sum(jnp.where(b * BLOCK + jnp.arange(BLOCK) == upto, c, zero))
+
+        return jax.lax.fori_loop(0, upto // BLOCK + 1, body, (w, zero))
+
+    def restart(s, basis):  # a random unit vector orthogonal to rows 0 .. s (two passes)
+        r = tree.normal(jax.random.fold_in(key, s), v0, dtype)
+        r = r if restrict is None else restrict(r)
+        r, _ = passes(basis, passes(basis, r, s)[0], s)
         return tree.scale(1 / tree.norm(r), r)
-
-    def whole_pass(basis, w):  # one classical Gram-Schmidt pass against every vector (rows > i are 0)
-        coefs = tree.project(basis, w)
-        return pin(tree.sub(w, pin(tree.combine(coefs, basis)))), coefs
 
     def omega_next(i, diag, offdiag, alpha, beta, b_prev, om_prev, om_cur):
         """Simon's recurrence: estimates of q_{i+1}^T q_k, k <= i, from those of q_i and q_{i-1}.
@@ -195,58 +279,97 @@ def _lanczos(
         down = jnp.where((ks >= 1) & (ks <= i), jnp.roll(om_cur, 1), zero)
         t = beta_k * up + (diag - alpha) * om_cur + beta_km1 * down - b_prev * om_prev
         t = t + jnp.where(t >= 0, noise, -noise) * (beta_k + beta)
-        om = jnp.where(ks < i, t / jnp.maximum(beta, jnp.finfo(dtype).tiny), zero)
-        return jnp.where(ks == i, noise, jnp.where(ks == i + 1, jnp.ones((), dtype), om))
+        om = jnp.where(ks < i, t / jnp.maximum(beta, tiny), zero)
+        return jnp.where(ks == i, noise, jnp.where(ks == i + 1, one, om))
 
-    def step(i, carry):
-        basis, diag, offdiag, size, om_prev, om_cur, again, passes = carry
-        q = tree.row(basis, i)
-        j = jnp.maximum(i - 1, 0)
-        b_prev = jnp.where(i > 0, offdiag[j], zero)
-        q_prev = tree.row(basis, j)
+    class State(NamedTuple):
+        i: jax.Array  # steps done: q_0 .. q_i are known (q_i possibly pending a pass, see `due`)
+        basis: PyTree
+        q: PyTree  # q_i
+        q_prev: PyTree  # q_{i-1} (zero for i = 0) if carried, else a placeholder (see `exact_rows`)
+        diag: jax.Array
+        offdiag: jax.Array
+        size: jax.Array  # a running estimate of ||T||
+        om_prev: jax.Array  # Simon's estimates of q_{i-1}^T q_k
+        om_cur: jax.Array  # and of q_i^T q_k
+        again: jax.Array  # the next step must run a pass (the one after a pass)
+        due: jax.Array  # q_i still needs a pass against rows 0 .. i - 1
+        lost: jax.Array  # the step that made q_i found (nearly) no new direction: restart
+        passes: jax.Array
+
+    def plain_step(st):
+        """One step without a pass against the basis: the recurrence, a second pass against q_i and
+        q_{i-1}, Simon's estimate; it writes q_{i+1} = w / beta and flags whether a pass is due."""
+        i = st.i
+        b_prev = jnp.where(i > 0, st.offdiag[jnp.maximum(i - 1, 0)], zero)
         # the three-term recurrence: w = H q_i - beta_{i-1} q_{i-1} - alpha_i q_i
-        w = tree.sub(tree.astype(matvec(q), dtype), tree.scale(b_prev, q_prev))
-        alpha = tree.dot(q, w)
-        w = tree.sub(w, tree.scale(alpha, q))
-        if full:
-            # one pass against all vectors: it removes the recurrence's rounding errors, which are
-            # small next to w, so one pass is enough
-            w, coefs = whole_pass(basis, w)
-            alpha = alpha + coefs[i]
-            due = jnp.ones((), bool)
-        else:
-            # a second local pass (two vectors): keeps |q_{i+1}^T q_i| and |q_{i+1}^T q_{i-1}| at eps
-            c = tree.dot(q, w)
-            w = tree.sub(w, tree.scale(c, q))
-            alpha = alpha + c
-            w = tree.sub(w, tree.scale(jnp.where(i > 0, tree.dot(q_prev, w), zero), q_prev))
-            om = omega_next(i, diag.at[i].set(alpha), offdiag, alpha, tree.norm(w), b_prev, om_prev, om_cur)
-            due = again | (jnp.max(jnp.abs(jnp.where(ks < i, om, zero))) > op_eps**0.5)
-            # the pass's operands are only read, so the basis is not copied when it does not run
-            w, coefs = jax.lax.cond(due, whole_pass, lambda basis, w: (w, jnp.zeros(m + 1, dtype)), basis, w)
-            alpha = alpha + coefs[i]
-            # after a pass q_{i+1} is orthogonal to working precision; Simon reorthogonalises the
-            # next vector too, since the recurrence carries the old error of q_i into it
-            om = jnp.where(due & (ks <= i), noise, om)
-            again = due & ~again
+        # q_{i-1} is read back from the basis when its rows are exact (a slice fused into its
+        # uses); carrying it too made XLA copy both carried vectors at every step
+        q_prev = tree.row(st.basis, jnp.maximum(i - 1, 0)) if exact_rows else st.q_prev
+        w = tree.sub(tree.astype(matvec(st.q), dtype), tree.scale(b_prev, q_prev))
+        alpha = tree.dot(st.q, w)
+        w = tree.sub(w, tree.scale(alpha, st.q))
+        # a second local pass (classical Gram-Schmidt against q_i and q_{i-1}): keeps
+        # |q_{i+1}^T q_i| and |q_{i+1}^T q_{i-1}| at eps
+        c, d = tree.dot(st.q, w), jnp.where(i > 0, tree.dot(q_prev, w), zero)
+        w = pin(tree.sub(w, tree.axpy(c, st.q, tree.scale(d, q_prev))))
+        alpha = alpha + c
         beta = tree.norm(w)
-        size = jnp.maximum(size, jnp.abs(alpha) + beta)
+        diag = st.diag.at[i].set(alpha)
+        om = omega_next(i, diag, st.offdiag, alpha, beta, b_prev, st.om_prev, st.om_cur)
+        due = st.again | (jnp.max(jnp.abs(jnp.where(ks < i, om, zero))) > op_eps**0.5)
+        due = due | full
+        size = jnp.maximum(st.size, jnp.abs(alpha) + beta)
         lost = beta <= eps**0.75 * size
-        q = jax.lax.cond(lost, restart, lambda i, basis: tree.scale(1 / beta, w), i, basis)
-        basis = pin(tree.set_row(basis, i + 1, pin(q)), 1)
-        diag = diag.at[i].set(alpha)
-        offdiag = offdiag.at[i].set(jnp.where(lost, jnp.zeros_like(beta), beta))
-        if not full:  # a restart vector is orthogonalised twice against the basis
-            om_prev, om_cur = om_cur, jnp.where(lost & (ks <= i), noise, om)
+        q = pin(tree.scale(1 / jnp.maximum(beta, tiny), w))
         report(progress, task, i + 1, m)
-        return basis, diag, offdiag, size, om_prev, om_cur, again, passes + due.astype(jnp.int32)
+        return State(
+            i + 1, pin(tree.set_row(st.basis, i + 1, q), 1), q, st.q_prev if exact_rows else st.q, diag,
+            st.offdiag.at[i].set(beta), size,
+            st.om_cur, om, due & ~st.again, due, lost, st.passes + due.astype(jnp.int32),
+        )  # fmt: skip
 
-    om0 = jnp.zeros(m + 1, dtype).at[0].set(1)
-    init = (basis, jnp.zeros(m + 1, dtype), jnp.zeros(m + 1, dtype), zero, jnp.zeros(m + 1, dtype), om0,
-            jnp.zeros((), bool), jnp.zeros((), jnp.int32))  # fmt: skip
-    basis, diag, offdiag, _, _, _, _, passes = jax.lax.fori_loop(0, m, step, init)
-    t = Tridiagonal(diag[:m], offdiag[: m - 1], jax.tree.map(lambda a: a[:m], basis))
-    return t, passes
+    def settle(st):
+        """Finishes a step that stopped the plain loop: q_i against rows 0 .. i - 1 if a pass is due
+        (it is w / beta, so alpha and beta are corrected with the coefficients), a restart if lost.
+        A no-op when neither is flagged (the first entry)."""
+        s = st.i - 1  # the step that made q_i; at the first entry (i = 0) nothing is flagged
+        at = jnp.where(st.i > 0, s, m)  # index m of diag and offdiag is never read
+        alpha, beta = st.diag[at], st.offdiag[at]
+        basis = pin(tree.set_row(st.basis, st.i, tree.scale(zero, st.q)), 1)  # rows past s are zero
+
+        def with_pass(basis, q):
+            q, c = passes(basis, q, s)
+            return q, c, tree.norm(q)
+
+        q, c, nrm = jax.lax.cond(st.due, with_pass, lambda basis, q: (q, zero, one), basis, st.q)
+        alpha, beta = alpha + beta * c, beta * nrm
+        size = jnp.maximum(st.size, jnp.abs(alpha) + beta)
+        lost = st.lost | (st.due & (beta <= eps**0.75 * size))
+        q = jax.lax.cond(lost, restart, lambda s, basis: tree.scale(1 / jnp.maximum(nrm, tiny), q), s, basis)
+        q = pin(q)
+        # after a pass q_i is orthogonal to working precision; Simon reorthogonalises the next vector
+        # too (`again`), since the recurrence carries the old error of q_{i-1} into it
+        om = jnp.where((st.due | lost) & (ks <= s), reset, st.om_cur)
+        return st._replace(
+            basis=pin(tree.set_row(basis, st.i, q), 1), q=q, diag=st.diag.at[at].set(alpha),
+            offdiag=st.offdiag.at[at].set(jnp.where(lost, zero, beta)), size=size, om_cur=om,
+            due=jnp.zeros((), bool), lost=jnp.zeros((), bool),
+        )  # fmt: skip
+
+    def plain_steps(st):
+        return jax.lax.while_loop(lambda st: (st.i < m) & ~st.due & ~st.lost, plain_step, settle(st))
+
+    false = jnp.zeros((), bool)
+    init = State(
+        jnp.zeros((), ks.dtype), basis, q0, zero if exact_rows else tree.scale(zero, q0),
+        jnp.zeros(m + 1, dtype), jnp.zeros(m + 1, dtype), zero, jnp.zeros(m + 1, dtype),
+        jnp.zeros(m + 1, dtype).at[0].set(1), false, false, false, jnp.zeros((), jnp.int32),
+    )  # fmt: skip
+    # the outer loop runs once, plus once per pass or restart; the last step's pass (if due) too
+    st = jax.lax.while_loop(lambda st: (st.i < m) | st.due | st.lost, plain_steps, init)
+    t = Tridiagonal(st.diag[:m], st.offdiag[: m - 1], jax.tree.map(lambda a: a[:m], st.basis))
+    return t, st.passes
 
 
 def select(values: jax.Array, k: int, which: str) -> jax.Array:
@@ -271,6 +394,7 @@ def eigenvalues(
     progress: Progress = False,
     reorthogonalise: Reorth = "partial",
     curvature: Curvature = "hessian",
+    basis_dtype: Any = None,
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """The top ``k`` eigenvalues of the Hessian of ``loss`` at ``params``, by Lanczos.
 
@@ -302,6 +426,9 @@ def eigenvalues(
       reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`lanczos`).
       curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
         :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
+      basis_dtype: store the Lanczos basis in this dtype (e.g. ``jnp.float32`` for float64
+        parameters: half the memory); default the accumulation dtype. See :func:`lanczos`. Ritz
+        vectors are then accurate to ``basis_dtype``'s precision.
 
     Returns:
       ``values`` of shape ``(k,)`` (largest first, by ``which``), or ``(values, vectors)`` where
@@ -347,36 +474,51 @@ def eigenvalues(
     if m > n:
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
     check_reorth(reorthogonalise)
+    bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
     return _eigenvalues_jit(
         op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
-        tree.layout(params), params, args, op.groups, masks, key,
+        bdt, tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 
 
 def _eigenvalues_impl(
-    loss, mode, dtype, k, which, m, vectors, progress, reorth, flat, params, args, groups, masks, key
-):
+    loss, mode, dtype, k, which, m, vectors, progress, reorth, basis_dtype, flat, params, args, groups, masks,
+    key,
+):  # fmt: skip
     op = Operator(loss, params, args, groups, mode, dtype, flat)
 
     def one(mask, key):
         op.mask = mask
         k_start, k_restart = jax.random.split(key)
         v0 = op.restrict(tree.normal(k_start, op.like, op.dtype))
-        t = _lanczos(op.matvec, v0, m, k_restart, progress, "eigenvalues", reorth, op.precision, op.restrict)[
-            0
-        ]
+        t = _lanczos(
+            op.matvec, v0, m, k_restart, progress, "eigenvalues", reorth, op.precision, op.restrict,
+            basis_dtype=basis_dtype,
+        )[0]  # fmt: skip
         theta, s = jnp.linalg.eigh(t.matrix())
         idx = select(theta, k, which)
         if not vectors:
             return theta[idx]
-        return theta[idx], op.unpack(tree.combine(s[:, idx], t.basis))
+        return theta[idx], op.unpack(tree.astype(tree.combine(s[:, idx], t.basis), op.dtype))
 
     return map_blocks(one, masks, key)
 
 
 _eigenvalues_jit = jax.jit(
     _eigenvalues_impl,
-    static_argnames=("loss", "mode", "dtype", "k", "which", "m", "vectors", "progress", "reorth", "flat"),
+    static_argnames=(
+        "loss",
+        "mode",
+        "dtype",
+        "k",
+        "which",
+        "m",
+        "vectors",
+        "progress",
+        "reorth",
+        "basis_dtype",
+        "flat",
+    ),
 )
 
 __all__ = ["Tridiagonal", "eigenvalues", "lanczos"]
