@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,22 +215,25 @@ def test_split_leaves_are_stored_as_the_blocks_devices_hold(shape, split):
     np.testing.assert_array_equal(np.sort(np.asarray(blocks[(1,) * len(split)])), want)
 
 
+def dense(features, names):
+    """A Linen Dense whose kernel carries logical axes (``nn.with_logical_partitioning``)."""
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+    return nn.Dense(features, kernel_init=init, use_bias=False, param_dtype=jnp.float64)
+
+
+class Block(nn.Module):
+    """A Megatron MLP in Linen's logical axes: column- then row-parallel over "mlp"."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(dense(H, ("embed", "mlp"))(x))  # Dense_0: column-parallel
+        return x + dense(D, ("mlp", "embed"))(h)  # Dense_1: row-parallel
+
+
 def test_flax_logical_axes_give_the_param_specs():
     """A Linen block annotated with logical axes (``nn.with_logical_partitioning``, the lm1b
     idiom): ``nn.logical_to_mesh(nn.get_partition_spec(...), rules)`` of one layer's variables is
     the pipeline's ``param_specs``; gradients match the composed layers."""
-    import flax.linen as nn
-
-    def dense(features, names):
-        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
-        return nn.Dense(features, kernel_init=init, use_bias=False, param_dtype=jnp.float64)
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = jnp.tanh(dense(H, ("embed", "mlp"))(x))  # Dense_0: column-parallel
-            return x + dense(D, ("mlp", "embed"))(h)  # Dense_1: row-parallel
-
     block = Block()
     boxed = [block.init(jax.random.key(s), jnp.ones((1, D))) for s in range(2)]
     rules = [("mlp", "model"), ("embed", None)]
@@ -248,22 +252,12 @@ def test_linen_and_nnx_adapters_split_parameters_as_their_layers_metadata_says()
     """Layers annotated for tensor parallelism (Linen: logical axes and the rules in effect at
     ``init``; NNX: ``nnx.with_partitioning``) are stored split over ``"model"`` inside their
     stage by the adapters, and run to the layers' own results."""
-    import flax.linen as nn
     from flax import nnx
 
     from pipejax.flax import LinenPipeline, NNXPipeline
 
     mesh = mesh_of((2, 2), ("stage", "model"))
     x = x_batch()
-
-    def dense(features, names):
-        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
-        return nn.Dense(features, kernel_init=init, use_bias=False, param_dtype=jnp.float64)
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return x + dense(D, ("mlp", "embed"))(jnp.tanh(dense(H, ("embed", "mlp"))(x)))
 
     pipe = LinenPipeline([Block(), Block()], num_stages=2, chunks=3, mesh=mesh)
     with nn.logical_axis_rules([("mlp", "model"), ("embed", None)]):
