@@ -502,8 +502,7 @@ def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
     ndim = packed.buffers[0].ndim if packed.buffers else 2
     names = tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim)))
     if packed.container.splits is not None and stack.placer.mesh is not None:
-        pipe = stack.placer
-        lead = (None, pipe.axis_name) if pipe.repeats > 1 and pipe.num_devices > 1 else (pipe.axis_name,)
+        lead = stack.placer._stage_lead()
         specs = {tuple(sp) for sp in packed.container.slot_specs(lead)}
         names = next(iter(specs)) if len(specs) == 1 else lead
     return StagePartitioned(packed, names=names)

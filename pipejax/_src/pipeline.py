@@ -426,10 +426,9 @@ class Pipeline:
             params = pack_params(params, splits)
         if self.mesh is None:
             return params
-        lead: tuple[Any, ...] = (self.axis_name,)
-        if self.repeats > 1:
-            params = _device_major(self, params) if self.num_devices > 1 else params
-            lead = (None, self.axis_name) if self.num_devices > 1 else (None, None)
+        lead = self._stage_lead()
+        if self.repeats > 1 and self.num_devices > 1:
+            params = _device_major(self, params)
         if isinstance(params, StageParams):
             specs_k = params.container.slot_specs(lead)
             buffers = tuple(
@@ -446,6 +445,14 @@ class Pipeline:
         return jax.tree.unflatten(
             treedef, [jax.device_put(a, sh) for a, sh in zip(leaves, shardings, strict=True)]
         )
+
+    def _stage_lead(self) -> tuple[Any, ...]:
+        """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
+        for ``(S, ...)``; ``(None, axis)`` for the circular ``(repeats, n, ...)`` layout; ``(None,
+        None)`` for several stages on one device."""
+        if self.repeats == 1:
+            return (self.axis_name,)
+        return (None, self.axis_name) if self.num_devices > 1 else (None, None)
 
     def _splits(self, params):
         """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
@@ -920,9 +927,7 @@ def _full_specs(pipe, params, splits):
     ``param_specs``."""
     if splits is None:
         return None
-    lead: tuple[Any, ...] = (pipe.axis_name,)
-    if pipe.repeats > 1:
-        lead = (None, pipe.axis_name) if pipe.num_devices > 1 else (None, None)
+    lead = pipe._stage_lead()
     if isinstance(params, StageParams):
         return params.container.slot_specs(lead)
     leaves, treedef = jax.tree.flatten(params)
