@@ -149,19 +149,35 @@ class Container(NamedTuple):
         return tuple(buffers)
 
     def unpack(self, buffers: tuple[jax.Array, ...], layout: Layout) -> Any:
-        """Reads a value of ``layout`` back out of ``buffers`` (one row of each slot)."""
-        offsets = [0] * len(self.dtypes)
-        leaves = []
+        """Reads a value of ``layout`` back out of ``buffers`` (one row of each slot).
+
+        Each slot is cut with one ``lax.split``, whose transpose is one ``concatenate``: the
+        backward pass assembles a slot's cotangent in one operation (a slice per leaf would
+        transpose to a ``pad`` per leaf and a sum of them, one XLA kernel each).
+        """
+        wanted = []  # per leaf: (slot, size, stored shape)
+        sizes: list[list[int]] = [[] for _ in self.dtypes]
         for shape, dtype, split in zip(layout.shapes, layout.dtypes, layout.leaf_splits(), strict=True):
             stored_shape, stored = _stored(shape, dtype)
             k = self._slot(stored, split)
             n = math.prod(stored_shape) // math.prod(t for _, _, t in split)
-            block = lax.slice_in_dim(buffers[k], offsets[k], offsets[k] + n, axis=buffers[k].ndim - 1)
-            leaf = _from_blocks(block, stored_shape, split)
+            wanted.append((k, len(sizes[k]), stored_shape))
+            sizes[k].append(n)
+        pieces = []
+        for k, buffer in enumerate(buffers):
+            if not sizes[k]:
+                pieces.append([])
+                continue
+            rest = buffer.shape[-1] - sum(sizes[k])
+            cut = sizes[k] + ([rest] if rest else [])
+            parts = lax.split(buffer, cut, axis=buffer.ndim - 1) if len(cut) > 1 else [buffer]
+            pieces.append(parts)
+        leaves = []
+        for (k, j, stored_shape), dtype, split in zip(wanted, layout.dtypes, layout.leaf_splits(), strict=True):
+            leaf = _from_blocks(pieces[k][j], stored_shape, split)
             if _is_key(dtype):
                 leaf = jax.random.wrap_key_data(leaf, impl=dtype._impl)
             leaves.append(leaf)
-            offsets[k] += n
         return jax.tree.unflatten(layout.treedef, leaves)
 
 
