@@ -33,7 +33,10 @@ def run_quick(script: str, *args: str) -> str:
 @pytest.mark.parametrize(
     ("script", "headings"),
     [
-        ("pipeline.py", ("Bubble", "Memory", "Overhead", "Compile")),
+        (
+            "pipeline.py",
+            ("Bubble", "Memory", "Overhead", "Compile", "Flat in chunks", "Where XLA's time goes"),
+        ),
         ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "float32", "float64")),
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
         ("schedules.py", ("Memory: compiled temp bytes", "Slots:", "Compile time", "Predicted step time")),
@@ -60,3 +63,31 @@ def test_simulate_benchmark_quick():
     for heading in ("against theory", "measured on this CPU", "torchgpipe's published speed-ups"):
         assert heading in out, f"missing {heading!r}:\n{out[-2000:]}"
     assert "| False |" not in out  # every simulated bubble equals the theory exactly
+
+
+def test_xla_log_parser_reads_the_program_compile():
+    """The compile benchmark's reader of XLA:CPU's timers picks the largest compilation and adds
+    its kernels (a log in the format of jaxlib 0.10)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.pipeline import parse_xla_log
+
+    hlo = "I1124 04:15:37.71 1 cpu_compiler.cc:1269] Running HLO passes on [{}] for CPU time: {}"
+    llvm = "I1124 04:15:37.72 1 ir_compiler.cc:293] Compiled LLVM module: __compute_module_{}_kernel_module"
+    llvm += " time: {}"
+    done = "I1124 04:15:37.79 1 cpu_compiler.cc:2094] Compiling [{}] for CPU using JIT time: {}"
+    log = "\n".join(
+        [
+            hlo.format("jit_a", "915 us (915 us)"),
+            llvm.format("x", "3 ms"),
+            done.format("jit_a", "12.6 ms (12600 us)"),
+            hlo.format("jit_b", "0.2 s (0.2 s)"),
+            llvm.format("add_tanh_fusion.3", "40 ms (40000 us)"),
+            llvm.format("wrapped_broadcast.2", "500 us (500 us)"),
+            done.format("jit_b", "1.5 s (1500000 us)"),
+        ]
+    )
+    info = parse_xla_log(log)
+    assert info["kernels"] == 2 and info["total"] == 1.5 and info["hlo"] == 0.2
+    assert abs(info["llvm"] - 0.0405) < 1e-12
+    assert info["kinds"] == {"add_tanh_fusion": 0.04, "wrapped_broadcast": 0.0005}
+    assert parse_xla_log("no XLA log here") is None
