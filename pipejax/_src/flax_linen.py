@@ -261,7 +261,9 @@ class LinenPipeline(nn.Module):
             names = common.route_context(calls, context, flags)
             if _batch_stats_of(variables) is not None:
                 raise ValueError(
-                    common.needs_flag("The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME)
+                    common.needs_flag(
+                        "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
+                    )
                 )
             packed = _stage_params_of(variables)
             sig = (tuple(sorted(flags.items())), None if names is None else tuple(map(tuple, names)))
