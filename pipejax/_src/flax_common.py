@@ -50,7 +50,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pipejax._src import train
 from pipejax._src.balance import partition
 from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
 from pipejax._src.batchnorm import moments as moments_of
@@ -295,52 +294,31 @@ class Stack:
 
         ``params`` is the adapter's :class:`~pipejax.StageParams` and ``grads`` has its form;
         ``loss_fn(outputs, targets)`` gives one loss per example and the loss is their mean over
-        the batch (padding rows of an uneven batch excluded). With ``schedule="gpipe"`` or
-        ``"circular"`` this is ``jax.value_and_grad`` of the adapter's forward call (the pipeline
-        :meth:`pipeline` builds, called as the adapter calls it, side inputs included); with a
-        training schedule (``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``) it is
-        :meth:`pipejax.Pipeline.value_and_grad` of that pipeline, one program that runs the
-        schedule's forward and backward slots. Both give each layer the keys of the forward call.
+        the batch (padding rows of an uneven batch excluded). It is
+        :meth:`pipejax.Pipeline.value_and_grad` of the pipeline :meth:`pipeline` builds, the one
+        the adapter's forward call runs: with ``schedule="gpipe"`` or ``"circular"``,
+        ``jax.value_and_grad`` of that call; with a training schedule (``"1f1b"``, ``"zb-h1"``,
+        ``"interleaved-1f1b"``) one program that runs the schedule's forward and backward slots.
+        Both give each layer the keys and side inputs of the forward call.
 
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
 
         Raises:
-          TypeError, ValueError: see :meth:`check_trainable`; ``ValueError`` for side inputs with a
-            training schedule.
+          TypeError, ValueError: see :meth:`check_trainable`.
           NotImplementedError: for parameters split inside their stage with a training schedule.
         """
         self.check_trainable(loss_fn)
         engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
         name = engine.schedule_name
-        if name in TRAINING_KINDS:
-            if context_per_layer is not None:
-                raise ValueError(
-                    f"`context=` (side inputs) is not supported by {self.owner}.value_and_grad with "
-                    f"schedule={name!r}: its training program hands each stage only its activation "
-                    "and its key. Use schedule='gpipe' or 'circular' (the same value_and_grad), or "
-                    "carry the side input inside `x` as a pytree, e.g. `x = (h, mask)`, with layers "
-                    "that take and return the pair."
-                )
-            step = engine.value_and_grad(loss_fn)
-
-            def f(params, x, targets, key, context=None):
-                _check_unsplit(params, name, self.owner)
-                return step(params, x, targets, key)
-
-            return f
-
-        @jax.jit
-        def traced(params, x, targets, key, context):
-            side = {} if context is None else {"context": context}
-            loss = lambda p: train.mean_loss(loss_fn, engine(p, x, key, **side), targets)
-            return jax.value_and_grad(loss)(params)
+        step = engine.value_and_grad(loss_fn)
 
         def f(params, x, targets, key, context=None):
-            # concrete inputs committed to other devices are moved where the pipeline runs
-            params, (x, targets, context), key, _ = engine._commit(params, (x, targets, context), key, None)
-            return traced(params, x, targets, key, context)
+            if name in TRAINING_KINDS:
+                _check_unsplit(params, name, self.owner)
+            side = {} if context_per_layer is None else {"context": dict(context)}
+            return step(params, x, targets, key, **side)
 
         return f
 

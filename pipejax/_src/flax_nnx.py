@@ -272,8 +272,7 @@ class NNXPipeline(nnx.Module):
 
         Raises:
           TypeError: if ``loss_fn`` is not callable.
-          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned); when called
-            with ``context=`` and a training schedule.
+          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
           NotImplementedError: for layers whose sharding metadata splits them over other mesh
             axes, with a training schedule.
 
