@@ -32,6 +32,11 @@ pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws
 row, and each layer runs row by row (``jax.vmap``) with its row's key, so random draws depend on the
 example, not on ``chunks``.
 
+Training (:meth:`Stack.value_and_grad`, the adapters' ``value_and_grad(loss_fn)``): the same
+pipeline's :meth:`pipejax.Pipeline.value_and_grad`, so the schedules that own the backward pass
+("1f1b", "zb-h1", "interleaved-1f1b") run the layers with the keys, flags and side inputs of the
+forward call; an adapter converts only its parameters in and its gradients out.
+
 Deferred BatchNorm (``deferred_batch_norm=True``): the pipeline runs with stage state. A stage
 holds its layers' running statistics as ``state``; a BatchNorm layer in training normalises its
 micro-batch with that micro-batch's own statistics over its real rows (the ``mask`` the stage
@@ -278,8 +283,8 @@ class Stack:
                 "loss and the gradients only, and a BatchNorm in training must also update its running "
                 "statistics. Train this model with `jax.value_and_grad` of the module's call and "
                 "schedule='gpipe' or 'circular' (Linen: `apply(..., mutable=['batch_stats'])`; NNX: "
-                "`nnx.value_and_grad`), or use a normalisation without state (LayerNorm, RMSNorm) to "
-                f"train with schedule={self.placer.schedule_name!r} and the other training schedules."
+                "`nnx.value_and_grad`), or use a normalisation without state (LayerNorm, RMSNorm), "
+                "which `value_and_grad` trains with every schedule (1f1b, zb-h1, interleaved-1f1b)."
             )
 
     def value_and_grad(
