@@ -98,7 +98,7 @@ def test_docs_code_runs(page):
 # No surprise recompiles: the training loops of these pages compile once (tests/test_flax_recompile.py
 # checks the same for pretrained weights and NNX modules built outside the mesh).
 TRAIN_STEPS = {
-    "docs/flax.md": ["train_step", "ntrain_step"],
+    "docs/flax.md": ["train_step", "ntrain_step", "ltrain_step", "nlm_train_step"],
     "README.md": [],
     "docs/quickstart.md": ["train_step"],
 }

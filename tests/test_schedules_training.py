@@ -378,6 +378,35 @@ def test_data_axis(name, checkpoint):
     assert counts.shape == (2, 2, 3) and (counts[..., 0] == 2).all() and (counts[..., 1] == 2).all()
 
 
+def _scaled(stage):
+    """``stage`` whose output rows are scaled by the side input ``context["scale"]``."""
+
+    def run(p, x, key, context):
+        y = stage(p, x, key)
+        return y * context["scale"].reshape((-1,) + (1,) * (y.ndim - 1)).astype(y.dtype)
+
+    return run
+
+
+def test_side_inputs_with_a_data_axis():
+    """``context=``: every slot's stage gets its micro-batch's rows, also on a data shard."""
+    batch, chunks = 11, 4
+    params, x = models.pair_params(), models.pair_inputs(batch)
+    t = jnp.asarray(np.random.default_rng(0).normal(size=(batch, 1)))
+    context = {"scale": jnp.linspace(0.5, 1.5, batch)}  # distinct rows: a shifted row would show
+    key = jax.random.key(5)
+    stages = [_scaled(s) for s in PAIR]
+    mesh = jax.make_mesh((2, 2), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    pipe = pj.pipeline(stages, chunks=chunks, schedule="1f1b", mesh=mesh, data_axis_name="data")
+    got = pipe.value_and_grad(sq)(params, x, t, key, context=context)
+    ref = pj.pipeline(stages, chunks=chunks).value_and_grad(sq)(params, x, t, key, context=context)
+    models.assert_trees_close(got, ref, **TOL)
+    plain = pj.pipeline(list(PAIR), chunks=chunks).value_and_grad(sq)(params, x, t, key)
+    assert abs(float(plain[0]) - float(ref[0])) > 1e-3  # the side input matters
+    with pytest.raises(ValueError, match=r"`context` has a batch of 5 examples but `x` has 11"):
+        pipe.value_and_grad(sq)(params, x, t, key, context={"scale": jnp.ones(5)})
+
+
 # --- pipejax.hessian through a schedule -----------------------------------------------------------
 
 

@@ -32,6 +32,11 @@ pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws
 row, and each layer runs row by row (``jax.vmap``) with its row's key, so random draws depend on the
 example, not on ``chunks``.
 
+Training (:meth:`Stack.value_and_grad`, the adapters' ``value_and_grad(loss_fn)``): the same
+pipeline's :meth:`pipejax.Pipeline.value_and_grad`, so the schedules that own the backward pass
+("1f1b", "zb-h1", "interleaved-1f1b") run the layers with the keys, flags and side inputs of the
+forward call; an adapter converts only its parameters in and its gradients out.
+
 Deferred BatchNorm (``deferred_batch_norm=True``): the pipeline runs with stage state. A stage
 holds its layers' running statistics as ``state``; a BatchNorm layer in training normalises its
 micro-batch with that micro-batch's own statistics over its real rows (the ``mask`` the stage
@@ -55,6 +60,7 @@ from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
 from pipejax._src.batchnorm import moments as moments_of
 from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
+from pipejax._src.schedule import TRAINING_KINDS
 
 PyTree = Any
 
@@ -170,6 +176,7 @@ class Stack:
         self.options = check_options(options, owner)
         self.deferred = deferred_batch_norm
         self.unbiased = unbiased_variance
+        self.owner = owner
         # The pipeline's own validation of every option (mesh, schedule, repeats, data axis, ...).
         self.placer = pipeline([_no_stage] * len(self.sizes), stateful=self.deferred, **self.options)
         if self.deferred and self.placer.per_example_keys:
@@ -257,6 +264,69 @@ class Stack:
         stages = [_stateful(st) if self.deferred else _stateless(st) for st in part.stages]
         return pipeline(stages, stateful=self.deferred, **self.options)
 
+    def check_trainable(self, loss_fn: Any) -> None:
+        """Raises for what the adapters' ``value_and_grad`` does not support (see :meth:`value_and_grad`).
+
+        Raises:
+          TypeError: if ``loss_fn`` is not callable.
+          ValueError: with ``deferred_batch_norm=True`` (the step returns no statistics).
+        """
+        owner = self.owner
+        if not callable(loss_fn):
+            raise TypeError(
+                f"`loss_fn` of {owner}.value_and_grad must be a callable `loss_fn(outputs, targets) -> "
+                f"losses` giving one loss per example, but got {type(loss_fn).__name__} {loss_fn!r}."
+            )
+        if self.deferred:
+            raise ValueError(
+                f"{owner}.value_and_grad does not support `deferred_batch_norm=True`: it returns the "
+                "loss and the gradients only, and a BatchNorm in training must also update its running "
+                "statistics. Train this model with `jax.value_and_grad` of the module's call and "
+                "schedule='gpipe' or 'circular' (Linen: `apply(..., mutable=['batch_stats'])`; NNX: "
+                "`nnx.value_and_grad`), or use a normalisation without state (LayerNorm, RMSNorm), "
+                "which `value_and_grad` trains with every schedule (1f1b, zb-h1, interleaved-1f1b)."
+            )
+
+    def value_and_grad(
+        self,
+        run_layer: RunLayer,
+        loss_fn: Callable[[PyTree, PyTree], jax.Array],
+        kwargs_per_layer: Sequence[Mapping[str, Any]],
+        context_per_layer: Sequence[Sequence[str]] | None,
+    ) -> Callable[..., tuple[jax.Array, StageParams]]:
+        """``f(params, x, targets, key, context=None) -> (loss, grads)``: a training step of the
+        layers, run by the pipeline's schedule (the core of both adapters' ``value_and_grad``).
+
+        ``params`` is the adapter's :class:`~pipejax.StageParams` and ``grads`` has its form;
+        ``loss_fn(outputs, targets)`` gives one loss per example and the loss is their mean over
+        the batch (padding rows of an uneven batch excluded). It is
+        :meth:`pipejax.Pipeline.value_and_grad` of the pipeline :meth:`pipeline` builds, the one
+        the adapter's forward call runs: with ``schedule="gpipe"`` or ``"circular"``,
+        ``jax.value_and_grad`` of that call; with a training schedule (``"1f1b"``, ``"zb-h1"``,
+        ``"interleaved-1f1b"``) one program that runs the schedule's forward and backward slots.
+        Both give each layer the keys and side inputs of the forward call.
+
+        Args:
+          run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
+          loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
+
+        Raises:
+          TypeError, ValueError: see :meth:`check_trainable`.
+          NotImplementedError: for parameters split inside their stage with a training schedule.
+        """
+        self.check_trainable(loss_fn)
+        engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
+        name = engine.schedule_name
+        step = engine.value_and_grad(loss_fn)
+
+        def f(params, x, targets, key, context=None):
+            if name in TRAINING_KINDS:
+                _check_unsplit(params, name, self.owner)
+            side = {} if context_per_layer is None else {"context": dict(context)}
+            return step(params, x, targets, key, **side)
+
+        return f
+
     def updated_state(self, state: StageParams, stats: Sequence[Any]) -> StageParams | None:
         """The running statistics updated once from the moments all micro-batches recorded.
 
@@ -270,6 +340,20 @@ class Stack:
         records = [r for stage in stats for r in stage]
         new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
+
+
+def _check_unsplit(params: Any, schedule: str, owner: str) -> None:
+    """Raises for parameters split inside their stage (the layers' sharding metadata) with a
+    training schedule, whose program is manual over every mesh axis."""
+    if isinstance(params, StageParams) and params.container.splits is not None:
+        raise NotImplementedError(
+            f"{owner}.value_and_grad with schedule={schedule!r} does not support parameters split "
+            "inside their stage over mesh axes other than the stage axis (here from the layers' "
+            "sharding metadata, e.g. `nn.with_partitioning` / `nnx.with_partitioning` naming a mesh "
+            "axis): its training program is manual over every mesh axis. Use schedule='gpipe' or "
+            "'circular' for such layers, or a mesh with the stage axis only (the metadata then "
+            "splits nothing)."
+        )
 
 
 def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:

@@ -199,6 +199,103 @@ class LinenPipeline(nn.Module):
         return y
 
     @nn.nowrap
+    def value_and_grad(self, loss_fn: Any) -> Any:
+        """A training step of this module that returns the loss and its gradient, run by its schedule.
+
+        Returns ``step(variables, x, targets, *, rngs=None, context=None, **flags) -> (loss,
+        grads)``. ``loss_fn(outputs, targets)`` gives one loss per example (``outputs`` is what
+        ``apply(variables, x, ...)`` returns); the loss is their mean over the batch (padding
+        rows of an uneven batch excluded) and ``grads`` has the form of ``variables["params"]``
+        (``{"stages": StagePartitioned(StageParams)}``, what ``jax.grad`` of a loss of ``apply``
+        gives; unboxed if ``variables`` are), ready for optax. ``rngs``, ``context`` and
+        ``flags`` mean what they mean for ``apply``: the module draws its key from ``rngs`` as
+        ``apply`` does, so the layers see the same dropout masks and the loss equals the mean of
+        ``loss_fn(apply(variables, x, rngs=rngs, **flags), targets)``.
+
+        * ``schedule="gpipe"`` or ``"circular"``: ``jax.value_and_grad`` of that loss;
+        * ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``: :meth:`pipejax.Pipeline.value_and_grad`
+          of the module's pipeline, one program that runs the schedule's forward and backward
+          slots, keeping what the backward needs of a bounded number of micro-batches per device.
+
+        The module must be the whole model trained this way (an embedding and a head are its
+        first and last layers; stages may differ): the step differentiates with respect to the
+        module's parameters only. Call ``step`` under ``jax.jit`` (as a train step), or eagerly.
+
+        Args:
+          loss_fn: ``loss_fn(outputs, targets) -> losses`` of shape ``(batch,)``.
+
+        Returns:
+          ``step`` as described above.
+
+        Raises:
+          TypeError: if ``loss_fn`` is not callable.
+          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
+          NotImplementedError: for layers whose sharding metadata splits them over other mesh
+            axes, with a training schedule.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn
+          >>> from pipejax.flax import LinenPipeline
+          >>> layers = [nn.Dense(8, param_dtype=jnp.float64) for _ in range(3)]
+          >>> x, t = jnp.ones((5, 4)), jnp.zeros((5, 8))
+          >>> sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)  # one loss per example
+          >>> pipe = LinenPipeline(layers, balance=[2, 1], chunks=3, schedule="1f1b")
+          >>> variables = pipe.init(jax.random.key(0), x)
+          >>> loss, grads = jax.jit(pipe.value_and_grad(sq))(variables, x, t)
+          >>> direct = lambda p: sq(pipe.apply({"params": p}, x), t).mean()
+          >>> loss_ref, grads_ref = jax.value_and_grad(direct)(variables["params"])
+          >>> bool(jnp.allclose(loss, loss_ref))
+          True
+          >>> jax.tree.structure(grads) == jax.tree.structure(grads_ref)
+          True
+        """
+        stack = self._stack()
+        stack.check_trainable(loss_fn)
+        calls = [type(layer).__call__ for layer in self.layers]
+        run = _run_layer(self._layers(), self.rng_collection, stack.deferred)
+        built: dict[Any, Any] = {}  # per (flags, side input names): the step's program
+
+        def step(variables, x, targets, *, rngs=None, context=None, **flags):
+            kwargs = common.route_kwargs(calls, flags)
+            names = common.route_context(calls, context, flags)
+            if _batch_stats_of(variables) is not None:
+                raise ValueError(
+                    common.needs_flag(
+                        "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
+                    )
+                )
+            packed = _stage_params_of(variables)
+            sig = (tuple(sorted(flags.items())), None if names is None else tuple(map(tuple, names)))
+            try:
+                hash(sig)
+            except TypeError:  # an unhashable flag: build the program for this call only
+                sig = None
+            f = built.get(sig) if sig is not None else None
+            if f is None:
+                f = stack.value_and_grad(run, loss_fn, kwargs, names)
+                if sig is not None:
+                    built[sig] = f
+            loss, grads = f(packed, x, targets, self._call_key(variables, rngs), context)
+            box = variables["params"]["stages"]
+            if isinstance(box, nn.meta.AxisMetadata):
+                grads = box.replace_boxed(grads)
+            return loss, {"stages": grads}
+
+        return step
+
+    @nn.nowrap
+    def _call_key(self, variables: Mapping[str, Any], rngs: Any) -> jax.Array | None:
+        """The key ``apply(variables, ..., rngs=rngs)`` draws (``self.make_rng(rng_collection)``)."""
+        if rngs is None:
+            return None
+        coll = self.rng_collection
+
+        def draw(module):
+            return module.make_rng(coll) if module.has_rng(coll) else None
+
+        return nn.apply(draw, self)(variables, rngs=rngs)
+
+    @nn.nowrap
     def stage_sizes(self) -> tuple[int, ...]:
         """The number of layers of each stage (``balance``, or the even split of ``num_stages``)."""
         return self._stack().sizes

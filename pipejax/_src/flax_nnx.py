@@ -239,6 +239,74 @@ class NNXPipeline(nnx.Module):
                 var[...] = buffer
         return y
 
+    def value_and_grad(self, loss_fn: Any) -> Any:
+        """A training step of this module that returns the loss and its gradient, run by its schedule.
+
+        Returns ``step(x, targets, *, deterministic=None, rngs=None, context=None, **flags) ->
+        (loss, grads)``, which reads the module's current parameters when called.
+        ``loss_fn(outputs, targets)`` gives one loss per example (``outputs`` is what the call
+        ``pipe(x, ...)`` returns); the loss is their mean over the batch (padding rows of an
+        uneven batch excluded) and ``grads`` is an ``nnx.State`` of the form of
+        ``nnx.state(pipe, nnx.Param)``, what ``nnx.grad`` of a loss of ``pipe`` gives, so
+        ``optimizer.update(pipe, grads)`` takes it. ``deterministic``, ``rngs``, ``context`` and
+        ``flags`` mean what they mean for the call: the step draws one key as a call does
+        (from ``rngs``, else from the pipeline's own stream, which advances), so with the same
+        key the layers see the same dropout masks and the loss equals the mean of
+        ``loss_fn(pipe(x, rngs=key, ...), targets)``.
+
+        * ``schedule="gpipe"`` or ``"circular"``: ``jax.value_and_grad`` of that loss;
+        * ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``: :meth:`pipejax.Pipeline.value_and_grad`
+          of the module's pipeline, one program that runs the schedule's forward and backward
+          slots, keeping what the backward needs of a bounded number of micro-batches per device.
+
+        The module must be the whole model trained this way (an embedding and a head are its
+        first and last layers; stages may differ): the step differentiates with respect to the
+        module's parameters only. Inside ``nnx.jit``, call ``model.value_and_grad(loss_fn)`` on
+        the model the jitted function receives (not on one captured from outside).
+
+        Args:
+          loss_fn: ``loss_fn(outputs, targets) -> losses`` of shape ``(batch,)``.
+
+        Returns:
+          ``step`` as described above.
+
+        Raises:
+          TypeError: if ``loss_fn`` is not callable.
+          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
+          NotImplementedError: for layers whose sharding metadata splits them over other mesh
+            axes, with a training schedule.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp
+          >>> from flax import nnx
+          >>> from pipejax.flax import NNXPipeline
+          >>> rngs = nnx.Rngs(0)
+          >>> layers = [nnx.Linear(4, 8, param_dtype=jnp.float64, rngs=rngs) for _ in range(1)]
+          >>> layers += [nnx.Linear(8, 8, param_dtype=jnp.float64, rngs=rngs) for _ in range(2)]
+          >>> pipe = NNXPipeline(layers, balance=[2, 1], chunks=3, schedule="zb-h1")
+          >>> x, t = jnp.ones((5, 4)), jnp.zeros((5, 8))
+          >>> sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)  # one loss per example
+          >>> loss, grads = pipe.value_and_grad(sq)(x, t)
+          >>> loss_ref, grads_ref = nnx.value_and_grad(lambda m: sq(m(x), t).mean())(pipe)
+          >>> bool(jnp.allclose(loss, loss_ref))
+          True
+          >>> jax.tree.structure(grads) == jax.tree.structure(grads_ref)
+          True
+        """
+        stack = self._stack
+        stack.check_trainable(loss_fn)
+
+        def step(x, targets, *, deterministic=None, rngs=None, context=None, **flags):
+            kwargs = common.route_kwargs(self.calls, flags)
+            names = common.route_context(self.calls, context, flags)
+            det = self.deterministic if deterministic is None else deterministic
+            f = stack.value_and_grad(self._run_layer(det, self.use_running_average), loss_fn, kwargs, names)
+            loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
+            like = nnx.state(self, nnx.Param)
+            return loss, jax.tree.unflatten(jax.tree.structure(like), list(grads.buffers))
+
+        return step
+
     def set_view(self, deterministic: bool | None = None, use_running_average: bool | None = None):
         """Used by ``nnx.view(model, deterministic=..., use_running_average=...)``: sets call defaults.
 

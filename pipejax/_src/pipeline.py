@@ -365,8 +365,9 @@ class Pipeline:
 
         ``loss_fn(outputs, targets)`` gives one loss per example (``outputs`` and ``targets`` with
         the same leading batch axis); the loss is their mean over the batch (padding rows of an
-        uneven last micro-batch excluded). Returns ``f(params, x, targets, key=None) -> (loss,
-        grads)``, jitted, with ``grads`` in the form of ``params``.
+        uneven last micro-batch excluded). Returns ``f(params, x, targets, key=None, *,
+        context=None) -> (loss, grads)``, jitted, with ``grads`` in the form of ``params``;
+        ``context`` (side inputs) is cut into micro-batches and handed to the stages as for a call.
 
         With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
         the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program

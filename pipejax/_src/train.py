@@ -20,6 +20,8 @@ program produces, so the program here runs their table itself, in one ``lax.scan
 After the slots, activations go one device forward and cotangents one device back (``ppermute``
 on a mesh; without one the devices are virtual and run one after the other within the tick).
 Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
+Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
+stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
 
 Memory and compute: a device keeps what B and W need of at most ``stash_slots`` micro-batches
 (``2 n - 1``), however many run. With ``checkpoint="never"`` that is the residuals of the
@@ -54,7 +56,7 @@ PyTree = Any
 
 
 def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
-    """``f(params, x, targets, key=None) -> (loss, grads)`` for ``pipe``; see
+    """``f(params, x, targets, key=None, *, context=None) -> (loss, grads)`` for ``pipe``; see
     :meth:`pipejax.Pipeline.value_and_grad`."""
     if not callable(loss_fn):
         raise TypeError(
@@ -75,20 +77,21 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
             "axis. Use `schedule='gpipe'` or `'circular'` with `param_specs`, or drop `param_specs`."
         )
 
-    def traced(params, x, targets, key):
+    def traced(params, x, targets, key, context):
         if owns_backward:
-            loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key)
+            loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key, context)
             return loss, grads
-        return jax.value_and_grad(lambda p: mean_loss(loss_fn, pipe(p, x, key), targets))(params)
+        side = {} if context is None else {"context": context}
+        return jax.value_and_grad(lambda p: mean_loss(loss_fn, pipe(p, x, key, **side), targets))(params)
 
     jitted = jax.jit(traced)
 
-    def f(params, x, targets, key=None):
+    def f(params, x, targets, key=None, *, context=None):
         keys.check_key(key)
         _check_params(pipe, params)
         # concrete inputs committed to other devices are moved where the pipeline runs
-        params, (x, targets), key, _ = pipe._commit(params, (x, targets), key, None)
-        return jitted(params, x, targets, key)
+        params, (x, targets, context), key, _ = pipe._commit(params, (x, targets, context), key, None)
+        return jitted(params, x, targets, key, context)
 
     f.__doc__ = (
         f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
@@ -143,7 +146,7 @@ class _Variant(NamedTuple):
     y_layout: Layout
 
 
-def _run(pipe, loss_fn, params, x, targets, key):
+def _run(pipe, loss_fn, params, x, targets, key, context=None):
     """``(loss, grads, counts int[n, 3])`` of one training step on ``pipe.schedule_name``'s table."""
     from pipejax._src import pipeline as pl  # the pipeline module imports this one
 
@@ -156,6 +159,16 @@ def _run(pipe, loss_fn, params, x, targets, key):
         )
     xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
     ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
+    cs = None
+    if context is not None:  # side inputs: each slot's stage reads its micro-batch's rows
+        c_size = microbatch.batch_size(context, name="context")
+        if c_size != plan.batch:
+            raise ValueError(
+                f"`context` has a batch of {c_size} examples but `x` has {plan.batch}; side inputs "
+                "are cut into micro-batches with `x`, so their leaves need `x`'s leading batch "
+                "axis (one row per example)."
+            )
+        cs = microbatch.split(compat.replicate(context), pipe.chunks)[0]
     num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
     name = pipe.schedule_name
     if name == "interleaved-1f1b" and pipe.mesh is None:
@@ -182,16 +195,16 @@ def _run(pipe, loss_fn, params, x, targets, key):
         key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
     runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p), params)
     if pipe.homogeneous:
-        boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct)
+        boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct, cs)
     else:
-        boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct)
+        boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
     )
     jax.eval_shape(lambda y, t: _per_example(loss_fn, y, t, plan.micro_size), ys_struct, _micro(ts))
     cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, "always", pipe.axis_name, None)
-    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key)
+    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs)
     if pipe.mesh is None:
         loss, grads, counts = prog.local(runner)
     else:
@@ -217,10 +230,11 @@ def _micro(tree):
 
 
 class _Program:
-    def __init__(self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key):
+    def __init__(self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs=None):
         self.pipe, self.cfg, self.loss_fn, self.table = pipe, cfg, loss_fn, table
         self.boundaries, self.plan = boundaries, plan
         self.xs, self.mask, self.ts, self.key = xs, mask, ts, key
+        self.cs = cs  # micro-batched side inputs, or None
         self.S, self.m = pipe.num_stages, table.num_micro  # micro-batches of this data shard
         self.offset = 0  # index of its first micro-batch in the mini-batch (for the keys)
         self.K = table.stash_slots()  # stage inputs a device keeps
@@ -234,9 +248,19 @@ class _Program:
     # -- the slots, on typed values ---------------------------------------------------------
 
     def _inputs(self, i, s):
+        """``(k, targets, mask)`` of micro-batch ``i`` at stage ``s``; with side inputs ``k`` is
+        the pair ``(key, context rows)`` (it travels where the key does: :meth:`_stage`)."""
         ic = engine.clip(i, self.m)
         k = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
+        if self.cs is not None:
+            k = (k, engine.take(self.cs, ic))
         return k, engine.take(self.ts, ic), engine.take(self.mask, ic)
+
+    def _stage(self, v: _Variant, p, x, k):
+        """The stage function of ``v`` on ``x`` (with its micro-batch's ``context=``, if any)."""
+        if self.cs is None:
+            return v.fn(p, x, k)
+        return v.fn(p, x, k[0], context=k[1])
 
     def _loss(self, y, t, mask):
         losses = _per_example(self.loss_fn, y, t, self.plan.micro_size)
@@ -245,7 +269,7 @@ class _Program:
 
     def forward(self, v: _Variant, prow, x, k, t, mask):
         """``(y or None, loss contribution)``."""
-        y = v.fn(v.params_of(prow), x, k)
+        y = self._stage(v, v.params_of(prow), x, k)
         if v.last:
             return None, self._loss(y, t, mask)
         return y, None
@@ -269,7 +293,7 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(p, xf):
-            y = v.fn(p, rebuild(xf), k)
+            y = self._stage(v, p, rebuild(xf), k)
             return self._loss(y, t, mask) if v.last else y
 
         out, back = jax.vjp(h, p, xf)
@@ -335,7 +359,7 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(prow, xf):
-            y = v.fn(v.params_of(prow), rebuild(xf), k)
+            y = self._stage(v, v.params_of(prow), rebuild(xf), k)
             return self._loss(y, t, mask) if v.last else y
 
         if wrt_params and wrt_input:
@@ -525,12 +549,13 @@ class _Program:
         prows_in = compat.constrain(prows_in, mesh, spec, axis)
         xs, mask, ts = (compat.constrain(a, mesh, batch_spec, axis) for a in (self.xs, self.mask, self.ts))
         key = compat.constrain(self.key, mesh, rep, axis)
+        cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
-        def body(prows, xs, mask, ts, key):
+        def body(prows, xs, mask, ts, key, cs):
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
             rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
-            prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key)
+            prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs)
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
             variant_of = jnp.asarray(index, jnp.int32)
@@ -654,11 +679,18 @@ class _Program:
         fn = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(spec, batch_spec, batch_spec, batch_spec, None if key is None else rep),
+            in_specs=(
+                spec,
+                batch_spec,
+                batch_spec,
+                batch_spec,
+                None if key is None else rep,
+                None if cs is None else batch_spec,
+            ),
             out_specs=(rep, spec, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
             check_vma=False,
         )
-        loss, grads, counts = fn(prows_in, xs, mask, ts, key)
+        loss, grads, counts = fn(prows_in, xs, mask, ts, key, cs)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
         return loss, grads, counts
