@@ -173,7 +173,8 @@ class Container(NamedTuple):
             parts = lax.split(buffer, cut, axis=buffer.ndim - 1) if len(cut) > 1 else [buffer]
             pieces.append(parts)
         leaves = []
-        for (k, j, stored_shape), dtype, split in zip(wanted, layout.dtypes, layout.leaf_splits(), strict=True):
+        splits = layout.leaf_splits()
+        for (k, j, stored_shape), dtype, split in zip(wanted, layout.dtypes, splits, strict=True):
             leaf = _from_blocks(pieces[k][j], stored_shape, split)
             if _is_key(dtype):
                 leaf = jax.random.wrap_key_data(leaf, impl=dtype._impl)
