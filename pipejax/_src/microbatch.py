@@ -58,6 +58,17 @@ def batch_size(x: Any, *, name: str = "x") -> int:
     return size
 
 
+def check_side_batch(context: Any, batch: int) -> None:
+    """Side inputs (``context=``) are cut into micro-batches with ``x``: they need its batch."""
+    size = batch_size(context, name="context")
+    if size != batch:
+        raise ValueError(
+            f"`context` has a batch of {size} examples but `x` has {batch}; side inputs "
+            "are cut into micro-batches with `x`, so their leaves need `x`'s leading batch "
+            "axis (one row per example)."
+        )
+
+
 def plan(batch: int, chunks: int) -> Plan:
     """The micro-batch plan for ``batch`` examples and ``chunks`` requested micro-batches."""
     micro_size = math.ceil(batch / chunks)

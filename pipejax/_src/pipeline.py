@@ -591,13 +591,7 @@ class Pipeline:
     def _apply(self, params, x, key, state, context=None):
         plan = microbatch.plan(microbatch.batch_size(x), self.chunks)
         if context is not None:
-            size = microbatch.batch_size(context, name="context")
-            if size != plan.batch:
-                raise ValueError(
-                    f"`context` has a batch of {size} examples but `x` has {plan.batch}; side inputs "
-                    "are cut into micro-batches with `x`, so their leaves need `x`'s leading batch "
-                    "axis (one row per example)."
-                )
+            microbatch.check_side_batch(context, plan.batch)
         num_micro = self._micro_per_shard(plan.batch)
         # A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
         # micro-batches over the data axis, or over the stage axis (which streams it to stage 0).

@@ -161,13 +161,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
     cs = None
     if context is not None:  # side inputs: each slot's stage reads its micro-batch's rows
-        c_size = microbatch.batch_size(context, name="context")
-        if c_size != plan.batch:
-            raise ValueError(
-                f"`context` has a batch of {c_size} examples but `x` has {plan.batch}; side inputs "
-                "are cut into micro-batches with `x`, so their leaves need `x`'s leading batch "
-                "axis (one row per example)."
-            )
+        microbatch.check_side_batch(context, plan.batch)
         cs = microbatch.split(compat.replicate(context), pipe.chunks)[0]
     num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
     name = pipe.schedule_name
