@@ -493,7 +493,7 @@ def _eigenvalues_impl(
         v0 = op.restrict(tree.normal(k_start, op.like, op.dtype))
         t = _lanczos(
             op.matvec, v0, m, k_restart, progress, "eigenvalues", reorth, op.precision, op.restrict,
-            basis_dtype=basis_dtype,
+            op.constrain, basis_dtype,
         )[0]  # fmt: skip
         theta, s = jnp.linalg.eigh(t.matrix())
         idx = select(theta, k, which)
