@@ -15,7 +15,9 @@ noisy, and ratios taken side by side survive that where absolute times do not.
 * ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps, partial (the default),
   partial with the basis stored in a narrower dtype (``basis_dtype``: float32 for float64,
   bfloat16 for float32) and full reorthogonalisation, against ``m`` bare HVPs in one
-  ``lax.fori_loop`` (same jit, same operator, each HVP fed the last normalised one). What Lanczos
+  ``lax.fori_loop`` (same jit, same operator, each HVP fed the last normalised one). Lanczos
+  returns ``T`` and not its basis, as ``eigenvalues`` and ``density`` use it (handing out the
+  basis would copy its ``m x n`` numbers out of the loop's ``(m + 1) x n``). What Lanczos
   adds: the vector work of each step (the recurrence, a local pass, the norm, the row write);
   the passes against the whole basis, which read up to ``(m + 1) x n`` numbers (every step with
   ``"full"``, timed alone as the same Lanczos on a diagonal operator; with ``"partial"`` only the
@@ -117,12 +119,12 @@ def lanczos_rows(sizes, batch, m, rounds, dtype):
     def matvec(p, x, y):
         return lambda u: ph.hvp(loss, p, u, x, y)
 
-    def lanczos(reorth, basis_dtype=None):
-        return jax.jit(
-            lambda p, v, x, y: _lanczos(
-                matvec(p, x, y), v, m, None, False, "", reorth, basis_dtype=basis_dtype
-            )
-        )
+    def lanczos(reorth, basis_dtype=None):  # T and the pass count, as the tools use them
+        def run(p, v, x, y):
+            t, passes = _lanczos(matvec(p, x, y), v, m, None, False, "", reorth, basis_dtype=basis_dtype)
+            return (t.diag, t.offdiag), passes
+
+        return jax.jit(run)
 
     @jax.jit
     def reorth(p, v, x, y):  # full reorthogonalisation on the diagonal operator: the passes alone

@@ -238,7 +238,8 @@ def _lanczos(
     exact_rows = bdtype == jnp.dtype(dtype)  # the basis holds the vectors as computed
     tiny = jnp.finfo(dtype).tiny
     q0 = pin(tree.scale(1 / tree.norm(v0), v0))
-    basis = pin(tree.set_row(pin(tree.zeros_basis(v0, rows, bdtype), 1), 0, q0), 1)
+    # zeros: the first `settle` (a no-op otherwise) writes q_0 into row 0, as every one writes q_i
+    basis = pin(tree.zeros_basis(v0, rows, bdtype), 1)
 
     def passes(basis, w, upto):
         """``w`` minus its projections on rows ``0 .. upto`` of the basis, and the coefficient of row
@@ -493,7 +494,7 @@ def _eigenvalues_impl(
         v0 = op.restrict(tree.normal(k_start, op.like, op.dtype))
         t = _lanczos(
             op.matvec, v0, m, k_restart, progress, "eigenvalues", reorth, op.precision, op.restrict,
-            basis_dtype=basis_dtype,
+            op.constrain, basis_dtype,
         )[0]  # fmt: skip
         theta, s = jnp.linalg.eigh(t.matrix())
         idx = select(theta, k, which)
