@@ -427,25 +427,14 @@ class Pipeline:
             params = pack_params(params, splits)
         if self.mesh is None:
             return params
-        lead = self._stage_lead()
         if self.repeats > 1 and self.num_devices > 1:
             params = _device_major(self, params)
+        put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
+        specs = _leaf_specs(self, params, splits)
         if isinstance(params, StageParams):
-            specs_k = params.container.slot_specs(lead)
-            buffers = tuple(
-                jax.device_put(b, NamedSharding(self.mesh, sp))
-                for b, sp in zip(params.buffers, specs_k, strict=True)
-            )
+            buffers = tuple(put(b, sp) for b, sp in zip(params.buffers, specs, strict=True))
             return StageParams(buffers, params.container, params.layouts)
-        leaves, treedef = jax.tree.flatten(params)
-        per_leaf = splits if splits is not None else ((),) * len(leaves)
-        shardings = [
-            NamedSharding(self.mesh, PartitionSpec(*lead, *_split_spec(split, jnp.ndim(a) - len(lead))))
-            for a, split in zip(leaves, per_leaf, strict=True)
-        ]
-        return jax.tree.unflatten(
-            treedef, [jax.device_put(a, sh) for a, sh in zip(leaves, shardings, strict=True)]
-        )
+        return jax.tree.map(put, params, specs)
 
     def _stage_lead(self) -> tuple[Any, ...]:
         """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
@@ -917,20 +906,25 @@ def _runner_form(pipe, tree, splits=None):
 
 
 def _full_specs(pipe, params, splits):
-    """The ``PartitionSpec`` of every leaf the engine reads of ``params`` (runner form, on a mesh:
-    ``StageParams`` buffers or stacked leaves), stage axis included; ``None`` without
-    ``param_specs``."""
-    if splits is None:
-        return None
+    """The ``PartitionSpec`` of every leaf the engine reads of ``params`` (runner form, on a mesh),
+    stage axis included; ``None`` without ``param_specs``."""
+    return None if splits is None else _leaf_specs(pipe, params, splits)
+
+
+def _leaf_specs(pipe, params, splits):
+    """The ``PartitionSpec`` of every placed leaf of ``params`` (stacked leaves, or a
+    ``StageParams``' buffers, one per slot): the stage axis (see :meth:`Pipeline._stage_lead`),
+    then the leaf's ``splits`` over the other axes (``None``: none)."""
     lead = pipe._stage_lead()
     if isinstance(params, StageParams):
         return params.container.slot_specs(lead)
     leaves, treedef = jax.tree.flatten(params)
+    per_leaf = splits if splits is not None else ((),) * len(leaves)
     return jax.tree.unflatten(
         treedef,
         [
             PartitionSpec(*lead, *_split_spec(split, jnp.ndim(a) - len(lead)))
-            for a, split in zip(leaves, splits, strict=True)
+            for a, split in zip(leaves, per_leaf, strict=True)
         ],
     )
 
