@@ -14,7 +14,8 @@ noisy, and ratios taken side by side survive that where absolute times do not.
   against ``jax.grad`` of the same loss.
 * ``Lanczos / m HVPs``: ``pipejax.hessian.lanczos`` with ``m`` steps, partial (the default),
   partial with the basis stored in a narrower dtype (``basis_dtype``: float32 for float64,
-  bfloat16 for float32) and full reorthogonalisation, against ``m`` bare HVPs in one
+  bfloat16 for float32), full reorthogonalisation, and none (no basis: what ``density`` runs
+  with ``reorthogonalise="none"``), against ``m`` bare HVPs in one
   ``lax.fori_loop`` (same jit, same operator, each HVP fed the last normalised one). Lanczos
   returns ``T`` and not its basis, as ``eigenvalues`` and ``density`` use it (handing out the
   basis would copy its ``m x n`` numbers out of the loop's ``(m + 1) x n``). What Lanczos
@@ -108,10 +109,10 @@ def cpu_and_wall_times(fns, args, rounds):
 
 
 def lanczos_rows(sizes, batch, m, rounds, dtype):
-    """Lanczos (partial, partial with a narrower basis, full) against m bare HVPs; passes and memory."""
+    """Lanczos (partial, partial with a narrower basis, full, none) against m bare HVPs; passes, memory."""
     params, x, y = make(sizes, batch, dtype)
     v = tree.normal(jax.random.key(1), params, dtype)
-    narrow = jnp.float32 if dtype == jnp.float64 else jnp.bfloat16
+    narrow = jnp.dtype(jnp.float32 if dtype == jnp.float64 else jnp.bfloat16)
     # a diagonal operator with a spread spectrum: Lanczos on it costs the reorthogonalisation only
     diag = tree.normal(jax.random.key(2), params, dtype)
     diag = jax.tree.map(lambda a: jnp.abs(a) + jnp.asarray(1, dtype), diag)
@@ -140,7 +141,7 @@ def lanczos_rows(sizes, batch, m, rounds, dtype):
 
     narrow_name = f"partial, {jnp.dtype(narrow).name} basis"
     fns = {"bare": bare, "partial": lanczos("partial"), narrow_name: lanczos("partial", narrow),
-           "full": lanczos("full"), "reorth": reorth}  # fmt: skip
+           "full": lanczos("full"), "none": lanczos("none"), "reorth": reorth}  # fmt: skip
     args = (params, v, x, y)
     wall, cpu, faults = cpu_and_wall_times(fns, args, rounds)
     n = tree.size(params)
@@ -149,14 +150,15 @@ def lanczos_rows(sizes, batch, m, rounds, dtype):
     mib = lambda b: f"{b / 2**20:.1f}"
     temp_bare = temp_bytes(bare, *args)
     rows = []
-    for name, bdt in (("partial", dtype), (narrow_name, narrow), ("full", dtype)):
+    same = jnp.dtype(dtype)
+    for name, bdt in (("partial", same), (narrow_name, narrow), ("full", same), ("none", None)):
         out = fns[name](*args)
         passes = int(out[1])
         rows.append([
             jnp.dtype(dtype).name, f"{n:,}", batch, m, name, f"{hvp_ms:.2f}", f"{pass_ms:.2f}",
             f"{passes}/{m}",
             fmt(ratio_stats(wall[name], wall["bare"])), fmt(ratio_stats(cpu[name], cpu["bare"])),
-            f"{faults[name] - faults['bare']:,}", mib((m + 1) * n * jnp.dtype(bdt).itemsize),
+            f"{faults[name] - faults['bare']:,}", mib(0 if bdt is None else (m + 1) * n * bdt.itemsize),
             mib(temp_bytes(fns[name], *args) - temp_bare),
         ])  # fmt: skip
     return rows

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
 from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, Reorth, _lanczos, check_basis_dtype, check_reorth
+from pipejax._src.hessian.lanczos import (
+    Progress,
+    Reorth,
+    _lanczos,
+    check_basis_dtype,
+    check_none_basis,
+    check_reorth,
+)
 
 PyTree = Any
 
@@ -50,8 +57,8 @@ def density(
     estimates the spectral measure ``(1/n) sum_i delta(lambda_i)``. Smooth it with
     :func:`smooth_density`.
 
-    Cost: ``num_runs * num_steps`` HVPs; memory: ``num_steps + 1`` parameter-sized vectors (the
-    runs are sequential).
+    Cost: ``num_runs * num_steps`` HVPs; memory: ``num_steps + 1`` parameter-sized vectors (three
+    with ``reorthogonalise="none"``; the runs are sequential).
 
     Args:
       loss: ``loss(params, *args) -> scalar``.
@@ -64,7 +71,11 @@ def density(
       mode: the HVP, ``"fwd_rev"`` or ``"rev_rev"``.
       dtype: the dtype Lanczos accumulates in; default the parameters' dtype.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
-      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`pipejax.hessian.lanczos`).
+      reorthogonalise: ``"partial"`` (default), ``"full"`` or ``"none"`` (see
+        :func:`pipejax.hessian.lanczos`). ``"none"`` stores no basis: memory for three vectors
+        instead of ``num_steps + 1``, no passes against the basis, and the same quadrature up to
+        the sampling error (ghost copies of converged eigenvalues share its weight; measured in
+        ``tests/test_hessian.py`` and ``benchmarks/hessian.py``).
       curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
         :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
 
@@ -108,6 +119,7 @@ def density(
             f"`blocks`), got {num_steps}."
         )
     check_reorth(reorthogonalise)
+    check_none_basis(reorthogonalise, basis_dtype)
     bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
     return _density_jit(
         op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise, bdt,

@@ -36,7 +36,7 @@ class Tridiagonal(NamedTuple):
 
     diag: jax.Array  # (m,): alpha_i = q_i^T H q_i
     offdiag: jax.Array  # (m - 1,): beta_i = q_{i+1}^T H q_i; 0 where Lanczos restarted
-    basis: PyTree  # the vectors q_0 .. q_{m-1}: every leaf of shape (m, *leaf.shape)
+    basis: PyTree  # the vectors q_0 .. q_{m-1}: every leaf of shape (m, *leaf.shape); None for "none"
 
     def matrix(self) -> jax.Array:
         """``T`` as a dense ``(m, m)`` matrix."""
@@ -58,16 +58,33 @@ def report(progress: Progress, task: str, done: jax.Array, total: int) -> None:
     jax.debug.callback(lambda d: fn(task, int(d), total), done)
 
 
-Reorth = Literal["partial", "full"]
-REORTHS = ("partial", "full")
+Reorth = Literal["partial", "full", "none"]
+REORTHS = ("partial", "full", "none")
 
 
-def check_reorth(reorthogonalise: Any) -> None:
+def check_reorth(reorthogonalise: Any, *, eigenvalues: bool = False) -> None:
     if reorthogonalise not in REORTHS:
         raise ValueError(
             f"`reorthogonalise` must be one of {REORTHS}, got {reorthogonalise!r}. 'partial' (default) "
             "reorthogonalises only when Simon's estimate of the lost orthogonality passes sqrt(eps); "
-            "'full' does it at every step (about twice the cost at small batches, for comparison)."
+            "'full' does it at every step (about twice the cost at small batches, for comparison); "
+            "'none' stores no basis (for `density` and `lanczos`: ghost copies of converged "
+            "eigenvalues stay in T)."
+        )
+    if eigenvalues and reorthogonalise == "none":
+        raise ValueError(
+            "`reorthogonalise='none'` is for `density` and `lanczos`, not `eigenvalues`: without a basis, "
+            "converged eigenvalues come back in T as ghost copies that hide the next ones in the top k, "
+            "and telling them from true ones (Cullum-Willoughby) is not reliable in float32. Use "
+            "'partial' (default) or 'full'."
+        )
+
+
+def check_none_basis(reorthogonalise: Any, basis_dtype: Any) -> None:
+    if reorthogonalise == "none" and basis_dtype is not None:
+        raise ValueError(
+            f"`basis_dtype` must be None with `reorthogonalise='none'`, which stores no basis, got "
+            f"{basis_dtype!r}. Drop `basis_dtype`, or use 'partial' to store the basis in that dtype."
         )
 
 
@@ -98,6 +115,14 @@ def lanczos(
       with full reorthogonalisation and no ghost copies (Simon 1984, Parlett 1998).
     - ``reorthogonalise="full"``: one classical Gram-Schmidt pass against all previous vectors at
       every step: orthonormal to a few ulps, at two reads of the ``(m + 1) x n`` basis per step.
+    - ``reorthogonalise="none"``: the recurrence and the local pass only, and no basis at all
+      (``basis`` is ``None``): memory for three vectors whatever ``m``. Orthogonality is lost as
+      Ritz values converge, so converged eigenvalues come back in ``T`` as ghost copies (and a
+      few spurious values appear near them). Gauss quadrature is robust to that (Paige 1980,
+      Greenbaum 1989; Golub and Meurant 2010): a ghost's eigenvector of ``T`` has a first
+      component of about zero, so copies share one eigenvalue's weight and spurious values get
+      none. So this is for stochastic Lanczos quadrature (:func:`pipejax.hessian.density`), not
+      for reading off the top ``k`` eigenvalues.
 
     If the Krylov space is exhausted (a new vector is numerically zero: ``beta <= eps^(3/4)
     ||T||``), Lanczos restarts with a random vector orthogonalised twice against the basis and
@@ -107,7 +132,8 @@ def lanczos(
     Cost per step: one ``matvec``; with ``"full"`` also two products with the basis, which read it
     from memory (bandwidth-bound; on a 2-core CPU with ``m = 90`` and 77k parameters about as long
     as an HVP at batch 256); with ``"partial"`` those reads happen at the steps where they are due
-    only (see ``benchmarks/hessian.py`` for the counts). Memory: the ``(m + 1) x n`` basis either way.
+    only (see ``benchmarks/hessian.py`` for the counts). Memory: the ``(m + 1) x n`` basis with
+    ``"partial"`` and ``"full"``; three vectors with ``"none"``.
 
     Args:
       matvec: the symmetric linear map, ``v -> H v``, traceable.
@@ -117,7 +143,7 @@ def lanczos(
       progress: ``True`` prints a line about every tenth step; a function ``f(task, done, total)``
         is called after each step.
       task: the name passed to ``progress``.
-      reorthogonalise: ``"partial"`` (default) or ``"full"``.
+      reorthogonalise: ``"partial"`` (default), ``"full"`` or ``"none"``.
       basis_dtype: the dtype the basis is stored in; ``None`` (default): the vectors' dtype. A
         narrower one (``jnp.float32`` for float64 vectors) halves the basis's memory: the
         recurrence keeps ``q_i`` and ``q_{i-1}`` in the vectors' dtype, and the passes convert
@@ -127,7 +153,7 @@ def lanczos(
         so passes come more often. The returned ``basis`` is in ``basis_dtype``.
 
     Returns:
-      A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis``.
+      A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis`` (``None`` for ``"none"``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -140,7 +166,11 @@ def lanczos(
     References:
       Simon, *The Lanczos algorithm with partial reorthogonalization*, Math. Comp. 42, 1984.
       Parlett, *The Symmetric Eigenvalue Problem*, SIAM, 1998, chapter 13.
+      Paige, *Accuracy and effective use of the Lanczos algorithm for the symmetric eigenproblem*,
+      Linear Algebra Appl. 34, 1980. Greenbaum, *Behavior of slightly perturbed Lanczos and
+      conjugate-gradient recurrences*, Linear Algebra Appl. 113, 1989.
     """
+    check_none_basis(reorthogonalise, basis_dtype)
     return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, basis_dtype=basis_dtype)[0]
 
 
@@ -181,6 +211,55 @@ def check_basis_dtype(basis_dtype: Any, dtype: Any, n: int) -> Any:
 BLOCK = 8
 
 
+def _recurrence(matvec, q, q_prev, b_prev, first, dtype, pin):
+    """One Lanczos step before any pass against the basis: ``w = H q_i - beta_{i-1} q_{i-1} - alpha_i
+    q_i``, then a second local pass (classical Gram-Schmidt against ``q_i`` and ``q_{i-1}``, which
+    keeps ``|q_{i+1}^T q_i|`` and ``|q_{i+1}^T q_{i-1}|`` at eps). Returns ``w``, ``alpha_i`` and
+    ``||w||``. ``first``: ``i = 0`` (``q_{i-1}`` is a placeholder)."""
+    zero = jnp.zeros((), dtype)
+    w = tree.sub(tree.astype(matvec(q), dtype), tree.scale(b_prev, q_prev))
+    alpha = tree.dot(q, w)
+    w = tree.sub(w, tree.scale(alpha, q))
+    c, d = tree.dot(q, w), jnp.where(first, zero, tree.dot(q_prev, w))
+    w = pin(tree.sub(w, tree.axpy(c, q, tree.scale(d, q_prev))))
+    return w, alpha + c, tree.norm(w)
+
+
+def _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype):
+    """``reorthogonalise="none"``: the recurrence with its local pass, no basis. A restart (Krylov
+    space exhausted) draws a random vector orthogonalised twice against ``q_i`` and ``q_{i-1}``
+    only and records ``beta = 0``: ``T`` splits, and the new block's eigenvectors have a zero first
+    component (no quadrature weight)."""
+    eps, tiny = jnp.finfo(dtype).eps, jnp.finfo(dtype).tiny
+    zero = jnp.zeros((), dtype)
+
+    def local(r, q, q_prev):  # r minus its projections on q and q_prev (unit or zero), twice
+        for _ in range(2):
+            r = tree.sub(r, tree.axpy(tree.dot(q, r), q, tree.scale(tree.dot(q_prev, r), q_prev)))
+        return r
+
+    def step(i, carry):
+        q, q_prev, diag, offdiag, size = carry
+        b_prev = jnp.where(i > 0, offdiag[jnp.maximum(i - 1, 0)], zero)
+        w, alpha, beta = _recurrence(matvec, q, q_prev, b_prev, i == 0, dtype, pin)
+        size = jnp.maximum(size, jnp.abs(alpha) + beta)
+        lost = beta <= eps**0.75 * size
+
+        def restart(w):
+            r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
+            r = local(r if restrict is None else restrict(r), q, q_prev)
+            return tree.scale(1 / jnp.maximum(tree.norm(r), tiny), r)
+
+        q_next = pin(jax.lax.cond(lost, restart, lambda w: tree.scale(1 / jnp.maximum(beta, tiny), w), w))
+        report(progress, task, i + 1, m)
+        return q_next, q, diag.at[i].set(alpha), offdiag.at[i].set(jnp.where(lost, zero, beta)), size
+
+    q0 = pin(tree.scale(1 / tree.norm(v0), v0))
+    init = (q0, tree.scale(zero, q0), jnp.zeros(m, dtype), jnp.zeros(m, dtype), zero)
+    _, _, diag, offdiag, _ = jax.lax.fori_loop(0, m, step, init)
+    return Tridiagonal(diag, offdiag[: m - 1], None), jnp.zeros((), jnp.int32)
+
+
 def _lanczos(
     matvec, v0, num_steps, key, progress, task, reorthogonalise, precision=None, restrict=None,
     constrain=None, basis_dtype=None,
@@ -214,6 +293,8 @@ def _lanczos(
         )
     key = jax.random.key(0) if key is None else check_key(key)
     dtype = jnp.result_type(*jax.tree.leaves(v0))
+    if reorthogonalise == "none":
+        return _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype)
     bdtype = check_basis_dtype(basis_dtype, dtype, n)
     eps = jnp.finfo(dtype).eps
     full = reorthogonalise == "full"
@@ -307,15 +388,7 @@ def _lanczos(
         # q_{i-1} is read back from the basis when its rows are exact (a slice fused into its
         # uses); carrying it too made XLA copy both carried vectors at every step
         q_prev = tree.row(st.basis, jnp.maximum(i - 1, 0)) if exact_rows else st.q_prev
-        w = tree.sub(tree.astype(matvec(st.q), dtype), tree.scale(b_prev, q_prev))
-        alpha = tree.dot(st.q, w)
-        w = tree.sub(w, tree.scale(alpha, st.q))
-        # a second local pass (classical Gram-Schmidt against q_i and q_{i-1}): keeps
-        # |q_{i+1}^T q_i| and |q_{i+1}^T q_{i-1}| at eps
-        c, d = tree.dot(st.q, w), jnp.where(i > 0, tree.dot(q_prev, w), zero)
-        w = pin(tree.sub(w, tree.axpy(c, st.q, tree.scale(d, q_prev))))
-        alpha = alpha + c
-        beta = tree.norm(w)
+        w, alpha, beta = _recurrence(matvec, st.q, q_prev, b_prev, i == 0, dtype, pin)
         diag = st.diag.at[i].set(alpha)
         om = omega_next(i, diag, st.offdiag, alpha, beta, b_prev, st.om_prev, st.om_cur)
         due = st.again | (jnp.max(jnp.abs(jnp.where(ks < i, om, zero))) > op_eps**0.5)
@@ -424,7 +497,8 @@ def eigenvalues(
       dtype: the dtype Lanczos accumulates in (e.g. ``jnp.float64`` for float32 parameters);
         default the parameters' dtype. The HVP itself runs in the parameters' dtypes.
       progress: ``True`` reports progress on stderr; or a function ``f(task, done, total)``.
-      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`lanczos`).
+      reorthogonalise: ``"partial"`` (default) or ``"full"`` (see :func:`lanczos`; ``"none"`` is
+        refused here: its ghost copies would hide the next eigenvalues).
       curvature: ``"hessian"`` (default), ``"ggn"`` or ``"fisher"`` (for a
         :func:`pipejax.hessian.composite` loss; see :func:`pipejax.hessian.hvp`).
       basis_dtype: store the Lanczos basis in this dtype (e.g. ``jnp.float32`` for float64
@@ -474,7 +548,7 @@ def eigenvalues(
         )
     if m > n:
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
-    check_reorth(reorthogonalise)
+    check_reorth(reorthogonalise, eigenvalues=True)
     bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
     return _eigenvalues_jit(
         op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
