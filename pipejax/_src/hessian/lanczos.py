@@ -1,4 +1,4 @@
-"""Lanczos tridiagonalisation with partial or full reorthogonalisation, and the top eigenvalues.
+"""Lanczos tridiagonalisation with partial, full or no reorthogonalisation, and the top eigenvalues.
 
 After ``m`` steps from a unit vector ``q_0``, Lanczos has an orthonormal basis ``Q = [q_0 ..
 q_{m-1}]`` of the Krylov space ``span(q_0, H q_0, ..., H^{m-1} q_0)`` and the tridiagonal
@@ -8,7 +8,9 @@ converge, and converged eigenvalues come back as "ghost" copies that hide the ne
 vector goes through a Gram-Schmidt pass against the previous ones: at every step (full
 reorthogonalisation), or only where Simon's estimate of the lost orthogonality asks for it
 (partial, the default). A pass is a memory-bound product with the stored basis (it reads up to
-``m n`` numbers), next to the HVP's ``O(batch n)``.
+``m n`` numbers), next to the HVP's ``O(batch n)``. Quadrature (:func:`pipejax.hessian.density`)
+needs no pass and no basis at all (``reorthogonalise="none"``, ``_lanczos_none``): ghost copies
+share one eigenvalue's weight.
 
 The loop is two nested ``lax.while_loop`` (plain steps inside, the rare passes outside, see
 ``_lanczos``) whose inner body calls the HVP, so the HVP is traced and compiled once, whatever
@@ -65,7 +67,7 @@ REORTHS = ("partial", "full", "none")
 def check_reorth(reorthogonalise: Any, *, eigenvalues: bool = False) -> None:
     if reorthogonalise not in REORTHS:
         raise ValueError(
-            f"`reorthogonalise` must be one of {REORTHS}, got {reorthogonalise!r}. 'partial' (default) "
+            f"`reorthogonalise` must be one of {REORTHS}, got {reorthogonalise!r}. 'partial' "
             "reorthogonalises only when Simon's estimate of the lost orthogonality passes sqrt(eps); "
             "'full' does it at every step (about twice the cost at small batches, for comparison); "
             "'none' stores no basis (for `density` and `lanczos`: ghost copies of converged "
@@ -236,7 +238,7 @@ def _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype):
     eps, tiny = jnp.finfo(dtype).eps, jnp.finfo(dtype).tiny
     zero = jnp.zeros((), dtype)
 
-    def local(r, q, q_prev):  # r minus its projections on q and q_prev (unit or zero), twice
+    def against_neighbours(r, q, q_prev):  # r minus its projections on q and q_prev (unit or zero), twice
         for _ in range(2):
             r = tree.sub(r, tree.axpy(tree.dot(q, r), q, tree.scale(tree.dot(q_prev, r), q_prev)))
         return r
@@ -250,7 +252,7 @@ def _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype):
 
         def restart(w):
             r = tree.normal(jax.random.fold_in(key, i), v0, dtype)
-            r = local(r if restrict is None else restrict(r), q, q_prev)
+            r = against_neighbours(r if restrict is None else restrict(r), q, q_prev)
             return tree.scale(1 / jnp.maximum(tree.norm(r), tiny), r)
 
         q_next = pin(jax.lax.cond(lost, restart, lambda w: tree.scale(1 / jnp.maximum(beta, tiny), w), w))
