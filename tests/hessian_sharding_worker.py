@@ -32,8 +32,10 @@ params = sgd(params)
 
 
 # both functions and both kinds of reorthogonalisation, two compiles (one for each pair would
-# double the test's time: compiling the pipelined HVP inside Lanczos dominates it)
+# double the test's time: compiling the pipelined HVP inside Lanczos dominates it); and density's
+# default, without a basis (its vectors pinned all the same)
 top = ph.eigenvalues(loss, params, x, y, key=jax.random.key(1), k=2, num_steps=6, reorthogonalise="partial")
 dens = ph.density(loss, params, x, y, key=jax.random.key(2), num_steps=5, num_runs=1, reorthogonalise="full")
-jax.block_until_ready((top, dens))
+plain = ph.density(loss, params, x, y, key=jax.random.key(2), num_steps=5, num_runs=1)
+jax.block_until_ready((top, dens, plain))
 print("done", [float(v) for v in top])
