@@ -288,6 +288,22 @@ def test_matrix_from_chosen_eigenvalues():
     low = chosen_matrix([5.0, 3.0, 1.0] + [0.0] * 17, 4)
     top = ph.eigenvalues(lambda w: 0.5 * w @ low @ w, jnp.zeros(20), key=key, k=4, num_steps=20)
     np.testing.assert_allclose(top, [5.0, 3.0, 1.0, 0.0], atol=1e-10)
+    # density without a basis restarts against q_i and q_{i-1} only: the blocks after a restart
+    # carry no weight, so every run's measure sits on the 4 distinct eigenvalues, with the
+    # start vector's weights (those of partial reorthogonalisation, which restarts against all)
+    dens = {
+        r: ph.density(lambda w: 0.5 * w @ low @ w, jnp.zeros(20), key=key, num_steps=12, num_runs=3,
+                      reorthogonalise=r)
+        for r in ("none", "partial")
+    }  # fmt: skip
+    for d in dens.values():
+        nodes, weights = np.asarray(d.nodes), np.asarray(d.weights)
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-12)
+        carried = np.abs(nodes[weights > 1e-12][:, None] - np.array([5.0, 3.0, 1.0, 0.0])).min(axis=1)
+        assert carried.max() < 1e-8, carried.max()
+    for p in range(1, 5):
+        moments = [np.sum(np.asarray(d.weights * d.nodes**p), axis=1) for d in dens.values()]
+        np.testing.assert_allclose(*moments, rtol=1e-10, atol=1e-12)
 
 
 def test_linear_regression_hessian_is_two_over_n_xtx():
