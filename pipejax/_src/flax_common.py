@@ -306,15 +306,16 @@ class Stack:
         ``"interleaved-1f1b"``) one program that runs the schedule's forward and backward slots.
         Both give each layer the keys and side inputs of the forward call.
 
+        The adapters run :meth:`check_trainable` once, when ``value_and_grad(loss_fn)`` is called,
+        before building any step (the Linen step builds one per flag set, the NNX step one per call).
+
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
 
         Raises:
-          TypeError, ValueError: see :meth:`check_trainable`.
           NotImplementedError: for parameters split inside their stage with a training schedule.
         """
-        self.check_trainable(loss_fn)
         engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
         name = engine.schedule_name
         step = engine.value_and_grad(loss_fn)
