@@ -95,7 +95,7 @@ def pipeline(
     *,
     num_stages: int | None = None,
     chunks: int = 1,
-    checkpoint: str | Callable[..., Any] = "except_last",
+    checkpoint: str | Callable[..., Any] | None = None,
     mesh: Mesh | None = None,
     axis_name: str = "stage",
     per_example_keys: bool = False,
@@ -145,7 +145,13 @@ def pipeline(
       chunks: the number of micro-batches to cut each mini-batch into, ``>= 1``. A batch of ``B``
         examples runs as ``ceil(B / ceil(B / chunks))`` micro-batches of ``ceil(B / chunks)``
         examples; the last is padded with copies of the last example, which are dropped again.
-      checkpoint: ``"always"``, ``"except_last"``, ``"never"``, or a ``jax.checkpoint`` policy.
+      checkpoint: ``"always"``, ``"except_last"``, ``"never"``, or a ``jax.checkpoint`` policy;
+        ``None`` (the default) picks the schedule's default: ``"except_last"`` for ``"gpipe"``
+        and ``"circular"``, ``"always"`` for the schedules that own the backward pass. Under
+        those, :meth:`Pipeline.value_and_grad`'s forward slots keep what the mode says for the
+        backward slots: the stage input (``"always"``), every residual of the stage's vjp
+        (``"never"``), or what the policy saves (the rest is recomputed in the backward slots);
+        ``"except_last"`` names GPipe's drain phase, which they do not have, and is refused.
       mesh: a ``jax.sharding.Mesh`` with an axis ``axis_name`` of size ``num_stages`` (``num_stages
         / repeats`` for the circular schedule); device ``s`` along it runs stage ``s``. ``None`` runs
         the same schedule on one device.
@@ -281,7 +287,7 @@ class Pipeline:
         self.repeats = repeats
         self.num_devices = self.num_stages // repeats  # devices along the stage axis
         chunks = _check_chunks(chunks)
-        ckpt.check_mode(checkpoint)
+        checkpoint = _check_checkpoint(checkpoint, schedule)
         _check_mesh(mesh, axis_name, self.num_devices, repeats)
         self.data_size = _check_data_axis(data_axis_name, mesh, axis_name)
         self.chunks = chunks
@@ -302,6 +308,8 @@ class Pipeline:
             )
         self.param_specs = param_specs
         self._jitted = jax.jit(self._apply)
+        if schedule in sched.TRAINING_KINDS:
+            self._jitted = _not_differentiable(self._jitted, schedule)
 
     def __repr__(self) -> str:
         kind = "homogeneous" if self.homogeneous else "heterogeneous"
@@ -640,6 +648,30 @@ class Pipeline:
         return (y, stats) if self.stateful else y
 
 
+def _not_differentiable(forward, schedule: str):
+    """``forward``, refusing autodiff: the backward of a schedule that owns it is
+    :meth:`Pipeline.value_and_grad`; differentiating the forward call would silently run
+    GPipe's backward instead."""
+
+    @jax.custom_jvp
+    def call(*args):
+        return forward(*args)
+
+    @call.defjvp
+    def refuse(primals, tangents):
+        raise TypeError(
+            f"This pipeline was built with `schedule={schedule!r}`, whose backward pass is run "
+            "by `Pipeline.value_and_grad(loss_fn)` only; differentiating its forward call "
+            "(`jax.grad`, `jax.vjp`, `jax.jvp`, `nnx.value_and_grad`, ...) would run GPipe's "
+            "backward instead, so it is refused. Train with `pipe.value_and_grad(loss_fn)(params, "
+            "x, targets, key)` (the Flax adapters: `module.value_and_grad(loss_fn)`), or build "
+            "the pipeline with `schedule='gpipe'` (or `'circular'`) to differentiate its forward "
+            "call with any JAX transformation. Its forward call alone (inference) runs as usual."
+        )
+
+    return call
+
+
 # --- validation ------------------------------------------------------------------------------
 
 
@@ -724,6 +756,24 @@ def _check_schedule(schedule, repeats, num_stages) -> None:
             f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
             "change `repeats`."
         )
+
+
+def _check_checkpoint(checkpoint, schedule: str):
+    """The checkpoint mode, ``None`` resolved to the schedule's default: ``"except_last"`` for the
+    forward schedules, ``"always"`` for those that own the backward pass."""
+    if checkpoint is None:
+        return "always" if schedule in sched.TRAINING_KINDS else "except_last"
+    ckpt.check_mode(checkpoint)
+    if checkpoint == "except_last" and schedule in sched.TRAINING_KINDS:
+        raise ValueError(
+            f"`checkpoint='except_last'` means GPipe's drain phase (the last micro-batch on every "
+            f"stage) keeps its activations, but `schedule={schedule!r}` runs no drain phase: every "
+            "stage's backward slots follow its forward slots all along. Choose what its forward "
+            "slots keep for the backward ones: `'always'` (the stage input; the default for this "
+            "schedule), `'never'` (every residual), or a `jax.checkpoint` policy such as "
+            "`jax.checkpoint_policies.dots_saveable` (what it saves)."
+        )
+    return checkpoint
 
 
 def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
@@ -78,6 +79,7 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
         )
 
     def traced(params, x, targets, key, context):
+        check_targets(targets, microbatch.batch_size(x))
         if owns_backward:
             loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key, context)
             return loss, grads
@@ -109,21 +111,51 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
 
 
 def mean_loss(loss_fn, outputs, targets) -> jax.Array:
-    """The mean over the batch of ``loss_fn(outputs, targets)`` (one loss per example)."""
-    losses = _per_example(loss_fn, outputs, targets, microbatch.batch_size(outputs, name="outputs"))
-    return jnp.sum(losses) / losses.shape[0]
+    """The loss of the whole batch under the loss contract (see :func:`per_example`): the mean of
+    the per-example losses, or their sum over the sum of the weights when ``loss_fn`` returns
+    ``(losses, weights)``."""
+    size = microbatch.batch_size(outputs, name="outputs")
+    losses, weights = per_example(loss_fn, outputs, targets, size, size)
+    if weights is None:
+        return jnp.sum(losses) / losses.shape[0]
+    return jnp.sum(losses) / jnp.sum(lax.stop_gradient(weights))
 
 
-def _per_example(loss_fn, outputs, targets, size):
-    losses = loss_fn(outputs, targets)
-    if jnp.shape(losses) != (size,):
-        raise ValueError(
-            f"`loss_fn(outputs, targets)` must return one loss per example, shape ({size},), but "
-            f"returned shape {jnp.shape(losses)}. Return the per-example losses (e.g. "
-            "`jnp.sum((y - t) ** 2, axis=-1)`), not their mean: the pipeline averages them over the "
-            "whole batch, padding rows excluded."
-        )
-    return losses
+def per_example(loss_fn, outputs, targets, size: int, batch: int):
+    """``(losses f[size], weights f[size] or None)``: what ``loss_fn(outputs, targets)`` returned,
+    checked against the loss contract.
+
+    ``loss_fn`` returns either one loss per example, ``f[size]`` (the loss is their mean over the
+    real examples of the batch), or a pair ``(losses, weights)`` of two ``f[size]`` (the loss is
+    ``sum(losses) / sum(weights)`` over the batch: per-token sums and token counts, for example).
+    The weights are data: no gradient flows through them. ``size`` is the rows ``loss_fn`` saw
+    (a micro-batch under the training schedules), ``batch`` the user's batch (for messages).
+    """
+    out = loss_fn(outputs, targets)
+    weights = None
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        out, weights = out
+    where = f"one per example: shape ({size},)"
+    if size != batch:
+        where += f" for each micro-batch of {size} examples (the batch of {batch} is cut into micro-batches)"
+    for name, a in (("losses", out), ("weights", weights)):
+        if a is None:
+            continue
+        if jnp.shape(a) != (size,):
+            raise ValueError(
+                f"`loss_fn(outputs, targets)` must return {name} {where}, but returned shape "
+                f"{jnp.shape(a)}. Return the per-example losses (e.g. `jnp.sum((y - t) ** 2, "
+                "axis=-1)`), or a pair `(losses, weights)` of per-example sums and weights, not a "
+                "mean: the pipeline divides by the batch's total (its size, or the sum of the "
+                "weights), padding rows excluded."
+            )
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise TypeError(
+                f"`loss_fn(outputs, targets)` returned {name} of dtype {jnp.result_type(a)}, but a "
+                "loss must be floating point to have a gradient (every schedule refuses integer and "
+                "boolean losses). Return a float loss, e.g. cast with `.astype(jnp.float32)`."
+            )
+    return out, weights
 
 
 def _check_params(pipe, params):
@@ -151,12 +183,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     from pipejax._src import pipeline as pl  # the pipeline module imports this one
 
     plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
-    t_size = microbatch.batch_size(targets, name="targets")
-    if t_size != plan.batch:
-        raise ValueError(
-            f"`targets` has a batch of {t_size} examples but `x` has {plan.batch}; targets are cut "
-            "into micro-batches with `x`, so their leaves need `x`'s leading batch axis."
-        )
+    check_targets(targets, plan.batch)
     xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
     ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
     cs = None
@@ -170,8 +197,11 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
         n, p = pipe.num_devices, pipe.data_size
         per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+        # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
         fits = [
-            c for c in range(1, plan.batch + 1) if microbatch.plan(plan.batch, c).num_micro % (n * p) == 0
+            c
+            for c in range(1, plan.batch + 1)
+            if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
         ]
         fix = "a batch of at least that many examples"
         if fits:
@@ -196,13 +226,19 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     ys_struct = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
     )
-    jax.eval_shape(lambda y, t: _per_example(loss_fn, y, t, plan.micro_size), ys_struct, _micro(ts))
-    cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, "always", pipe.axis_name, None)
-    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs)
+    _, weights = jax.eval_shape(
+        lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
+    )
+    cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, pipe.checkpoint, pipe.axis_name, None)
+    prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
     if pipe.mesh is None:
-        loss, grads, counts = prog.local(runner)
+        totals, grads, counts = prog.local(runner)
     else:
-        loss, grads, counts = prog.mesh(runner)
+        totals, grads, counts = prog.mesh(runner)
+    loss = totals[0]
+    if weights is not None:  # sums of losses and gradients over the batch's total weight
+        loss = loss / totals[1]
+        grads = jax.tree.map(lambda g: g / totals[1].astype(g.dtype) if _inexact(g) else g, grads)
     if _same_form(params, runner):  # already the engine's form (e.g. `place`d): keep its sharding
         return loss, grads, counts
     # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
@@ -219,12 +255,25 @@ def _same_form(a, b) -> bool:
     )
 
 
+def check_targets(targets, batch: int) -> None:
+    """``targets`` must have ``x``'s batch (one check for every schedule)."""
+    t_size = microbatch.batch_size(targets, name="targets")
+    if t_size != batch:
+        raise ValueError(
+            f"`targets` has a batch of {t_size} examples but `x` has {batch}; `loss_fn` pairs each "
+            "output row with its target row (and the training schedules cut targets into "
+            "micro-batches with `x`), so the leaves of `targets` need `x`'s leading batch axis."
+        )
+
+
 def _micro(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
 
 
 class _Program:
-    def __init__(self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs=None):
+    def __init__(
+        self, pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs=None, weighted=False
+    ):
         self.pipe, self.cfg, self.loss_fn, self.table = pipe, cfg, loss_fn, table
         self.boundaries, self.plan = boundaries, plan
         self.xs, self.mask, self.ts, self.key = xs, mask, ts, key
@@ -233,10 +282,15 @@ class _Program:
         self.offset = 0  # index of its first micro-batch in the mini-batch (for the keys)
         self.K = table.stash_slots()  # stage inputs a device keeps
         self.zb = table.weight is not None
-        self.scale = 1.0 / plan.batch
-        # "never": F keeps the stage's residuals for B and W; otherwise B and W recompute the
-        # stage from its stashed input (see `save`)
-        self.keep = pipe.checkpoint == "never"
+        # The loss contract (see `per_example`): a mean is scaled per micro-batch by 1 / batch; a
+        # weighted loss adds up sums and weights, and `_run` divides both totals at the end.
+        self.weighted = weighted
+        self.scale = 1.0 if weighted else 1.0 / plan.batch
+        # "always": F stashes the stage input and B and W recompute the stage from it; "never":
+        # F keeps the residuals of the stage's vjp; a policy: the residuals of the vjp of the
+        # stage checkpointed with that policy, i.e. what the policy saves (see `save`).
+        self.keep = cfg.checkpoint != "always"
+        self.policy = cfg.checkpoint if callable(cfg.checkpoint) else None
         self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
 
     # -- the slots, on typed values ---------------------------------------------------------
@@ -257,15 +311,20 @@ class _Program:
         return v.fn(p, x, k[0], context=k[1])
 
     def _loss(self, y, t, mask):
-        losses = _per_example(self.loss_fn, y, t, self.plan.micro_size)
+        """``(loss, weight)`` of a micro-batch: the masked sum of its losses (times ``1 / batch``
+        for a mean) and the masked sum of its weights (zero for a mean)."""
+        losses, weights = per_example(self.loss_fn, y, t, self.plan.micro_size, self.plan.batch)
         zero = jnp.zeros((), losses.dtype)
-        return jnp.sum(jnp.where(mask, losses, zero)) * jnp.asarray(self.scale, losses.dtype)
+        loss = jnp.sum(jnp.where(mask, losses, zero)) * jnp.asarray(self.scale, losses.dtype)
+        if weights is None:
+            return loss, zero
+        return loss, jnp.sum(jnp.where(mask, lax.stop_gradient(weights).astype(losses.dtype), zero))
 
     def forward(self, v: _Variant, prow, x, k, t, mask):
-        """``(y or None, loss contribution)``."""
+        """``(y or None, loss contribution f[2] (loss, weight) or None)``."""
         y = self._stage(v, v.params_of(prow), x, k)
         if v.last:
-            return None, self._loss(y, t, mask)
+            return None, jnp.stack(self._loss(y, t, mask))
         return y, None
 
     def save(self, v: _Variant, prow, x, k, t, mask):
@@ -274,25 +333,30 @@ class _Program:
         if not self.keep:
             y, dloss = self.forward(v, prow, x, k, t, mask)
             return y, dloss, x
-        out, saved = self._vjp(v, prow, x, k, t, mask)
-        return (None, out, saved) if v.last else (out, None, saved)
+        out, weight, saved = self._vjp(v, prow, x, k, t, mask)
+        return (None, jnp.stack([out, weight]), saved) if v.last else (out, None, saved)
 
     def _residuals(self, v: _Variant, prow, x, k, t, mask):
-        """``(value, residual leaves, treedef)`` of the stage's (the last stage: its loss's) pullback.
+        """``(value, weight, residual leaves, treedef)`` of the stage's (the last stage: its
+        loss's) pullback; ``weight`` is the last stage's weight sum (``None`` on other stages).
 
         ``jax.vjp``'s pullback is a pytree whose leaves are its residuals and whose treedef holds
         the rest (a closed program), so it can be taken apart, stashed and put back together.
+        With a checkpoint policy the stage is checkpointed with it first, so the residuals are
+        what the policy saves and the pullback recomputes the rest.
         """
         p = v.params_of(prow)
         xf, rebuild = _floats(x)
 
         def h(p, xf):
             y = self._stage(v, p, rebuild(xf), k)
-            return self._loss(y, t, mask) if v.last else y
+            return self._loss(y, t, mask) if v.last else (y, None)
 
-        out, back = jax.vjp(h, p, xf)
+        if self.policy is not None:
+            h = ckpt.remat_for(self.policy)(h)
+        out, back, weight = jax.vjp(h, p, xf, has_aux=True)
         leaves, treedef = jax.tree.flatten(back)
-        return out, leaves, treedef
+        return out, weight, leaves, treedef
 
     def _meta_of(self, v: _Variant, prow):
         """``(treedef, per_micro, value type)`` of variant ``v``'s pullback; ``per_micro[j]``
@@ -304,15 +368,16 @@ class _Program:
             info = {}
 
             def leaves(prow, x, k, t, mask):
-                out, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
+                out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
                 info["out"] = jax.tree.map(_struct, out)
+                info["types"] = [_struct(a) for a in res]
                 return res
 
             k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
             args = jax.tree.map(_struct, (prow, v.x_layout.structs(), k, t, mask))
             per_micro = _depends(leaves, args, (False, True, True, True, True))
-            self._meta[id(v)] = (info["treedef"], per_micro, info["out"])
-        return self._meta[id(v)]
+            self._meta[id(v)] = (info["treedef"], per_micro, info["out"], info["types"])
+        return self._meta[id(v)][:3]
 
     def saved_structs(self, v: _Variant, prow):
         """The type of what F saves for B and W (:meth:`save`)."""
@@ -320,10 +385,13 @@ class _Program:
         return jax.eval_shape(lambda p, x: self.save(v, p, x, k, t, mask)[2], prow, v.x_layout.structs())
 
     def _vjp(self, v: _Variant, prow, x, k, t, mask):
-        """F with ``checkpoint="never"``: the value and the residuals that depend on the micro-batch."""
+        """F with ``checkpoint="never"`` or a policy: the value, the weight (the last stage) and
+        the residuals that depend on the micro-batch."""
         _, per_micro, _ = self._meta_of(v, prow)
-        out, leaves, _ = self._residuals(v, prow, x, k, t, mask)
-        return out, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
+        out, weight, leaves, _ = self._residuals(v, prow, x, k, t, mask)
+        # the analysis traced the program these residuals come from (same types, weak ones too)
+        assert [_struct(a) for a in leaves] == self._meta[id(v)][3], "residuals of another program"
+        return out, weight, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
 
     def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
         """B and W: :meth:`pullback` from what :meth:`save` kept."""
@@ -334,7 +402,7 @@ class _Program:
         treedef, per_micro, out = self._meta_of(v, prow)
         fresh = [None] * len(per_micro)
         if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
-            fresh = self._residuals(v, prow, engine.zeros(v.x_layout), k, t, mask)[1]
+            fresh = self._residuals(v, prow, engine.zeros(v.x_layout), k, t, mask)[2]
         it = iter(saved)
         back = jax.tree.unflatten(
             treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
@@ -354,7 +422,7 @@ class _Program:
 
         def h(prow, xf):
             y = self._stage(v, v.params_of(prow), rebuild(xf), k)
-            return self._loss(y, t, mask) if v.last else y
+            return self._loss(y, t, mask)[0] if v.last else y
 
         if wrt_params and wrt_input:
             out, back = jax.vjp(h, prow, xf)
@@ -433,7 +501,7 @@ class _Program:
             _micro(self.ts),
             _micro(self.mask),
         )
-        return jnp.zeros((), out.dtype)
+        return jnp.zeros((2,), out[0].dtype)  # (loss, weight)
 
     def _rows(self):
         t = self.table
@@ -549,7 +617,9 @@ class _Program:
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
             rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
-            prog = _Program(pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs)
+            prog = _Program(
+                pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs, self.weighted
+            )
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
             variant_of = jnp.asarray(index, jnp.int32)
@@ -751,7 +821,9 @@ def _zeros_like(tree):
 
 
 def _struct(a):
-    return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+    """The type of ``a``, weak type included: a weakly typed scalar parameter traces to another
+    program (an extra ``convert_element_type``, so other residuals) than a strong one."""
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=jax.typeof(a).weak_type)
 
 
 def _depends(fn, args, varying) -> list[bool]:
