@@ -329,10 +329,16 @@ def test_errors():
         pipe.value_and_grad(lambda y, t: sq(y, t).mean())(variables, x, t)
 
     # parameters split over another mesh axis by the layers' sharding metadata
-    mesh = jax.make_mesh((2, 2), ("stage", "model"))
+    mesh = jax.make_mesh((2, 2), ("stage", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
     split = [nn.Dense(4, param_dtype=F, kernel_init=init) for _ in range(2)]
     pipe = LinenPipeline(split, num_stages=2, chunks=CHUNKS, mesh=mesh, schedule="1f1b")
     variables = jax.jit(pipe.init)(jax.random.key(0), x)
-    with pytest.raises(NotImplementedError, match=r"schedule='1f1b' does not support parameters split"):
-        pipe.value_and_grad(sq)(variables, x, jnp.zeros((BATCH, 4), F))
+    t = jnp.zeros((BATCH, 4), F)
+    loss, grads = pipe.value_and_grad(sq)(variables, x, t)  # trains, split as the metadata says
+    gpipe = pipe.clone(schedule="gpipe")
+    ref = jax.jit(jax.value_and_grad(lambda p: sq(gpipe.apply({"params": p}, x), t).mean()))
+    loss_ref, grads_ref = ref(variables["params"])
+    np.testing.assert_allclose(loss, loss_ref, **TOL)
+    got, want = pipe.to_sequential({"params": grads}), pipe.to_sequential({"params": grads_ref})
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)

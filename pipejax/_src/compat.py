@@ -94,6 +94,18 @@ def replicate(tree: Any, keep: PartitionSpec | None = None) -> Any:
     return jax.tree.map(put, tree)
 
 
+def like(x: jax.Array, template: jax.Array) -> jax.Array:
+    """``x`` resharded to ``template``'s sharding type where an Explicit axis types them
+    differently (values are unchanged); ``x`` itself otherwise."""
+    want = getattr(jax.typeof(template), "sharding", None)
+    have = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(want, NamedSharding) or want.mesh.empty or have is None:
+        return x
+    if _padded(want.spec, x.ndim) == _padded(have.spec, x.ndim):
+        return x
+    return jax.reshard(x, want.spec)
+
+
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 

@@ -458,19 +458,7 @@ class MeshDevices:
         batch_spec = rep if data is None else PartitionSpec(data)
         stats_spec = rep if data is None else PartitionSpec(None, None, data)
         params, state, xs, mask, key = inputs
-        # With `param_specs`, each leaf is constrained exactly as they say and the shard_map is
-        # manual over the stage (and data) axes only, so XLA partitions each stage's computation
-        # over the mesh's other axes (tensor / FSDP sharding inside a stage). Without, it is
-        # manual over every axis, and parameters are whole on each device of their stage.
-        param_in, manual = stage_spec, frozenset(self.mesh.axis_names)
-        if self.param_specs is None:
-            params = compat.constrain(params, self.mesh, stage_spec, axis)
-        else:
-            params = jax.tree.map(
-                lambda a, sp: compat.constrain(a, self.mesh, sp, axis), params, self.param_specs
-            )
-            param_in = jax.tree.map(self._manual, self.param_specs, is_leaf=_is_spec)
-            manual = frozenset(self.axes)
+        params, param_in, manual = self.place_params(params, stage_spec)
         state = compat.constrain(state, self.mesh, stage_spec, axis)
         xs_spec = batch_spec
         if self.streams(ctx):  # micro-batches spread over the stage axis, k per device
@@ -498,6 +486,46 @@ class MeshDevices:
             stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
         )
 
+    def place_params(self, params, stage_spec):
+        """``(params, in_specs, manual axes)``: stage parameters constrained for the ``shard_map``.
+
+        With ``param_specs``, each leaf is constrained exactly as they say and the ``shard_map``
+        is manual over the stage (and data) axes only, so XLA partitions each stage's computation
+        over the mesh's other axes (tensor / FSDP sharding inside a stage). Without, it is manual
+        over every axis, and parameters are whole on each device of their stage. The same
+        ``in_specs`` serve as the ``out_specs`` of parameter gradients.
+        """
+        axis = self.cfg.axis_name
+        if self.param_specs is None:
+            return (
+                compat.constrain(params, self.mesh, stage_spec, axis),
+                stage_spec,
+                frozenset(self.mesh.axis_names),
+            )
+        params = jax.tree.map(
+            lambda a, sp: compat.constrain(a, self.mesh, sp, axis), params, self.param_specs
+        )
+        param_in = jax.tree.map(self._manual, self.param_specs, is_leaf=_is_spec)
+        return params, param_in, frozenset(self.axes)
+
+    def sum_over_data(self, grads):
+        """Parameter gradients of every data shard summed over the data axis, sharded as the
+        parameters are stored: a reduce-scatter on a dimension stored sharded over the data axis
+        (FSDP; the transpose of :meth:`gather_data`), a ``psum`` elsewhere."""
+        data = self.cfg.data_axis_name
+        if data is None:
+            return grads
+        if self.param_specs is None:
+            return lax.psum(grads, data)
+
+        def reduce(g, spec):
+            for dim, p in enumerate(spec):
+                if p == data or p == (data,):
+                    return lax.psum_scatter(g, data, scatter_dimension=dim, tiled=True)
+            return lax.psum(g, data)
+
+        return jax.tree.map(reduce, grads, self.param_specs)
+
     def _manual(self, spec: PartitionSpec) -> PartitionSpec:
         """``spec`` restricted to the axes the ``shard_map`` is manual over (stage, data)."""
         keep = lambda p: (
@@ -505,7 +533,7 @@ class MeshDevices:
         )
         return PartitionSpec(*(keep(p) for p in spec))
 
-    def _gather_data(self, params):
+    def gather_data(self, params):
         """Parameter dimensions stored sharded over the data axis (FSDP), gathered whole: each data
         shard needs its stage's whole parameters. The transpose of the gather is a reduce-scatter,
         so gradients come back summed over the data axis and sharded as stored."""
@@ -541,7 +569,7 @@ class MeshDevices:
     def _body(self, ctx, schedule, phases, inputs):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
-        params, state = self._gather_data(inputs.params), inputs.state
+        params, state = self.gather_data(inputs.params), inputs.state
         if self.repeats > 1:  # (repeats, 1, ...) blocks -> the device's (repeats, ...) stages
             params, state = jax.tree.map(lambda a: a[:, 0], (params, state))
         inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)

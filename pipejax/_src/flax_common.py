@@ -60,7 +60,6 @@ from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
 from pipejax._src.batchnorm import moments as moments_of
 from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
-from pipejax._src.schedule import TRAINING_KINDS
 
 PyTree = Any
 
@@ -312,17 +311,11 @@ class Stack:
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
-
-        Raises:
-          NotImplementedError: for parameters split inside their stage with a training schedule.
         """
         engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
-        name = engine.schedule_name
         step = engine.value_and_grad(loss_fn)
 
         def f(params, x, targets, key, context=None):
-            if name in TRAINING_KINDS:
-                _check_unsplit(params, name, self.owner)
             side = {} if context_per_layer is None else {"context": dict(context)}
             return step(params, x, targets, key, **side)
 
@@ -341,20 +334,6 @@ class Stack:
         records = [r for stage in stats for r in stage]
         new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
-
-
-def _check_unsplit(params: Any, schedule: str, owner: str) -> None:
-    """Raises for parameters split inside their stage (the layers' sharding metadata) with a
-    training schedule, whose program is manual over every mesh axis."""
-    if isinstance(params, StageParams) and params.container.splits is not None:
-        raise NotImplementedError(
-            f"{owner}.value_and_grad with schedule={schedule!r} does not support parameters split "
-            "inside their stage over mesh axes other than the stage axis (here from the layers' "
-            "sharding metadata, e.g. `nn.with_partitioning` / `nnx.with_partitioning` naming a mesh "
-            "axis): its training program is manual over every mesh axis. Use schedule='gpipe' or "
-            "'circular' for such layers, or a mesh with the stage axis only (the metadata then "
-            "splits nothing)."
-        )
 
 
 def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:

@@ -273,8 +273,6 @@ class NNXPipeline(nnx.Module):
         Raises:
           TypeError: if ``loss_fn`` is not callable.
           ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
-          NotImplementedError: for layers whose sharding metadata splits them over other mesh
-            axes, with a training schedule.
 
         Examples:
           >>> import jax, jax.numpy as jnp

@@ -71,12 +71,6 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
             "pipeline with `schedule='gpipe'`."
         )
     owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
-    if owns_backward and pipe.param_specs is not None:
-        raise NotImplementedError(
-            f"`param_specs` (parameters split inside their stage) is not supported by the "
-            f"{pipe.schedule_name!r} training program yet: its shard_map is manual over every mesh "
-            "axis. Use `schedule='gpipe'` or `'circular'` with `param_specs`, or drop `param_specs`."
-        )
 
     def traced(params, x, targets, key, context):
         check_targets(targets, microbatch.batch_size(x))
@@ -217,7 +211,9 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     if key is not None:
         lead = (plan.micro_size,) if pipe.per_example_keys else ()
         key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
-    runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p), params)
+    splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
+    runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p, splits), params)
+    param_specs = None if pipe.mesh is None else pl._full_specs(pipe, runner, splits)
     if pipe.homogeneous:
         boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct, cs)
     else:
@@ -231,6 +227,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     )
     cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, pipe.checkpoint, pipe.axis_name, None)
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
+    prog.param_specs = param_specs
     if pipe.mesh is None:
         totals, grads, counts = prog.local(runner)
     else:
@@ -292,6 +289,7 @@ class _Program:
         self.keep = cfg.checkpoint != "always"
         self.policy = cfg.checkpoint if callable(cfg.checkpoint) else None
         self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
+        self.param_specs = None  # per parameter leaf its full PartitionSpec (see engine.MeshDevices)
 
     # -- the slots, on typed values ---------------------------------------------------------
 
@@ -589,7 +587,10 @@ class _Program:
             index = np.arange(S)
             prows_in = runner.buffers
             box = Container.for_layouts(bnd)
-        pack = (lambda tree: tree) if box is None else box.pack
+        # Values typed with Explicit axes inside a stage (param_specs over a "model" axis) are
+        # replicated before they are flattened into a container (a reshape across a sharded
+        # dimension is refused there); other values pass unchanged.
+        pack = (lambda tree: tree) if box is None else (lambda tree: box.pack(compat.replicate(tree)))
         unpack = (lambda msg, layout: msg) if box is None else box.unpack
         msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
@@ -597,7 +598,7 @@ class _Program:
             row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
             saved_layouts = [Layout.of(self.saved_structs(v, row)) for v in variants]
             sbox = Container.for_layouts(saved_layouts)
-            s_pack, s_zeros = sbox.pack, sbox.zeros
+            s_pack, s_zeros = (lambda tree: sbox.pack(compat.replicate(tree))), sbox.zeros
             s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
         else:  # the stage input, as a message
             s_pack, s_zeros = pack, msg_zeros
@@ -608,13 +609,19 @@ class _Program:
         spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
         rep = PartitionSpec()
         batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
-        prows_in = compat.constrain(prows_in, mesh, spec, axis)
+        # the engine's device abstraction places the parameters (and, with `param_specs`, makes
+        # the shard_map manual over the stage and data axes only: tensor / FSDP sharding inside)
+        devices = engine.MeshDevices(
+            self.cfg._replace(data_axis_name=data), mesh, v_rep, pipe.data_size, self.param_specs
+        )
+        prows_in, param_in, manual = devices.place_params(prows_in, spec)
         xs, mask, ts = (compat.constrain(a, mesh, batch_spec, axis) for a in (self.xs, self.mask, self.ts))
         key = compat.constrain(self.key, mesh, rep, axis)
         cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
         def body(prows, xs, mask, ts, key, cs):
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
+            prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
             rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
             prog = _Program(
@@ -738,20 +745,21 @@ class _Program:
             if data is None:
                 return loss, lead(grad), counts[None]
             # every data shard ran its own micro-batches: sum their losses and gradients
-            return lax.psum(loss, data), lead(lax.psum(grad, data)), counts[None, None]
+            return lax.psum(loss, data), devices.sum_over_data(lead(grad)), counts[None, None]
 
         fn = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(
-                spec,
+                param_in,
                 batch_spec,
                 batch_spec,
                 batch_spec,
                 None if key is None else rep,
                 None if cs is None else batch_spec,
             ),
-            out_specs=(rep, spec, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
+            out_specs=(rep, param_in, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
+            axis_names=manual,
             check_vma=False,
         )
         loss, grads, counts = fn(prows_in, xs, mask, ts, key, cs)
@@ -817,7 +825,7 @@ def _add(acc, delta):
 def _zeros_like(tree):
     if tree is None:
         return None
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    return jax.tree.map(lambda a: jnp.zeros_like(a), tree)  # sharding types too
 
 
 def _struct(a):
@@ -867,5 +875,6 @@ def _fill(x, float_cts):
 
 
 def _cotangent(g, out):
-    """``g`` with ``out``'s dtypes (exact for the containers' round trip)."""
-    return jax.tree.map(lambda a, o: a.astype(o.dtype), g, out)
+    """``g`` with ``out``'s dtypes (exact for the containers' round trip) and sharding types (a
+    value typed with an Explicit axis inside a stage comes out of its container replicated)."""
+    return jax.tree.map(lambda a, o: compat.like(a.astype(o.dtype), o), g, out)
