@@ -249,3 +249,46 @@ def test_interleaved_suggests_the_chunks_that_give_a_multiple():
     h = jnp.ones((12, W))
     with pytest.raises(ValueError, match=r"a batch of 12 with `chunks=6` gives 6 .*`chunks=4`"):
         pipe.value_and_grad(per_example)(params, h, h)
+
+
+# --- stateful stages (deferred BatchNorm) under every schedule -------------------------------------
+
+
+def bn_stage(p, h, key, state, mask):
+    """A stateful stage: dense, BatchNorm over the real rows of the micro-batch, tanh."""
+    h, moments = pj.batch_norm(h @ p["w"], state, train=True, mask=mask, scale=p["g"], bias=p["b"])
+    return jnp.tanh(h), moments
+
+
+def bn_params(seed):
+    r = np.random.default_rng(seed)
+    return {"w": jnp.asarray(r.normal(size=(W, W)) / 2), "g": jnp.ones(W) * 1.1, "b": jnp.full(W, 0.1)}
+
+
+@pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
+@pytest.mark.parametrize("placement", ["mesh", "no-mesh"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_stateful_stages(name, placement, kind):
+    """Loss, gradients and every stage's statistics per micro-batch equal GPipe's (itself tested
+    against numpy in test_deferred_batchnorm.py); the running statistics are updated once."""
+    _, h, t, _, _ = inputs()
+    repeats = REPEATS.get(name, 1)
+    per_stage = [bn_params(s) for s in range(S)]
+    state = [pj.batch_norm_init(W, jnp.float64) for _ in range(S)]
+    if kind == "homogeneous":
+        stages, kw = bn_stage, {"num_stages": S}
+        params = jax.tree.map(lambda *a: jnp.stack(a), *per_stage)
+        state = jax.tree.map(lambda *a: jnp.stack(a), *state)
+    else:
+        stages, kw, params = [bn_stage] * S, {}, per_stage
+    options = dict(chunks=CHUNKS + 1, repeats=repeats, stateful=True, **kw)  # an uneven batch: 8 in 3s
+    if placement == "mesh":
+        options["mesh"] = mesh_for(name, False)
+    pipe = pj.pipeline(stages, schedule=name, **options)
+    (loss, stats), grads = jax.jit(pipe.value_and_grad(per_example))(params, h, t, state=state)
+    ref = pj.pipeline(stages, schedule=GPIPE_OF.get(name, "gpipe"), **options)
+    (ref_loss, ref_stats), ref_grads = ref.value_and_grad(per_example)(params, h, t, state=state)
+    models.assert_trees_close((loss, grads), (ref_loss, ref_grads), **TOL)
+    models.assert_trees_close(stats, ref_stats, **TOL)
+    _, ref_fwd_stats = ref(params, h, state=state)  # the forward call reports the same stats
+    models.assert_trees_close(stats, ref_fwd_stats, **TOL)

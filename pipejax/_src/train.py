@@ -52,6 +52,7 @@ from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
+from pipejax._src.placement import StageParams
 
 PyTree = Any
 
@@ -64,33 +65,44 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
             f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
             f"example, but got {type(loss_fn).__name__} {loss_fn!r}."
         )
-    if pipe.stateful:
-        raise ValueError(
-            "`value_and_grad` does not support stateful pipelines (`stateful=True`) yet: their "
-            "stats would have to be returned too. Use `jax.value_and_grad` of a loss around the "
-            "pipeline with `schedule='gpipe'`."
-        )
     owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
 
-    def traced(params, x, targets, key, context):
+    def traced(params, x, targets, key, context, state):
         check_targets(targets, microbatch.batch_size(x))
         if owns_backward:
-            loss, grads, _ = _run(pipe, loss_fn, params, x, targets, key, context)
-            return loss, grads
+            loss, grads, _, stats = _run(pipe, loss_fn, params, x, targets, key, context, state)
+            return ((loss, stats), grads) if pipe.stateful else (loss, grads)
         side = {} if context is None else {"context": context}
-        return jax.value_and_grad(lambda p: mean_loss(loss_fn, pipe(p, x, key, **side), targets))(params)
+        if pipe.stateful:
+            side["state"] = state
+
+        def loss_of(p):
+            out = pipe(p, x, key, **side)
+            y, stats = out if pipe.stateful else (out, None)
+            return mean_loss(loss_fn, y, targets), stats
+
+        (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return ((loss, stats), grads) if pipe.stateful else (loss, grads)
 
     jitted = jax.jit(traced)
 
-    def f(params, x, targets, key=None, *, context=None):
+    def f(params, x, targets, key=None, *, state=None, context=None):
         keys.check_key(key)
         _check_params(pipe, params)
+        if state is not None:
+            if not pipe.stateful:
+                raise TypeError(
+                    "`state` was given, but the pipeline is not stateful, so its stages cannot "
+                    "receive it. Build it with `pj.pipeline(..., stateful=True)`."
+                )
+            _check_params(pipe, state, name="state")
         # concrete inputs committed to other devices are moved where the pipeline runs
-        params, (x, targets, context), key, _ = pipe._commit(params, (x, targets, context), key, None)
-        return jitted(params, x, targets, key, context)
+        params, (x, targets, context), key, state = pipe._commit(params, (x, targets, context), key, state)
+        return jitted(params, x, targets, key, context, state)
 
     f.__doc__ = (
-        f"(loss, grads) of the mean of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`."
+        f"(loss, grads) of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`; "
+        "((loss, stats), grads) for a stateful pipeline."
     )
     return f
 
@@ -100,7 +112,7 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
     ``p``. For tests and benchmarks."""
     _check_params(pipe, params)
-    counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)
+    counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)  # stateless
     return np.asarray(counts)
 
 
@@ -152,10 +164,10 @@ def per_example(loss_fn, outputs, targets, size: int, batch: int):
     return out, weights
 
 
-def _check_params(pipe, params):
+def _check_params(pipe, params, name="params"):
     from pipejax._src.pipeline import _check_params_shape  # the pipeline module imports this one
 
-    _check_params_shape(params, pipe)
+    _check_params_shape(params, pipe, name=name)
 
 
 # --- the program -----------------------------------------------------------------------------
@@ -170,10 +182,12 @@ class _Variant(NamedTuple):
     params_of: Callable[[Any], Any]  # device's parameter row -> the stage's parameter pytree
     x_layout: Layout
     y_layout: Layout
+    stage: int | None = None  # the stage, when one variant runs one stage; None: a homogeneous role
 
 
-def _run(pipe, loss_fn, params, x, targets, key, context=None):
-    """``(loss, grads, counts int[n, 3])`` of one training step on ``pipe.schedule_name``'s table."""
+def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
+    """``(loss, grads, counts int[n, 3], stats)`` of one training step on ``pipe.schedule_name``'s
+    table; ``stats`` as the forward call of a stateful pipeline returns them (``None`` otherwise)."""
     from pipejax._src import pipeline as pl  # the pipeline module imports this one
 
     plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
@@ -214,10 +228,11 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
     runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p, splits), params)
     param_specs = None if pipe.mesh is None else pl._full_specs(pipe, runner, splits)
+    state_r = pl._runner_form(pipe, state) if pipe.stateful else None
     if pipe.homogeneous:
-        boundaries, _ = pl._homogeneous_boundaries(pipe, runner, None, xs, key_struct, cs)
+        boundaries, stats_layouts = pl._homogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
     else:
-        boundaries, _ = pl._heterogeneous_boundaries(pipe, runner, None, xs, key_struct, cs)
+        boundaries, stats_layouts = pl._heterogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
@@ -225,22 +240,40 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None):
     _, weights = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
     )
-    cfg = engine.Config(pipe.stages, False, pipe.per_example_keys, pipe.checkpoint, pipe.axis_name, None)
+    cfg = engine.Config(
+        pipe.stages, pipe.stateful, pipe.per_example_keys, pipe.checkpoint, pipe.axis_name, None
+    )
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
     prog.param_specs = param_specs
+    if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
+        prog.state, prog.stats_layouts = compat.replicate(_per_stage_state(pipe, state)), stats_layouts
     if pipe.mesh is None:
-        totals, grads, counts = prog.local(runner)
+        totals, grads, counts, stats = prog.local(runner)
     else:
-        totals, grads, counts = prog.mesh(runner)
+        totals, grads, counts, stats = prog.mesh(runner)
     loss = totals[0]
     if weights is not None:  # sums of losses and gradients over the batch's total weight
         loss = loss / totals[1]
         grads = jax.tree.map(lambda g: g / totals[1].astype(g.dtype) if _inexact(g) else g, grads)
     if _same_form(params, runner):  # already the engine's form (e.g. `place`d): keep its sharding
-        return loss, grads, counts
+        return loss, grads, counts, stats
     # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
     # unstacks or reshapes the stage axis, so the grads must not be split over stages there
-    return loss, to_user(compat.replicate(grads))[0], counts
+    return loss, to_user(compat.replicate(grads))[0], counts, stats
+
+
+def _per_stage_state(pipe, state):
+    """A stateful pipeline's ``state`` as the slots read it: stacked stage-major ``(S, ...)``
+    (homogeneous), or a list with one pytree per stage."""
+    from pipejax._src import pipeline as pl  # the pipeline module imports this one
+
+    if pipe.homogeneous:
+        return pl._stage_major(pipe, state)
+    if state is None:
+        return [None] * pipe.num_stages
+    if isinstance(state, StageParams):
+        return pl._stage_major(pipe, state).unpack()
+    return list(state)
 
 
 def _same_form(a, b) -> bool:
@@ -290,23 +323,32 @@ class _Program:
         self.policy = cfg.checkpoint if callable(cfg.checkpoint) else None
         self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
         self.param_specs = None  # per parameter leaf its full PartitionSpec (see engine.MeshDevices)
+        # stateful stages: every stage's state (a list, or stacked on a stage axis), read whole on
+        # every device; the layouts of each stage's stats
+        self.state, self.stats_layouts = None, None
 
     # -- the slots, on typed values ---------------------------------------------------------
 
     def _inputs(self, i, s):
-        """``(k, targets, mask)`` of micro-batch ``i`` at stage ``s``; with side inputs ``k`` is
-        the pair ``(key, context rows)`` (it travels where the key does: :meth:`_stage`)."""
+        """``(k, targets, mask)`` of micro-batch ``i`` at stage ``s``: ``k`` is ``(key, context
+        rows or None, s)``, what the stage reads besides its parameters and input (:meth:`_stage`)."""
         ic = engine.clip(i, self.m)
-        k = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
-        if self.cs is not None:
-            k = (k, engine.take(self.cs, ic))
-        return k, engine.take(self.ts, ic), engine.take(self.mask, ic)
+        key = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
+        rows = None if self.cs is None else engine.take(self.cs, ic)
+        return (key, rows, jnp.asarray(s, jnp.int32)), engine.take(self.ts, ic), engine.take(self.mask, ic)
 
-    def _stage(self, v: _Variant, p, x, k):
-        """The stage function of ``v`` on ``x`` (with its micro-batch's ``context=``, if any)."""
-        if self.cs is None:
-            return v.fn(p, x, k)
-        return v.fn(p, x, k[0], context=k[1])
+    def _stage(self, v: _Variant, p, x, k, mask):
+        """``(y, stats)``: the stage function of ``v`` on ``x`` (with its micro-batch's
+        ``context=``, if any; a stateful stage also reads its state and the row mask)."""
+        key, rows, s = k
+        kwargs = {} if rows is None else {"context": rows}
+        if not self.cfg.stateful:
+            return v.fn(p, x, key, **kwargs), None
+        if not self.pipe.homogeneous:  # a heterogeneous stage (static): its own entry
+            state = self.state[v.stage]
+        else:  # homogeneous: row `s` of the stacked state
+            state = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), self.state)
+        return tuple(v.fn(p, x, key, state, mask, **kwargs))
 
     def _loss(self, y, t, mask):
         """``(loss, weight)`` of a micro-batch: the masked sum of its losses (times ``1 / batch``
@@ -319,24 +361,26 @@ class _Program:
         return loss, jnp.sum(jnp.where(mask, lax.stop_gradient(weights).astype(losses.dtype), zero))
 
     def forward(self, v: _Variant, prow, x, k, t, mask):
-        """``(y or None, loss contribution f[2] (loss, weight) or None)``."""
-        y = self._stage(v, v.params_of(prow), x, k)
+        """``(y or None, loss contribution f[2] (loss, weight) or None, stats)``."""
+        y, stats = self._stage(v, v.params_of(prow), x, k, mask)
         if v.last:
-            return None, jnp.stack(self._loss(y, t, mask))
-        return y, None
+            return None, jnp.stack(self._loss(y, t, mask)), stats
+        return y, None, stats
 
     def save(self, v: _Variant, prow, x, k, t, mask):
-        """F: ``(y or None, loss contribution or None, saved)``; ``saved`` is what B and W read
-        back: the stage input ``x``, or (``checkpoint="never"``) the residuals of its vjp."""
+        """F: ``(y or None, loss contribution or None, saved, stats)``; ``saved`` is what B and W
+        read back: the stage input ``x``, or (``checkpoint="never"`` or a policy) the residuals
+        of its vjp; ``stats`` what a stateful stage reported (``None`` otherwise)."""
         if not self.keep:
-            y, dloss = self.forward(v, prow, x, k, t, mask)
-            return y, dloss, x
-        out, weight, saved = self._vjp(v, prow, x, k, t, mask)
-        return (None, jnp.stack([out, weight]), saved) if v.last else (out, None, saved)
+            y, dloss, stats = self.forward(v, prow, x, k, t, mask)
+            return y, dloss, x, stats
+        out, (weight, stats), saved = self._vjp(v, prow, x, k, t, mask)
+        return (None, jnp.stack([out, weight]), saved, stats) if v.last else (out, None, saved, stats)
 
     def _residuals(self, v: _Variant, prow, x, k, t, mask):
-        """``(value, weight, residual leaves, treedef)`` of the stage's (the last stage: its
-        loss's) pullback; ``weight`` is the last stage's weight sum (``None`` on other stages).
+        """``(value, (weight, stats), residual leaves, treedef)`` of the stage's (the last stage:
+        its loss's) pullback; ``weight`` is the last stage's weight sum (``None`` on other
+        stages), ``stats`` a stateful stage's statistics.
 
         ``jax.vjp``'s pullback is a pytree whose leaves are its residuals and whose treedef holds
         the rest (a closed program), so it can be taken apart, stashed and put back together.
@@ -347,14 +391,17 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(p, xf):
-            y = self._stage(v, p, rebuild(xf), k)
-            return self._loss(y, t, mask) if v.last else (y, None)
+            y, stats = self._stage(v, p, rebuild(xf), k, mask)
+            if v.last:
+                loss, weight = self._loss(y, t, mask)
+                return loss, (weight, stats)
+            return y, (None, stats)
 
         if self.policy is not None:
             h = ckpt.remat_for(self.policy)(h)
-        out, back, weight = jax.vjp(h, p, xf, has_aux=True)
+        out, back, aux = jax.vjp(h, p, xf, has_aux=True)
         leaves, treedef = jax.tree.flatten(back)
-        return out, weight, leaves, treedef
+        return out, aux, leaves, treedef
 
     def _meta_of(self, v: _Variant, prow):
         """``(treedef, per_micro, value type)`` of variant ``v``'s pullback; ``per_micro[j]``
@@ -383,13 +430,13 @@ class _Program:
         return jax.eval_shape(lambda p, x: self.save(v, p, x, k, t, mask)[2], prow, v.x_layout.structs())
 
     def _vjp(self, v: _Variant, prow, x, k, t, mask):
-        """F with ``checkpoint="never"`` or a policy: the value, the weight (the last stage) and
-        the residuals that depend on the micro-batch."""
+        """F with ``checkpoint="never"`` or a policy: the value, ``(weight, stats)`` (see
+        :meth:`_residuals`) and the residuals that depend on the micro-batch."""
         _, per_micro, _ = self._meta_of(v, prow)
-        out, weight, leaves, _ = self._residuals(v, prow, x, k, t, mask)
+        out, aux, leaves, _ = self._residuals(v, prow, x, k, t, mask)
         # the analysis traced the program these residuals come from (same types, weak ones too)
         assert [_struct(a) for a in leaves] == self._meta[id(v)][3], "residuals of another program"
-        return out, weight, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
+        return out, aux, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
 
     def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
         """B and W: :meth:`pullback` from what :meth:`save` kept."""
@@ -419,7 +466,7 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(prow, xf):
-            y = self._stage(v, v.params_of(prow), rebuild(xf), k)
+            y = self._stage(v, v.params_of(prow), rebuild(xf), k, mask)[0]
             return self._loss(y, t, mask)[0] if v.last else y
 
         if wrt_params and wrt_input:
@@ -444,7 +491,7 @@ class _Program:
         else:
             prows = list(runner)
         variants = [
-            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1]) for d in range(S)
+            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1], d) for d in range(S)
         ]
         rows = tuple(jnp.asarray(a) for a in self._rows())
 
@@ -463,6 +510,7 @@ class _Program:
                     gstash=zero(v.y_layout, (S,)) if zb and not v.last else None,
                     grad=jax.tree.map(jnp.zeros_like, prows[d]),
                     counts=jnp.zeros((3,), jnp.int32),
+                    stats=engine.zeros(self._stats_layout(d), (1, self.m)) if self.cfg.stateful else None,
                 )
             )
         loss0 = self._loss_zero(variants[-1])
@@ -490,7 +538,14 @@ class _Program:
         if pipe.homogeneous:
             grads = jax.tree.map(lambda *a: jnp.stack(a), *grads)
         counts = jnp.stack([dev["counts"] for dev in devs])
-        return loss, grads, counts
+        stats = [jax.tree.map(lambda a: a[0], dev["stats"]) for dev in devs]  # per stage (m, ...)
+        if pipe.homogeneous:
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
+        return loss, grads, counts, stats
+
+    def _stats_layout(self, s: int) -> Layout:
+        """The layout of stage ``s``'s stats (one for every stage when they are homogeneous)."""
+        return self.stats_layouts if self.pipe.homogeneous else self.stats_layouts[s]
 
     def _loss_zero(self, v):
         out = jax.eval_shape(
@@ -518,11 +573,13 @@ class _Program:
             return *self.save(v, prow, x_in, *self._inputs(i, d)), jnp.ones((), jnp.int32)
 
         def f_idle(x_in, i):
-            y, dloss, saved = jax.eval_shape(lambda: self.save(v, prow, x_in, *self._inputs(i, d)))
-            return _zeros_like(y), _zeros_like(dloss), _zeros_like(saved), jnp.zeros((), jnp.int32)
+            out = jax.eval_shape(lambda: self.save(v, prow, x_in, *self._inputs(i, d)))
+            return *(_zeros_like(a) for a in out), jnp.zeros((), jnp.int32)
 
-        y, dloss, saved, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
+        y, dloss, saved, stats, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
         dev["stash"] = _put(dev["stash"], saved, i % K, i >= 0)
+        if self.cfg.stateful:  # F records the stage's statistics of micro-batch i
+            dev["stats"] = engine.write(dev["stats"], stats, 0, engine.clip(i, self.m), i >= 0)
         counts = counts.at[0].add(c)
         # B
         xb = _get(dev["stash"], j % K)
@@ -581,6 +638,7 @@ class _Program:
                     lambda prow, t=t: pbox.unpack(prow, runner.layouts[t]),
                     bnd[t],
                     bnd[t + 1],
+                    t,
                 )
                 for t in range(S)
             ]
@@ -603,6 +661,9 @@ class _Program:
         else:  # the stage input, as a message
             s_pack, s_zeros = pack, msg_zeros
             s_unpack = lambda msg, v: unpack(msg, v.x_layout)
+        # stateful stages: a device records the stats of its F slots at (stage, micro-batch) of
+        # an (S, m) buffer (heterogeneous: flat containers); a psum of exact zeros merges them
+        st_pack, st_zeros, st_unpack = _stats_container(pipe, self.stats_layouts)
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
@@ -619,7 +680,7 @@ class _Program:
         key = compat.constrain(self.key, mesh, rep, axis)
         cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
-        def body(prows, xs, mask, ts, key, cs):
+        def body(prows, xs, mask, ts, key, cs, state):
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
             prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
             rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
@@ -629,6 +690,7 @@ class _Program:
             )
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
+            prog.state = state
             variant_of = jnp.asarray(index, jnp.int32)
             idle = len(variants)
 
@@ -636,7 +698,7 @@ class _Program:
                 return [make(v) for v in variants]
 
             def tick(c, r):
-                fin, bin_, stash, gstash, grad, loss, counts = c
+                fin, bin_, stash, gstash, grad, loss, counts, stats = c
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
                 # F
                 fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
@@ -645,20 +707,22 @@ class _Program:
                 def f_branch(v):
                     def run(rows_p, x_in, f):
                         prow = _row(rows_p, fs // n)
-                        y, dloss, saved = prog.save(v, prow, unpack(x_in, v.x_layout), *prog._inputs(f, fs))
+                        x = unpack(x_in, v.x_layout)
+                        y, dloss, saved, st = prog.save(v, prow, x, *prog._inputs(f, fs))
                         y = msg_zeros() if y is None else pack(y)
                         dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
-                        return y, dloss, s_pack(saved), jnp.ones((), jnp.int32)
+                        return y, dloss, s_pack(saved), st_pack(st), jnp.ones((), jnp.int32)
 
                     return run
 
                 def f_idle(rows_p, x_in, f):
-                    return msg_zeros(), jnp.zeros_like(loss), s_zeros(), jnp.zeros((), jnp.int32)
+                    return msg_zeros(), jnp.zeros_like(loss), s_zeros(), st_zeros(), jnp.zeros((), jnp.int32)
 
-                y, dloss, saved, c0 = lax.switch(
+                y, dloss, saved, st, c0 = lax.switch(
                     jnp.where(f >= 0, variant_of[fs], idle), [*branches(f_branch), f_idle], rows_p, x_in, f
                 )
                 stash = _put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
+                stats = engine.write(stats, st, fs, engine.clip(f, self.m), f >= 0)
                 # B
                 xb = _get(stash, (bs // n) * K + b % K)
 
@@ -726,7 +790,7 @@ class _Program:
                 counts = counts + jnp.stack([c0, c1, c2])
                 fin = engine._shift(y, axis, n, ring=v_rep > 1)
                 bin_ = _shift_back(dx, axis, n, ring=v_rep > 1)
-                return (fin, bin_, stash, gstash, grad, loss + dloss, counts), None
+                return (fin, bin_, stash, gstash, grad, loss + dloss, counts, stats), None
 
             init = (
                 msg_zeros(),
@@ -736,16 +800,18 @@ class _Program:
                 _zeros_like(rows_p),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
+                st_zeros((S, self.m)),
             )
             c, _ = lax.scan(tick, init, rows)
             grad, loss, counts = c[4], c[5], c[6]
+            stats = _sum_exact(c[7], axis)  # each (stage, micro-batch) written by one device
             # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
             lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
             loss = lax.psum(loss, axis)
             if data is None:
-                return loss, lead(grad), counts[None]
+                return loss, lead(grad), counts[None], stats
             # every data shard ran its own micro-batches: sum their losses and gradients
-            return lax.psum(loss, data), devices.sum_over_data(lead(grad)), counts[None, None]
+            return lax.psum(loss, data), devices.sum_over_data(lead(grad)), counts[None, None], stats
 
         fn = jax.shard_map(
             body,
@@ -757,15 +823,22 @@ class _Program:
                 batch_spec,
                 None if key is None else rep,
                 None if cs is None else batch_spec,
+                None if self.state is None else rep,
             ),
-            out_specs=(rep, param_in, PartitionSpec(axis) if data is None else PartitionSpec(data, axis)),
+            out_specs=(
+                rep,
+                param_in,
+                PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
+                rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
+            ),
             axis_names=manual,
             check_vma=False,
         )
-        loss, grads, counts = fn(prows_in, xs, mask, ts, key, cs)
+        state = None if self.state is None else compat.constrain(self.state, mesh, rep, axis)
+        loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
-        return loss, grads, counts
+        return loss, grads, counts, st_unpack(stats)
 
     def _homogeneous_variants(self):
         """One stage function, so one branch per role: (first, last) pairs that occur."""
@@ -777,6 +850,42 @@ class _Program:
 
 
 # --- small exact helpers ---------------------------------------------------------------------
+
+
+def _stats_container(pipe, layouts):
+    """``(pack, zeros, unpack)`` of the stats buffer of a stateful pipeline on a mesh: the stats
+    of one slot as one value every stage's branch returns (heterogeneous: a flat container), and
+    the ``(S, m, ...)`` buffer back as the stats of each stage (a list of ``(m, ...)`` pytrees;
+    homogeneous: one pytree ``(S, m, ...)``, as the forward call returns them)."""
+    if not pipe.stateful:
+        return (lambda tree: None), (lambda lead=(): None), (lambda acc: None)
+    if pipe.homogeneous:
+        return (lambda tree: tree), (lambda lead=(): engine.zeros(layouts, lead)), (lambda acc: acc)
+    box = Container.for_layouts(layouts)
+
+    def unpack(acc):
+        out = []
+        for s, layout in enumerate(layouts):
+            rows = tuple(a[s] for a in acc)
+            out.append(
+                jax.vmap(lambda r, layout=layout: box.unpack(r, layout))(rows)
+                if layout.shapes
+                else layout.structs()
+            )
+        return out
+
+    return (lambda tree: box.pack(compat.replicate(tree))), box.zeros, unpack
+
+
+def _sum_exact(tree, axis_name):
+    """The ``psum`` of buffers that every device but one holds as zeros: exact (booleans: or)."""
+
+    def one(a):
+        if a.dtype == jnp.bool_:
+            return lax.psum(a.astype(jnp.int32), axis_name) > 0
+        return lax.psum(a, axis_name)
+
+    return jax.tree.map(one, tree)
 
 
 def _shift_back(tree, axis_name, n, ring=False):
