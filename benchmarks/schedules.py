@@ -11,8 +11,9 @@ Sections (markdown tables):
    pipeline on 4 fake CPU devices against the number of micro-batches ``m``, for GPipe (each
    checkpoint mode; ``jax.value_and_grad`` of the forward pipeline) and for "1f1b" and "zb-h1"
    (the program that owns the backward pass; "always" recomputes the stage in B and W, "never"
-   keeps F's residuals). The SPMD program is one device's program, so the
-   bytes are per device.
+   keeps F's residuals, "dots" -- ``jax.checkpoint_policies.dots_saveable`` -- keeps what that
+   policy saves). The SPMD program is one device's program, so the bytes are per device.
+   ``sharded``: the same with ``param_specs`` (tensor-parallel stages on a (stage, model) mesh).
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
@@ -63,11 +64,15 @@ def sq(y, t):
     return jnp.sum((y - t) ** 2, axis=-1)
 
 
+POLICIES = {"dots": jax.checkpoint_policies.dots_saveable}  # named policies of the tables
+
+
 def setup(m, name, checkpoint="always", repeats=1):
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     S = N * repeats  # interleaved: `repeats` stages per device
+    mode = POLICIES.get(checkpoint, checkpoint)
     pipe = pj.pipeline(
-        stage, num_stages=S, chunks=m, schedule=name, checkpoint=checkpoint, mesh=mesh, repeats=repeats
+        stage, num_stages=S, chunks=m, schedule=name, checkpoint=mode, mesh=mesh, repeats=repeats
     )
     params = {
         "w": normal((S, LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5),
@@ -82,8 +87,10 @@ VARIANTS = [
     ("gpipe", "except_last"),
     ("gpipe", "always"),
     ("1f1b", "always"),
+    ("1f1b", "dots"),
     ("1f1b", "never"),
     ("zb-h1", "always"),
+    ("zb-h1", "dots"),
     ("zb-h1", "never"),
 ]
 
@@ -106,6 +113,53 @@ def memory(quick: bool) -> None:
         f"{N} homogeneous stages of {LAYERS} tanh dense layers ({WIDTH} wide, float32) on {N} fake CPU "
         f"devices, micro-batches of {MICRO} rows (one activation: {kib(act)} KiB). KiB per device."
     )
+    print()
+    print(
+        table(
+            ["schedule", *(f"m={m}" for m in ms), f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (len(ms) + 1)
+        )
+    )
+
+
+def sharded_memory(quick: bool) -> None:
+    """1F1B and ZB-H1 with ``param_specs``: tensor-parallel stages on a (stage, model) mesh."""
+    section("Memory with param_specs: tensor-parallel stages (2 stages x 2 model shards)")
+    ms = (8, 16) if quick else (8, 16, 64)
+    mesh = jax.make_mesh((2, 2), ("stage", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    P = jax.sharding.PartitionSpec
+    specs = {"w": P(None, None, "model"), "b": P(None, "model")}  # every layer column-split
+
+    def split_stage(p, x, key):
+        for j in range(LAYERS):
+            x = jnp.tanh(x @ p["w"][j] + p["b"][j])
+            x = jax.lax.with_sharding_constraint(x, P())  # the next layer reads whole rows
+        return x
+
+    rows = []
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        row, got = [name], {}
+        for m in ms:
+            pipe = pj.pipeline(
+                split_stage,
+                num_stages=2,
+                chunks=m,
+                schedule=name,
+                checkpoint="always",
+                mesh=mesh,
+                param_specs=specs,
+            )
+            params = pipe.place(
+                {
+                    "w": normal((2, LAYERS, WIDTH, WIDTH), 0, WIDTH**-0.5),
+                    "b": normal((2, LAYERS, WIDTH), 1, 0.1),
+                }
+            )
+            x, t = normal((m * MICRO, WIDTH), 2), normal((m * MICRO, WIDTH), 3)
+            got[m] = temp_bytes(pipe.value_and_grad(sq), params, x, t)
+            row.append(kib(got[m]))
+        row.append(f"{got[ms[-1]] / got[8]:.2f}x")
+        rows.append(row)
+    print("checkpoint='always'; KiB per device.")
     print()
     print(
         table(
@@ -227,7 +281,13 @@ def predicted(quick: bool) -> None:
     print(table(["n", "m", *heads], rows))
 
 
-SECTIONS = {"memory": memory, "slots": slots, "compile": compile_time, "predicted": predicted}
+SECTIONS = {
+    "memory": memory,
+    "sharded": sharded_memory,
+    "slots": slots,
+    "compile": compile_time,
+    "predicted": predicted,
+}
 
 
 def main(argv=None) -> None:
