@@ -190,11 +190,15 @@ class Heterogeneous:
     def stage_input(self, d, inbox, xs, ic, s):  # only the stage function knows; see `compute`
         return inbox
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
         """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
 
         ``guard``: ``(working, prev)``; where ``working`` is False (a bubble) nothing runs and
-        ``prev`` is returned.
+        ``prev`` is returned. ``fresh``: on a mesh, the micro-batch of ``x`` stage 0 reads; it
+        equals ``x_in`` where stage 0 runs, and stage 0 reads ``x_in`` differentiated as
+        ``fresh`` (:func:`_read_as`), so its input carries no tangent of the activations that
+        share the message (a stage that calls ``jax.pure_callback`` on ``x`` differentiates
+        with respect to the parameters).
         On a mesh the bubble is one more branch of the stage switch (one level of control flow,
         not a ``cond`` around a ``switch``).
         """
@@ -210,7 +214,9 @@ class Heterogeneous:
                         self.pbox.unpack(prow, self.param_layouts[t]),
                         self.sbox.unpack(srow, self.state_layouts[t]),
                     )
-                    x = self.box.unpack(x_in, self.boundaries[t])  # stage 0: the micro-batch of x
+                    if t == 0 and fresh is not None:  # the micro-batch of x, as data
+                        x_in = jax.tree.map(_read_as, x_in, fresh)
+                    x = self.box.unpack(x_in, self.boundaries[t])
                     y, stats = call(p, x, k, st, take(mask, ic))
                     return vary((self.box.pack(y), self.statbox.pack(stats)))
 
@@ -270,12 +276,13 @@ class Homogeneous:
     def output(self, d, message):
         return message
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None):
+    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
         """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0); ``guard``
-        as for :meth:`Heterogeneous.compute`, with a ``lax.cond``."""
+        as for :meth:`Heterogeneous.compute`, with a ``lax.cond``. (``fresh`` is unused: one
+        stage function reads both ``x`` and the activations.)"""
         if guard is not None:
             working, prev = guard
-            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary)
+            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary, fresh=fresh)
             return lax.cond(working, run, lambda: prev)
         x = x_in  # on a mesh the devices deliver stage 0's micro-batch as the message
         if self.local:
@@ -291,6 +298,21 @@ class Homogeneous:
     def stats_rows(self, stats_by_device):
         """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""
         return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:])), stats_by_device)
+
+
+@jax.custom_jvp
+def _read_as(value, data):
+    """``value``, differentiated as ``data`` (which it equals wherever it is read).
+
+    Stage 0 on a mesh reads its micro-batch from the message that also carries activations, so
+    the message has their tangent; read through this, the input's tangent is ``data``'s, a
+    symbolic zero unless ``x`` itself is differentiated. The primal never reads ``data``, so
+    a checkpoint saves nothing more for it.
+    """
+    return value
+
+
+_read_as.defjvp(lambda primals, tangents: (primals[0], tangents[1]), symbolic_zeros=True)
 
 
 def _row(tree, r, repeats):
@@ -331,7 +353,7 @@ def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_sta
         inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
     if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
         inbox = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), fresh, inbox)
-    out = step(d, params, state, inbox, carry.prev, i, s)
+    out = step(d, params, state, inbox, carry.prev, i, s, fresh)
     if _may_be(d, D - 1):
         acc = write(acc, ctx.stages.output(d, out[0]), 0, clip(i, m), (i >= 0) & (s == S - 1))
     stats = write(carry.stats, out[1], s // D, clip(i, m), i >= 0)
@@ -356,20 +378,20 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
     xs, mask, key = inputs.xs, inputs.mask, inputs.key
     micro_size = jax.tree.leaves(xs)[0].shape[1]
 
-    def f(d, params, state, xs, mask, key, inbox, prev, i, s):
+    def f(d, params, state, xs, mask, key, inbox, prev, fresh, i, s):
         ic = clip(i, ctx.m)
         key_for = lambda t: stage_keys(cfg, key, global_micro(ic), t, micro_size)
         like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
         # guard: on a bubble (i < 0) the stage does not run and the device keeps its last output
         guard = (i >= 0, prev) if phase.guard else None
-        return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard)
+        return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard, fresh)
 
-    def step(d, params, state, inbox, prev, i, s):
+    def step(d, params, state, inbox, prev, i, s, fresh=None):
         if isinstance(s, int):  # a static stage stays static inside the checkpoint
             g = phase.remat(lambda *a: f(d, *a, s))
-            return g(params, state, xs, mask, key, inbox, prev, i)
+            return g(params, state, xs, mask, key, inbox, prev, fresh, i)
         g = phase.remat(lambda *a: f(d, *a))
-        return g(params, state, xs, mask, key, inbox, prev, i, s)
+        return g(params, state, xs, mask, key, inbox, prev, fresh, i, s)
 
     return step
 
@@ -377,11 +399,37 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
 # --- the devices: where the table's columns run ---------------------------------------------------
 
 
-def _scan(schedule, phases, carry, tick):
-    """Runs the ticks, one ``lax.scan`` per phase (see :mod:`pipejax._src.checkpoint`)."""
+def _scan(schedule, phases, carry, tick, inputs: Inputs):
+    """Runs the ticks, one ``lax.scan`` per phase (see :mod:`pipejax._src.checkpoint`);
+    ``tick(phase, inputs)`` is the scan body.
+
+    One phase reads ``inputs`` as constants of its scan. Several phases (``"except_last"``) carry
+    them through every scan unchanged instead: the cotangent of a scan's constant is a running
+    sum that starts at zero in each scan, so two scans would add the parameter gradients of their
+    ticks in two sums and then add those, an order that differs from one scan's in the last bits
+    (up to 16 ulp with dropout). Carried, the cotangent is one running sum over every tick in
+    reverse order, continued from scan to scan: the same additions in the same order as one scan,
+    so gradients are bitwise those of the other modes.
+    """
     all_rows = rows(schedule)
+    cut = lambda phase: tuple(r[phase.start : phase.stop] for r in all_rows)
+    if len(phases) == 1:
+        carry, _ = lax.scan(tick(phases[0], inputs), carry, cut(phases[0]))
+        return carry
+
+    def carried(phase):
+        def body(c, tick_rows):
+            c, inputs = c
+            c, out = tick(phase, inputs)(c, tick_rows)
+            # through a barrier per leaf (``lax.scan`` would turn a carry its body returns
+            # untouched back into a constant; one barrier over all leaves would give every leaf
+            # a tangent as soon as one has one)
+            return (c, jax.tree.map(lax.optimization_barrier, inputs)), out
+
+        return body
+
     for phase in phases:
-        carry, _ = lax.scan(tick(phase), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
+        (carry, inputs), _ = lax.scan(carried(phase), (carry, inputs), cut(phase))
     return carry
 
 
@@ -402,10 +450,10 @@ class LocalDevices:
         cfg, S, m = self.cfg, ctx.S, ctx.m
         ident = lambda t: t
         untyped = lambda tree, template: tree
-        params, state = inputs.params, inputs.state
         stages = ctx.stages
 
-        def tick(phase):
+        def tick(phase, inputs):
+            params, state = inputs.params, inputs.state
             step = make_step(cfg, ctx, inputs, phase, untyped, ident)
 
             def one(d, inbox, acc, stats, tick_rows):
@@ -438,7 +486,7 @@ class LocalDevices:
         stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
         if self.stacked:
             stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        acc, stats = _scan(schedule, phases, (_lead(stages.acc_zeros(m)), stats), tick)
+        acc, stats = _scan(schedule, phases, (_lead(stages.acc_zeros(m)), stats), tick, inputs)
         return _unlead(acc), stages.stats_rows(stats if self.stacked else list(stats))
 
 
@@ -583,7 +631,7 @@ class MeshDevices:
                 return i
             return lax.axis_index(cfg.data_axis_name) * m + i
 
-        def tick(phase):
+        def tick(phase, inputs):
             step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
             def body(c, tick_rows):
@@ -610,7 +658,7 @@ class MeshDevices:
         init = Carry(
             message, (message, stat), _lead(stages.acc_zeros(m)), stages.message_zeros(0, (ctx.v, m))[1], loop
         )
-        carry, _ = _scan(schedule, phases, (compat.to_varying(init, axes), queue), tick)
+        carry, _ = _scan(schedule, phases, (compat.to_varying(init, axes), queue), tick, inputs)
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
         return lax.psum(_unlead(carry.acc), axis), _gather_stages(carry.stats, d, D, axis)
