@@ -187,8 +187,8 @@ def dropout_run(layout, placement, checkpoint):
     return np.asarray(y), jax.tree.map(np.asarray, grads)
 
 
-# ("except_last" without a mesh keeps the last micro-batch, a mesh its last n ticks: another
-# program, whose gradients are compared in the test below.)
+# ("except_last" without a mesh keeps the last micro-batch, a mesh its last n ticks: their
+# parameter gradients group the sum differently, so the mesh cases are other modes.)
 MESH_CASES = {("heterogeneous", "never"), ("homogeneous", "always")}
 
 
@@ -196,7 +196,8 @@ MESH_CASES = {("heterogeneous", "never"), ("homogeneous", "always")}
 @pytest.mark.parametrize("layout", ["heterogeneous", "homogeneous"])
 def test_dropout_replays_through_checkpoints_and_meshes(layout, checkpoint):
     """Every checkpoint mode recomputes with the same masks: outputs and gradients are bitwise
-    equal to those of ``checkpoint="never"``; and a mesh and no mesh give bitwise-equal outputs
+    equal to those of ``checkpoint="never"`` (``"except_last"``: parameter gradients to rounding);
+    and a mesh and no mesh give bitwise-equal outputs
     and gradients (checked for one mode per layout, as compiles are slow; the contract tests
     check every mode on a mesh)."""
     y_ref, grads_ref = dropout_run(layout, "none", "never")
@@ -207,7 +208,7 @@ def test_dropout_replays_through_checkpoints_and_meshes(layout, checkpoint):
         np.testing.assert_array_equal(y_mesh, y_ref)
         models.assert_trees_equal(grads_mesh, grads)
     # Bitwise: the masks are replayed, and every mode sums the parameter cotangents of the
-    # ticks in the same order ("except_last"'s two scans continue one running sum).
+    # ticks in the same order (but "except_last", whose two scans group that sum in two parts).
     models.assert_modes_agree((0.0, grads), (0.0, grads_ref), checkpoint)
 
 
@@ -246,26 +247,36 @@ def test_dropout_pipeline_matches_composition_with_stage_keys():
 
 
 @pytest.mark.parametrize("placement", ["none", "explicit"])
-def test_except_last_gradients_are_bitwise_with_dropout(placement):
+def test_except_last_gradients_with_dropout(placement):
     """Issue 22's case: 4 equal stages of ``tanh(x @ w)`` then ``pj.dropout`` at rate 0.5,
-    chunks=4, 8 identical rows. ``"except_last"`` gave gradients up to 16 ulp from ``"never"``
-    and ``"always"`` (its two scans summed the parameter cotangents in two groups); every mode
-    is now bitwise equal, the input's gradient too."""
+    chunks=4, 8 identical rows. ``"always"`` and ``"never"`` are bitwise equal; ``"except_last"``
+    (two scans: the parameter cotangents of each are summed apart, another association) gives
+    bitwise-equal outputs and input gradients, and parameter gradients within a few ulp
+    (measured: up to 16 ulp in float32; ``docs/pipeline.md`` says why it is not made bitwise)."""
 
     def stage(p, x, key):
         return pj.dropout(jnp.tanh(x @ p["w"]), key, 0.5)
 
     r = np.random.default_rng(3)
-    params = [{"w": _f32(r, 6, 6) / 2} for _ in range(4)]
-    x = jnp.tile(_f32(r, 1, 6), (8, 1))
+    params = [{"w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32)} for _ in range(4)]
+    x = jnp.tile(jnp.asarray(r.normal(size=(1, 6)), jnp.float32), (8, 1))
     mesh = models.make_mesh(placement, 4)
-    grads = {}
+    runs = {}
     for mode in ("never", "always", "except_last"):
         pipe = pj.pipeline([stage] * 4, chunks=4, checkpoint=mode, mesh=mesh)
         placed = params if mesh is None else pipe.place(params)
-        loss = lambda p, x, pipe=pipe: jnp.sum(pipe(p, x, jax.random.key(5)) ** 2)
-        g = jax.jit(jax.grad(loss, argnums=(0, 1)))(placed, x)
-        grads[mode] = jax.tree.map(np.asarray, g)
-    assert np.any(grads["never"][1] == 0) and np.any(grads["never"][1] != 0), "dropout had no effect"
-    models.assert_trees_equal(grads["always"], grads["never"])
-    models.assert_trees_equal(grads["except_last"], grads["never"])
+
+        def loss(p, x, pipe=pipe):
+            y = pipe(p, x, jax.random.key(5))
+            return jnp.sum(y**2), y
+
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(placed, x)
+        runs[mode] = jax.tree.map(np.asarray, (y, g))
+    y_ref, (gp_ref, gx_ref) = runs["never"]
+    assert np.any(y_ref == 0) and np.any(y_ref != 0), "dropout had no effect"
+    models.assert_trees_equal(runs["always"], runs["never"])
+    y, (gp, gx) = runs["except_last"]
+    models.assert_trees_equal((y, gx), (y_ref, gx_ref))
+    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gp_ref), strict=True):
+        ulp = np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(np.float32))
+        assert np.all(np.abs(a - b) <= 32 * ulp), np.max(np.abs(a - b) / ulp)

@@ -11,8 +11,8 @@ a policy           a ``jax.checkpoint`` policy (e.g. ``jax.checkpoint_policies.d
 
 All modes compute bitwise-identical results: recomputation replays the same operations on the
 same inputs, including the same PRNG keys (see :mod:`pipejax._src.keys`). Gradients are bitwise
-identical across modes too: ``"except_last"``'s two scans carry the pipeline's inputs, so their
-parameter cotangents form one running sum in the order of one scan (see ``engine._scan``).
+identical across modes too, except that ``"except_last"`` (two scans) sums the parameter
+cotangents in another order (see :func:`phases`).
 """
 
 from __future__ import annotations
@@ -125,10 +125,9 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     * a policy: the user's policy, with the same exception.
     * ``"except_last"``: ``"always"`` until the last ``n`` ticks (the drain, which includes the
       last micro-batch on every device; ``n`` = devices), ``"never"`` from there on. Memory per
-      tick is a static property of a scan, so this is the one mode with two scans. Both scans
-      carry the pipeline's inputs, so the backward pass adds the parameter cotangents of every
-      tick in one running sum, in the order of one scan: gradients are bitwise those of the
-      other modes.
+      tick is a static property of a scan, so this is the one mode with two scans. The backward
+      pass then sums the parameter cotangents of each scan separately, so its gradients equal the
+      other modes' to rounding, while every other pair of modes is bitwise equal.
 
     With one scan every stage function appears once in the forward program.
     """

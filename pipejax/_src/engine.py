@@ -401,35 +401,18 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
 
 def _scan(schedule, phases, carry, tick, inputs: Inputs):
     """Runs the ticks, one ``lax.scan`` per phase (see :mod:`pipejax._src.checkpoint`);
-    ``tick(phase, inputs)`` is the scan body.
+    ``tick(phase, inputs)`` is the scan body, which reads ``inputs`` as constants of its scan.
 
-    One phase reads ``inputs`` as constants of its scan. Several phases (``"except_last"``) carry
-    them through every scan unchanged instead: the cotangent of a scan's constant is a running
-    sum that starts at zero in each scan, so two scans would add the parameter gradients of their
-    ticks in two sums and then add those, an order that differs from one scan's in the last bits
-    (up to 16 ulp with dropout). Carried, the cotangent is one running sum over every tick in
-    reverse order, continued from scan to scan: the same additions in the same order as one scan,
-    so gradients are bitwise those of the other modes.
+    (Several phases -- ``"except_last"`` -- therefore sum the parameter cotangents of each scan
+    separately, another association than one scan's: equal to rounding. Carrying the inputs
+    through the scans instead would make it one running sum, bitwise that of one scan, but a
+    carried value is no loop invariant: the checkpointed scan then saved the parameters and the
+    batch at every tick, 13.7 -> 25.9 MiB per device at n = 4, m = 16 in
+    ``benchmarks/pipeline.py``'s memory section.)
     """
     all_rows = rows(schedule)
-    cut = lambda phase: tuple(r[phase.start : phase.stop] for r in all_rows)
-    if len(phases) == 1:
-        carry, _ = lax.scan(tick(phases[0], inputs), carry, cut(phases[0]))
-        return carry
-
-    def carried(phase):
-        def body(c, tick_rows):
-            c, inputs = c
-            c, out = tick(phase, inputs)(c, tick_rows)
-            # through a barrier per leaf (``lax.scan`` would turn a carry its body returns
-            # untouched back into a constant; one barrier over all leaves would give every leaf
-            # a tangent as soon as one has one)
-            return (c, jax.tree.map(lax.optimization_barrier, inputs)), out
-
-        return body
-
     for phase in phases:
-        (carry, inputs), _ = lax.scan(carried(phase), (carry, inputs), cut(phase))
+        carry, _ = lax.scan(tick(phase, inputs), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
     return carry
 
 
