@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 
 from pipejax._src import checkpoint as ckpt
@@ -312,7 +313,18 @@ def _read_as(value, data):
     return value
 
 
-_read_as.defjvp(lambda primals, tangents: (primals[0], tangents[1]), symbolic_zeros=True)
+def _read_as_jvp(primals, tangents):
+    value, _ = primals
+    t = tangents[1]
+    if isinstance(t, SymbolicZero):  # x is not differentiated: no tangent at all
+        return value, SymbolicZero(jax.typeof(value).to_tangent_aval())
+    # the tangent typed like ``value`` (which may vary where ``data``'s tangent does not, e.g.
+    # the zeros a container packs around integer tokens), without a collective in the branch
+    axes = tuple(compat.varying_axes(value))
+    return value, _as_varying(t, jnp.zeros_like(value), axes) if axes else t
+
+
+_read_as.defjvp(_read_as_jvp, symbolic_zeros=True)
 
 
 def _row(tree, r, repeats):
@@ -627,7 +639,7 @@ class MeshDevices:
                     queue = jax.tree.map(
                         lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
                     )
-                return (carry._replace(inbox=_shift(out[0], axis, D, ring=ctx.v > 1)), queue), None
+                return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue), None
 
             return body
 
@@ -664,12 +676,38 @@ def _unstack(tree, n):
     return [jax.tree.map(lambda a, d=d: a[d], tree) for d in range(n)]
 
 
-def _shift(tree, axis_name, n, ring=False):
-    """Sends every device's value to the next device along the stage axis (last to first: ``ring``)."""
+def shift(tree, axis_name, n, ring=False, back=False):
+    """Sends every device's value to the next device along the stage axis (last to first:
+    ``ring``); ``back``: to the previous one (first to last: ``ring``). Activations go forward,
+    cotangents of the training schedules back."""
     if n == 1:
         return tree
-    perm = [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
+    step = -1 if back else 1
+    perm = [(s, s + step) for s in range(n) if 0 <= s + step < n]
+    if ring:
+        perm.append((n - 1, 0) if not back else (0, n - 1))
     return lax.ppermute(tree, axis_name, perm)
+
+
+def put(buf, value, slot, enabled):
+    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``)."""
+
+    def one(a, v):
+        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def sum_exact(tree, axis_name):
+    """The ``psum`` of buffers that every device but one holds as zeros: exact (booleans: or)."""
+
+    def one(a):
+        if a.dtype == jnp.bool_:
+            return lax.psum(a.astype(jnp.int32), axis_name) > 0
+        return lax.psum(a, axis_name)
+
+    return jax.tree.map(one, tree)
 
 
 def _as_varying(tree, template, axes):
@@ -695,14 +733,8 @@ def _gather_stages(tree, s, n, axis_name):
     Device ``s`` writes its value into row ``s`` of zeros and a ``psum`` adds the rows: every
     other term is an exact zero, so each row is bitwise its device's value.
     """
-
-    def gather(a):
-        rows = lax.dynamic_update_index_in_dim(jnp.zeros((n, *a.shape), a.dtype), a, s, 0)
-        if a.dtype == jnp.bool_:
-            return lax.psum(rows.astype(jnp.int32), axis_name) > 0
-        return lax.psum(rows, axis_name)
-
-    return jax.tree.map(gather, tree)
+    place = lambda a: lax.dynamic_update_index_in_dim(jnp.zeros((n, *a.shape), a.dtype), a, s, 0)
+    return sum_exact(jax.tree.map(place, tree), axis_name)
 
 
 def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):

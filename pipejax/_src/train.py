@@ -577,12 +577,12 @@ class _Program:
             return *(_zeros_like(a) for a in out), jnp.zeros((), jnp.int32)
 
         y, dloss, saved, stats, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
-        dev["stash"] = _put(dev["stash"], saved, i % K, i >= 0)
+        dev["stash"] = engine.put(dev["stash"], saved, i % K, i >= 0)
         if self.cfg.stateful:  # F records the stage's statistics of micro-batch i
             dev["stats"] = engine.write(dev["stats"], stats, 0, engine.clip(i, self.m), i >= 0)
         counts = counts.at[0].add(c)
         # B
-        xb = _get(dev["stash"], j % K)
+        xb = engine.take(dev["stash"], j % K)
 
         # the parameter cotangent is added inside the branch: see `mesh`
         def b_work(xb, g, j, grad):
@@ -597,9 +597,9 @@ class _Program:
         counts = counts.at[1].add(c)
         if zb:
             if dev["gstash"] is not None:
-                dev["gstash"] = _put(dev["gstash"], dev["bin"], j % S, j >= 0)
-            xw = _get(dev["stash"], k % K)
-            gw = None if dev["gstash"] is None else _get(dev["gstash"], k % S)
+                dev["gstash"] = engine.put(dev["gstash"], dev["bin"], j % S, j >= 0)
+            xw = engine.take(dev["stash"], k % K)
+            gw = None if dev["gstash"] is None else engine.take(dev["gstash"], k % S)
 
             def w_work(xw, gw, k, grad):
                 dp = self.pull(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
@@ -706,7 +706,7 @@ class _Program:
 
                 def f_branch(v):
                     def run(rows_p, x_in, f):
-                        prow = _row(rows_p, fs // n)
+                        prow = engine.take(rows_p, fs // n)
                         x = unpack(x_in, v.x_layout)
                         y, dloss, saved, st = prog.save(v, prow, x, *prog._inputs(f, fs))
                         y = msg_zeros() if y is None else pack(y)
@@ -721,10 +721,10 @@ class _Program:
                 y, dloss, saved, st, c0 = lax.switch(
                     jnp.where(f >= 0, variant_of[fs], idle), [*branches(f_branch), f_idle], rows_p, x_in, f
                 )
-                stash = _put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
+                stash = engine.put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
                 stats = engine.write(stats, st, fs, engine.clip(f, self.m), f >= 0)
                 # B
-                xb = _get(stash, (bs // n) * K + b % K)
+                xb = engine.take(stash, (bs // n) * K + b % K)
 
                 # The parameter cotangent is added inside the branch (an idle branch returns the
                 # accumulator as it is), so no parameter-sized temporary leaves the branch.
@@ -732,7 +732,7 @@ class _Program:
                     def run(rows_p, xb, g, b, grad):
                         dx, dp = prog.pull(
                             v,
-                            _row(rows_p, bs // n),
+                            engine.take(rows_p, bs // n),
                             s_unpack(xb, v),
                             None if v.last else unpack(g, v.y_layout),
                             *prog._inputs(b, bs),
@@ -758,15 +758,15 @@ class _Program:
                 c2 = jnp.zeros((), jnp.int32)
                 if zb:
                     # (ZB-H1 runs one stage per device: W's stage is B's, the device's)
-                    gstash = _put(gstash, bin_, b % n, b >= 0)
-                    xw, gw = _get(stash, w % K), _get(gstash, w % n)
+                    gstash = engine.put(gstash, bin_, b % n, b >= 0)
+                    xw, gw = engine.take(stash, w % K), engine.take(gstash, w % n)
 
                     def w_branch(v):
                         def run(rows_p, xw, gw, w, grad):
                             g = None if v.last else unpack(gw, v.y_layout)
                             _, dp = prog.pull(
                                 v,
-                                _row(rows_p, 0),
+                                engine.take(rows_p, 0),
                                 s_unpack(xw, v),
                                 g,
                                 *prog._inputs(w, d),
@@ -788,8 +788,8 @@ class _Program:
                         grad,
                     )
                 counts = counts + jnp.stack([c0, c1, c2])
-                fin = engine._shift(y, axis, n, ring=v_rep > 1)
-                bin_ = _shift_back(dx, axis, n, ring=v_rep > 1)
+                fin = engine.shift(y, axis, n, ring=v_rep > 1)
+                bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
                 return (fin, bin_, stash, gstash, grad, loss + dloss, counts, stats), None
 
             init = (
@@ -804,7 +804,7 @@ class _Program:
             )
             c, _ = lax.scan(tick, init, rows)
             grad, loss, counts = c[4], c[5], c[6]
-            stats = _sum_exact(c[7], axis)  # each (stage, micro-batch) written by one device
+            stats = engine.sum_exact(c[7], axis)  # each (stage, micro-batch) written by one device
             # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
             lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
             loss = lax.psum(loss, axis)
@@ -877,31 +877,6 @@ def _stats_container(pipe, layouts):
     return (lambda tree: box.pack(compat.replicate(tree))), box.zeros, unpack
 
 
-def _sum_exact(tree, axis_name):
-    """The ``psum`` of buffers that every device but one holds as zeros: exact (booleans: or)."""
-
-    def one(a):
-        if a.dtype == jnp.bool_:
-            return lax.psum(a.astype(jnp.int32), axis_name) > 0
-        return lax.psum(a, axis_name)
-
-    return jax.tree.map(one, tree)
-
-
-def _shift_back(tree, axis_name, n, ring=False):
-    """Sends every device's value to the previous device along the stage axis (first to last:
-    ``ring``)."""
-    if n == 1:
-        return tree
-    perm = [(s, s - 1) for s in range(1, n)] + ([(0, n - 1)] if ring else [])
-    return lax.ppermute(tree, axis_name, perm)
-
-
-def _row(rows, r):
-    """Row ``r`` (traced) of the device's stacked stages."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), rows)
-
-
 def _add_row(acc, r, delta):
     """``acc[r] += delta``."""
 
@@ -911,20 +886,6 @@ def _add_row(acc, r, delta):
         )
 
     return jax.tree.map(one, acc, delta)
-
-
-def _put(buf, value, slot, enabled):
-    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``)."""
-
-    def one(a, v):
-        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
-        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
-
-    return jax.tree.map(one, buf, value)
-
-
-def _get(buf, slot):
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, keepdims=False), buf)
 
 
 def _add(acc, delta):
