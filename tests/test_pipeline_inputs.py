@@ -140,6 +140,14 @@ def test_every_schedule_refuses_a_non_float_loss_with_one_message(schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_refuses_integer_parameters_with_one_message(schedule):
+    pipe, _ = four(schedule)
+    x = jnp.ones((8, 3))
+    with pytest.raises(TypeError, match=r"`params` leaf \[1\] has dtype int.*must be floating point"):
+        pipe.value_and_grad(sq)([1.0, 2, 0.5, 1.0], x, x)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_refuses_targets_of_another_batch_with_one_message(schedule):
     pipe, params = four(schedule)
     x = jnp.ones((8, 3))

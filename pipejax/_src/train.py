@@ -89,6 +89,7 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
     def f(params, x, targets, key=None, *, state=None, context=None):
         keys.check_key(key)
         _check_params(pipe, params)
+        _check_float_params(params)
         pipe._check_batch(x, context, targets)
         if state is not None:
             if not pipe.stateful:
@@ -166,6 +167,21 @@ def per_example(loss_fn, outputs, targets, size: int, batch: int):
                 "boolean losses). Return a float loss, e.g. cast with `.astype(jnp.float32)`."
             )
     return out, weights
+
+
+def _check_float_params(params) -> None:
+    """Every schedule differentiates every parameter leaf, so each must be floating point (the
+    rule of ``jax.grad``, which GPipe's backward applies; one message for every schedule)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"`params` leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}, but "
+                "`value_and_grad` differentiates every parameter, so every leaf must be floating "
+                "point (`jax.grad`'s rule, under every schedule). Make it a float (e.g. `2.0`, "
+                "`jnp.asarray(p, jnp.float32)`), or move integer constants out of `params` (into "
+                "the stage function, or `context=`)."
+            )
 
 
 def _check_params(pipe, params, name="params"):
