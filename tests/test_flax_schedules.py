@@ -325,7 +325,7 @@ def test_errors():
     # a loss that is not per example (the core's message)
     pipe = LinenPipeline(linen_layers(), num_stages=2, chunks=CHUNKS, schedule="zb-h1")
     variables = pipe.init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"one per example: shape \(2,\) for each micro-batch of 2 .*of 7"):
+    with pytest.raises(ValueError, match=r"one per example of the batch of 7: shape \(2,\) per call"):
         pipe.value_and_grad(lambda y, t: sq(y, t).mean())(variables, x, t)
 
     # parameters split over another mesh axis by the layers' sharding metadata

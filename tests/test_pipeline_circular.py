@@ -333,7 +333,7 @@ def test_stateful_stats_equal_gpipe():
 
 def test_errors():
     stages = [drop_res] * 4
-    with pytest.raises(ValueError, match=r"`repeats` must be >= 1.*got 0"):
+    with pytest.raises(ValueError, match=r"`repeats` must be an int >= 1.*got 0"):
         pj.pipeline(stages, schedule="circular", repeats=0)
     with pytest.raises(TypeError, match=r"`repeats` must be an int >= 1, but got float 2.0"):
         pj.pipeline(stages, schedule="circular", repeats=2.0)

@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
+from pipejax._src import checks
 from pipejax._src.keys import check_key, layer_key
 from pipejax._src.placement import StageParams
 
@@ -180,7 +181,7 @@ def partition(
     References:
       Kim et al., "torchgpipe: On-the-fly Pipeline Parallelism for Training Giant Models", 2020.
     """
-    layers = _check_layers(layers)
+    layers = _check_layers(layers, balance)
     balance = _check_balance(balance, len(layers))
     stage_devices = _check_devices(devices, len(balance))
     offsets = (0, *np.cumsum(balance).tolist())
@@ -213,14 +214,20 @@ def _check_stage_params(params, s, count, *, name):
     )
 
 
-def _check_layers(layers) -> tuple[Layer, ...]:
+def _check_layers(layers, balance=None) -> tuple[Layer, ...]:
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(
             "`layers` must be a sequence of layer functions `layer(params, x, key) -> y`, but got "
             f"{type(layers).__name__}."
         )
     if len(layers) == 0:
-        raise ValueError("`layers` is empty; pass at least one layer function `layer(params, x, key) -> y`.")
+        msg = "`layers` is empty; pass at least one layer function `layer(params, x, key) -> y`"
+        if isinstance(balance, (list, tuple)) and balance:  # pj.partition(layers, balance)
+            msg += (
+                f", and a `balance` whose entries add up to the number of layers (`balance` "
+                f"{list(balance)} asks for {sum(b for b in balance if isinstance(b, int))}). " + _AUTO
+            )
+        raise ValueError(msg if msg.endswith(".") else msg + ".")
     for i, layer in enumerate(layers):
         if not callable(layer):
             raise TypeError(
@@ -648,8 +655,7 @@ def _check_scale(value, name) -> None:
 
 
 def _check_count(value, name, least) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"`{name}` must be an int >= {least}, but got {value!r}.")
+    checks.count(value, name, least=least)
 
 
 def _struct(a) -> jax.ShapeDtypeStruct:
@@ -678,15 +684,23 @@ def _describe(tree: PyTree) -> str:
 
 
 def _output_type(layer, p, x, k, idx) -> PyTree:
+    """The layer's output type, or: JAX's own shape/dtype error as a ``ValueError`` naming the
+    layer; any other exception (the user's own) with its type kept and the layer added as a note."""
     try:
         return jax.eval_shape(layer, p, x, k)
     except Exception as err:
         where = "`sample_x`" if idx == 0 else f"the output of layer {idx - 1}"
-        raise ValueError(
-            f"Layer {idx} could not be applied to {where}, whose type is {_describe(x)}:\n"
-            f"{type(err).__name__}: {err}\nMake layer {idx} accept what {where} is (with its batch axis "
-            "first), or check `layer_params`."
-        ) from err
+        fix = f"Make layer {idx} accept what {where} is (with its batch axis first), or check `layer_params`."
+        if type(err) in (TypeError, ValueError) and checks.raised_in_jax(err):
+            raise ValueError(
+                f"Layer {idx} could not be applied to {where}, whose type is {_describe(x)}:\n"
+                f"{type(err).__name__}: {err}\n{fix}"
+            ) from err
+        err.add_note(
+            f"Layer {idx} failed on {where}, whose type is {_describe(x)}, while pipejax "
+            f"measured its cost. {fix}"
+        )
+        raise
 
 
 def _nbytes(tree: PyTree) -> int:

@@ -322,7 +322,7 @@ def _check_layer_keeps_type(layer, stacked_params, x, key) -> None:
     x_struct = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
     k_struct = None if key is None else jax.ShapeDtypeStruct(key.shape, key.dtype)
     before, after = Layout.of(x_struct), Layout.of(jax.eval_shape(layer, p0, x_struct, k_struct))
-    if after != before:
+    if after.strong() != before.strong():  # weak types aside (`(x > 0) * 1.5` is weak)
         raise ValueError(
             "`layer` must return an activation of the type it takes, so that layers can be chained, "
             f"but it maps {before.describe()} to {after.describe()}."

@@ -43,6 +43,12 @@ def to_varying(tree: Any, axis_names: str | tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def is_manual(mesh: Mesh, axis_name: str) -> bool:
+    """Whether ``axis_name`` of ``mesh`` is a Manual axis (one a ``shard_map`` already controls)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return types[axis_name] == AxisType.Manual
+
+
 def is_explicit(mesh: Mesh, axis_name: str) -> bool:
     """Whether ``axis_name`` of ``mesh`` is an Explicit (sharding-in-types) axis."""
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
@@ -108,6 +114,18 @@ def like(x: jax.Array, template: jax.Array) -> jax.Array:
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """``x`` with a weak type (the type of a Python scalar), values and dtype unchanged.
+
+    Packing a stage's parameters or activations into a typed buffer makes them strong; unpacking
+    gives a weakly typed leaf its weak type back, so ``x * p`` with a Python-float ``p`` keeps
+    ``x``'s dtype as it does outside the pipeline. JAX has no public spelling of this cast.
+    """
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=True)
 
 
 def eager_autodiff(tree: Any) -> bool:

@@ -99,7 +99,7 @@ def write(acc, y, r, i, enabled):
 
 
 def zeros(layout: Layout, leading=()):
-    return jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs())
+    return layout.retype(jax.tree.map(lambda s: jnp.zeros(leading + s.shape, s.dtype), layout.structs()))
 
 
 def named(tree):

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pipejax._src import compat
+
 
 class Layout(NamedTuple):
     """The static type of a pytree of arrays: structure, shapes and dtypes.
@@ -34,23 +36,54 @@ class Layout(NamedTuple):
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
     splits: tuple[tuple[tuple[int, tuple[str, ...], int], ...], ...] | None = None
+    weak: tuple[bool, ...] | None = None  # per leaf, weakly typed (a Python scalar's type); None: none
 
     def leaf_splits(self) -> tuple[tuple[tuple[int, tuple[str, ...], int], ...], ...]:
         return self.splits if self.splits is not None else ((),) * len(self.shapes)
 
+    def leaf_weak(self) -> tuple[bool, ...]:
+        return self.weak if self.weak is not None else (False,) * len(self.shapes)
+
     @classmethod
     def of(cls, tree: Any) -> Layout:
         leaves, treedef = jax.tree.flatten(tree)
+        weak = tuple(is_weak(x) for x in leaves)
         return cls(
             treedef,
             tuple(tuple(jnp.shape(x)) for x in leaves),
             tuple(_dtype_of(x) for x in leaves),
+            None,
+            weak if any(weak) else None,
         )
 
+    def strong(self) -> Layout:
+        """The layout with every leaf strongly typed."""
+        return self._replace(weak=None)
+
     def structs(self) -> Any:
-        """The layout as a pytree of ``jax.ShapeDtypeStruct``."""
-        leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        """The layout as a pytree of ``jax.ShapeDtypeStruct`` (weak types included)."""
+        leaves = [
+            jax.ShapeDtypeStruct(s, d, weak_type=w)
+            for s, d, w in zip(self.shapes, self.dtypes, self.leaf_weak(), strict=True)
+        ]
         return jax.tree.unflatten(self.treedef, leaves)
+
+    def cast(self, tree: Any) -> Any:
+        """``tree`` (of this layout's dtypes, any leading axes) with exactly its weak types."""
+        leaves, treedef = jax.tree.flatten(tree)
+        leaves = [
+            compat.weakly_typed(a) if w else lax.convert_element_type(a, a.dtype)
+            for a, w in zip(leaves, self.leaf_weak(), strict=True)
+        ]
+        return jax.tree.unflatten(treedef, leaves)
+
+    def retype(self, tree: Any) -> Any:
+        """``tree`` (of this layout's shapes and dtypes) with this layout's weak types."""
+        if self.weak is None:
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        leaves = [compat.weakly_typed(a) if w else a for a, w in zip(leaves, self.weak, strict=True)]
+        return jax.tree.unflatten(treedef, leaves)
 
     def demand(self) -> dict[tuple[np.dtype, Any], int]:
         """Elements needed per slot, ``(storage dtype, split)``, per shard of the slot's split;
@@ -63,7 +96,10 @@ class Layout(NamedTuple):
         return need
 
     def describe(self) -> str:
-        parts = [f"{d.name}{list(s)}" for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        parts = [
+            f"{'~' if w else ''}{d.name}{list(s)}"  # `~`: weakly typed, as JAX writes it
+            for s, d, w in zip(self.shapes, self.dtypes, self.leaf_weak(), strict=True)
+        ]
         return f"{jax.tree.unflatten(self.treedef, parts)}"
 
 
@@ -137,6 +173,7 @@ class Container(NamedTuple):
             leaf = jnp.asarray(leaf)
             if _is_key(leaf.dtype):
                 leaf = jax.random.key_data(leaf)
+            leaf = lax.convert_element_type(leaf, leaf.dtype)  # buffers are strongly typed
             parts[self._slot(leaf.dtype, split)].append(_to_blocks(leaf, split))
         buffers = []
         for dtype, shape, chunk in zip(self.dtypes, self.slot_shapes(), parts, strict=True):
@@ -179,7 +216,7 @@ class Container(NamedTuple):
             if _is_key(dtype):
                 leaf = jax.random.wrap_key_data(leaf, impl=dtype._impl)
             leaves.append(leaf)
-        return jax.tree.unflatten(layout.treedef, leaves)
+        return layout.retype(jax.tree.unflatten(layout.treedef, leaves))
 
 
 def _axes(names: tuple[str, ...]) -> Any:
@@ -227,6 +264,17 @@ def _from_blocks(block: jax.Array, shape: tuple[int, ...], split) -> jax.Array:
     x = x.reshape((*(shape[d] for d in dims), *(shape[d] for d in others)))
     inverse = np.argsort(dims + others)
     return jnp.transpose(x, list(inverse))
+
+
+def is_weak(x) -> bool:
+    """Whether a leaf (array, tracer, ``ShapeDtypeStruct`` or Python scalar) is weakly typed."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(x.weak_type)
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float, complex)):
+        return True
+    return bool(getattr(jax.typeof(x), "weak_type", False))
 
 
 def _is_key(dtype) -> bool:

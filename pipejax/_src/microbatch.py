@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pipejax._src import checks
 
 
 class Plan(NamedTuple):
@@ -26,6 +29,9 @@ class Plan(NamedTuple):
     num_micro: int  # m, micro-batches actually run (<= chunks)
     micro_size: int  # b, examples per micro-batch
     padding: int  # m * b - B, copied rows appended to the last micro-batch
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex)
 
 
 def batch_size(x: Any, *, name: str = "x") -> int:
@@ -38,6 +44,12 @@ def batch_size(x: Any, *, name: str = "x") -> int:
         )
     sizes = {}
     for path, leaf in leaves:
+        if not isinstance(leaf, _ARRAYS):
+            raise TypeError(
+                f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} is {type(leaf).__name__} "
+                f"{leaf!r}; `{name}` must be an array or a pytree of arrays whose leaves share a "
+                "leading batch axis (e.g. `{'mask': mask}` with `mask.shape == (batch, ...)`)."
+            )
         shape = jnp.shape(leaf)
         if len(shape) == 0:
             raise ValueError(
@@ -70,7 +82,13 @@ def check_side_batch(context: Any, batch: int) -> None:
 
 
 def plan(batch: int, chunks: int) -> Plan:
-    """The micro-batch plan for ``batch`` examples and ``chunks`` requested micro-batches."""
+    """The micro-batch plan for ``batch`` examples and ``chunks`` requested micro-batches.
+
+    >>> plan(10, 4)
+    Plan(batch=10, num_micro=4, micro_size=3, padding=2)
+    """
+    batch = checks.count(batch, "batch", what="the examples in the mini-batch")
+    chunks = checks.count(chunks, "chunks", what="the number of micro-batches per mini-batch")
     micro_size = math.ceil(batch / chunks)
     num_micro = math.ceil(batch / micro_size)
     return Plan(batch, num_micro, micro_size, num_micro * micro_size - batch)
@@ -98,6 +116,20 @@ def split(x: Any, chunks: int) -> tuple[Any, jax.Array, Plan]:
 
 def merge(ys: Any, p: Plan) -> Any:
     """Inverse of :func:`split`: ``(m, b, *rest)`` leaves back to ``(B, *rest)``, padding dropped."""
+    if not isinstance(p, Plan):
+        raise TypeError(
+            f"`p` must be the Plan that `split` returned (or `plan(batch, chunks)`), but got "
+            f"{type(p).__name__} {p!r}."
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(ys)[0]:
+        if tuple(jnp.shape(leaf)[:2]) != (p.num_micro, p.micro_size):
+            raise ValueError(
+                f"`ys` leaf {jax.tree_util.keystr(path) or '<root>'} has shape {jnp.shape(leaf)}, but "
+                f"the plan cuts a batch of {p.batch} into {p.num_micro} micro-batches of "
+                f"{p.micro_size}, so every leaf needs the leading axes ({p.num_micro}, "
+                f"{p.micro_size}). Merge with the plan that `split` returned for these "
+                f"micro-batches (`plan(batch, chunks)` of their batch)."
+            )
 
     def join(leaf):
         return leaf.reshape((p.num_micro * p.micro_size, *leaf.shape[2:]))[: p.batch]

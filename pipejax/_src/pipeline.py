@@ -49,7 +49,7 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
-import operator
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -58,9 +58,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, engine, keys, microbatch, placement, train
+from pipejax._src import checks, compat, engine, keys, microbatch, placement, train
 from pipejax._src import schedule as sched
-from pipejax._src.layout import Layout
+from pipejax._src.layout import Layout, is_weak
 from pipejax._src.placement import StageParams, stage_index
 from pipejax._src.placement import pack as pack_params
 
@@ -281,8 +281,7 @@ class Pipeline:
     ):
         self.homogeneous, self.stages = _check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
-        _check_schedule(schedule, repeats, self.num_stages)
-        repeats = _integer(repeats)
+        repeats = _check_schedule(schedule, repeats, self.num_stages)
         self.schedule_name = schedule
         self.repeats = repeats
         self.num_devices = self.num_stages // repeats  # devices along the stage axis
@@ -342,6 +341,7 @@ class Pipeline:
         """
         keys.check_key(key)
         _check_params_shape(params, self)
+        self._check_batch(x, context)
         if (
             self.mesh is not None
             and compat.is_explicit(self.mesh, self.axis_name)
@@ -529,6 +529,15 @@ class Pipeline:
             return jax.tree.map(lambda a: a[s], params)
         return params[s]
 
+    def _check_batch(self, x, context=None, targets=None) -> int:
+        """``x``'s batch size, checked with ``context``'s and ``targets``' (before tracing)."""
+        batch = microbatch.batch_size(x)
+        if context is not None:
+            microbatch.check_side_batch(context, batch)
+        if targets is not None:
+            train.check_targets(targets, batch)
+        return batch
+
     def schedule(self, batch: int) -> sched.Schedule:
         """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
 
@@ -624,6 +633,7 @@ class Pipeline:
         local = self.mesh is None
         if self.homogeneous:
             boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct, cs)
+            xs = boundaries[0].cast(xs)
             stages = engine.Homogeneous(
                 cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
             )
@@ -644,6 +654,9 @@ class Pipeline:
         ys, stats = engine.run(
             cfg, devices, stages, schedule, engine.Inputs(params, state, xs, (mask, cs), key)
         )
+        ys = boundaries[-1].retype(ys)  # the weak types of the last stage's output
+        if plan.padding:  # dropping padding rows cuts across a data axis's Explicit sharding
+            ys = compat.replicate(ys)
         y = microbatch.merge(ys, plan)
         return (y, stats) if self.stateful else y
 
@@ -683,9 +696,7 @@ def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
                 "`num_stages` (e.g. `pipeline(stage, num_stages=4)`). For different stages pass "
                 "a sequence of functions instead."
             )
-        count = _integer(num_stages)
-        if count is None or count < 1:
-            raise ValueError(f"`num_stages` must be an int >= 1, but got {num_stages!r}.")
+        count = checks.count(num_stages, "num_stages", what="the number of stages the function makes")
         return True, (stages,) * count
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
         raise TypeError(
@@ -710,40 +721,18 @@ def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
     return False, tuple(stages)
 
 
-def _integer(value) -> int | None:
-    """``value`` as a Python int if it is an integer of any integral type (``np.int64`` too), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check_chunks(chunks) -> int:
-    count = _integer(chunks)
-    if count is None:
-        raise TypeError(f"`chunks` must be an int >= 1, but got {type(chunks).__name__} {chunks!r}.")
-    if count < 1:
-        raise ValueError(
-            f"`chunks` must be >= 1 (the number of micro-batches per mini-batch), but got {chunks}."
-        )
-    return count
+    return checks.count(chunks, "chunks", what="the number of micro-batches per mini-batch")
 
 
-def _check_schedule(schedule, repeats, num_stages) -> None:
+def _check_schedule(schedule, repeats, num_stages) -> int:
+    """Validates the schedule name and ``repeats``; returns ``repeats`` as an int."""
     kinds = ", ".join(repr(k) for k in sched.KINDS + sched.TRAINING_KINDS)
     if not isinstance(schedule, str):
         raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
     if schedule not in sched.KINDS + sched.TRAINING_KINDS:
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
-    if _integer(repeats) is None:
-        raise TypeError(f"`repeats` must be an int >= 1, but got {type(repeats).__name__} {repeats!r}.")
-    repeats = _integer(repeats)
-    if repeats < 1:
-        raise ValueError(
-            f"`repeats` must be >= 1 (the number of stages each device holds), but got {repeats}."
-        )
+    repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
     if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
         raise ValueError(
             f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
@@ -756,6 +745,7 @@ def _check_schedule(schedule, repeats, num_stages) -> None:
             f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
             "change `repeats`."
         )
+    return repeats
 
 
 def _check_checkpoint(checkpoint, schedule: str):
@@ -777,8 +767,7 @@ def _check_checkpoint(checkpoint, schedule: str):
 
 
 def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
-    if not isinstance(axis_name, str):
-        raise TypeError(f"`axis_name` must be a str, but got {type(axis_name).__name__} {axis_name!r}.")
+    checks.axis_name(axis_name)
     if mesh is None:
         return
     if not isinstance(mesh, Mesh):
@@ -792,6 +781,7 @@ def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
             f"Add a stage axis of size {num_devices}, e.g. "
             f"`jax.make_mesh(({num_devices},), ({axis_name!r},))`, or pass `axis_name=`."
         )
+    _check_not_manual(mesh, axis_name, "axis_name")
     size = mesh.shape[axis_name]
     if size != num_devices and repeats > 1:
         raise ValueError(
@@ -809,15 +799,23 @@ def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
         )
 
 
+def _check_not_manual(mesh, name, arg) -> None:
+    if compat.is_manual(mesh, name):
+        shape = tuple(mesh.shape.values())
+        raise ValueError(
+            f"`mesh` axis {name!r} (`{arg}`) has type AxisType.Manual, but the pipeline runs its "
+            "own `shard_map` over its stage and data axes, so they must be Explicit (the default "
+            "of `jax.make_mesh`) or Auto. Build the mesh with `jax.make_mesh("
+            f"{shape}, {tuple(mesh.axis_names)})`, and call the pipeline outside any `shard_map` "
+            "over these axes."
+        )
+
+
 def _check_data_axis(data_axis_name, mesh, axis_name) -> int:
     """Validates the data axis; returns its size (1 without one)."""
     if data_axis_name is None:
         return 1
-    if not isinstance(data_axis_name, str):
-        raise TypeError(
-            f"`data_axis_name` must be a str or None, but got {type(data_axis_name).__name__} "
-            f"{data_axis_name!r}."
-        )
+    checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
     if mesh is None:
         raise ValueError(
             f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
@@ -835,6 +833,7 @@ def _check_data_axis(data_axis_name, mesh, axis_name) -> int:
             f"{tuple(mesh.axis_names)}). Add a data axis, e.g. `jax.make_mesh((2, "
             f"{mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))`, or pass its name."
         )
+    _check_not_manual(mesh, data_axis_name, "data_axis_name")
     if compat.is_explicit(mesh, data_axis_name) != compat.is_explicit(mesh, axis_name):
         raise ValueError(
             f"The data axis {data_axis_name!r} and the stage axis {axis_name!r} of `mesh` have "
@@ -854,7 +853,12 @@ def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
                 f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
             )
         if params.num_stages != n:
-            raise ValueError(f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages.")
+            raise ValueError(
+                f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages. Pack "
+                f"one entry per stage with this pipeline's `place` (`apply.place(per_stage_{name})`, "
+                f"a list of {n} pytrees), or unpack the StageParams (`{name}.unpack()`) and fix "
+                "its list of stages."
+            )
         return
     if pipe.homogeneous:
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
@@ -983,11 +987,17 @@ def _leaf_specs(pipe, params, splits):
 
 
 def _struct(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+    return jax.tree.map(lambda a: _shape_struct(a, jnp.shape(a)), tree)
+
+
+def _shape_struct(a, shape):
+    """The type of leaf ``a`` with ``shape``: its dtype and weak type (a Python float parameter
+    keeps a bfloat16 activation bfloat16, as outside the pipeline)."""
+    return jax.ShapeDtypeStruct(shape, jnp.result_type(a), weak_type=is_weak(a))
 
 
 def _micro_struct(xs):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
+    return jax.tree.map(lambda a: _shape_struct(a, a.shape[1:]), xs)
 
 
 def _mask_struct(xs, pipe):
@@ -1005,6 +1015,7 @@ def _stage_output(
     stage = pipe.stages[s]
     args = (p_struct, in_struct, key_struct) + ((st_struct, mask_struct) if pipe.stateful else ())
     kwargs = {} if ctx_struct is None else {"context": ctx_struct}
+    _check_signature(stage, s, pipe, args, kwargs)
     try:
         out = jax.eval_shape(lambda a, kw: stage(*a, **kw), args, kwargs)
     except Exception as err:
@@ -1036,6 +1047,28 @@ def _stage_output(
     return Layout.of(out), Layout.of(stats)
 
 
+def _check_signature(stage, s: int, pipe, args, kwargs) -> None:
+    """A stage whose signature cannot take the pipeline's arguments: say how stages are called
+    (``inspect.signature`` binds ``*args``, defaults and ``functools.partial`` as a call would;
+    callables without a signature are left to the call)."""
+    try:
+        signature = inspect.signature(stage)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        want = "params, x, key, state, mask" if pipe.stateful else "params, x, key"
+        side = " and the keyword argument `context=` (the call passes `context`)" if kwargs else ""
+        name = getattr(stage, "__qualname__", type(stage).__name__)
+        raise TypeError(
+            f"Stage {s}, `{name}{signature}`, cannot be called with the arguments every stage "
+            f"takes, `({want})`{side}: {err}. A stage that needs no randomness still takes `key` "
+            "and ignores it (`key` is None when the pipeline is called without one), e.g. "
+            "`def stage(params, x, key): ...` or `lambda p, x, key: ...`."
+        ) from None
+
+
 def _stage_error(err: Exception, s: int, in_struct) -> Exception:
     """What to raise when stage ``s`` fails while its output type is inferred (``eval_shape``).
 
@@ -1062,7 +1095,7 @@ def _stage_error(err: Exception, s: int, in_struct) -> Exception:
             "`jnp.where`, `lax.cond` or `lax.select`."
         )
         return err
-    if type(err) in (TypeError, ValueError) and _raised_in_jax(err):
+    if type(err) in (TypeError, ValueError) and checks.raised_in_jax(err):
         where = "`x`" if s == 0 else f"stage {s - 1}"
         return ValueError(
             f"Stage {s} could not be applied to {source}, whose type is "
@@ -1071,17 +1104,6 @@ def _stage_error(err: Exception, s: int, in_struct) -> Exception:
         )
     err.add_note(seen)
     return err
-
-
-def _raised_in_jax(err: Exception) -> bool:
-    """Whether the innermost frame of ``err``'s traceback is in JAX's own code."""
-    tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-    return "/jax/" in filename or "/jaxlib/" in filename
 
 
 def _per_stage_structs(tree, n):
@@ -1118,19 +1140,21 @@ def _homogeneous_boundaries(pipe, params, state, xs, key_struct, cs=None) -> tup
     lead = 2 if pipe.mesh is not None and pipe.repeats > 1 else 1  # (v, n, ...) on a circular mesh
 
     def unstacked(tree):  # one stage's slice of a stacked pytree
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), tree)
+        return jax.tree.map(lambda a: _shape_struct(a, jnp.shape(a)[lead:]), tree)
+
+    def output(in_struct):
+        p, st, mask, c = unstacked(params), unstacked(state), _mask_struct(xs, pipe), _micro_struct(cs)
+        return _stage_output(0, pipe, p, st, in_struct, key_struct, mask, c)
 
     layout_in = Layout.of(in_struct)
-    layout_out, stats = _stage_output(
-        0,
-        pipe,
-        unstacked(params),
-        unstacked(state),
-        in_struct,
-        key_struct,
-        _mask_struct(xs, pipe),
-        _micro_struct(cs),
-    )
+    layout_out, stats = output(in_struct)
+    if layout_out != layout_in and layout_out.strong() == layout_in.strong():
+        # a weak type gained or lost (weakly typed x such as `jnp.arange(8) / 2` meeting strong
+        # parameters, or `(x > 0) * 1.5`): the activation travels strongly typed between stages
+        # (the caller casts x: `Layout.cast`), like the stacked stages of `lax.scan`
+        layout_in = layout_in.strong()
+        layout_out, stats = output(layout_in.structs())
+        layout_out = layout_out.strong()
     if layout_out != layout_in:
         raise ValueError(
             "Homogeneous stages must return activations of the type they take, so that each "

@@ -27,9 +27,12 @@ With ``v = 1`` the circular table is GPipe's.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
+
+from pipejax._src import checks
 
 KINDS = ("gpipe", "circular")
 
@@ -77,8 +80,37 @@ class Schedule(NamedTuple):
         return float((self.table < 0).mean())
 
 
+def _counts(**values) -> list[int]:
+    """Each argument as an int >= 1 (the one check of every constructor here), in order."""
+    what = {
+        "num_stages": "the stages of the model",
+        "num_devices": "the devices along the stage axis",
+        "num_micro": "the number of micro-batches",
+        "repeats": "the stages each device holds",
+    }
+    return [checks.count(v, name, what=what.get(name, "")) for name, v in values.items()]
+
+
+def _costs(**values) -> list[float]:
+    """Slot costs: finite numbers >= 0, not all zero."""
+    out = []
+    for name, v in values.items():
+        if isinstance(v, (bool, str, bytes)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"`{name}` must be a number >= 0 (a slot's cost), but got {type(v).__name__} {v!r}."
+            )
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"`{name}` must be a finite number >= 0 (a slot's cost), but got {v!r}.")
+        out.append(float(v))
+    if not any(out):
+        names = ", ".join(f"`{n}`" for n in values)
+        raise ValueError(f"The slot costs {names} are all 0; give at least one a positive cost.")
+    return out
+
+
 def gpipe(num_stages: int, num_micro: int) -> Schedule:
     """The GPipe fill-drain schedule for ``num_stages`` stages and ``num_micro`` micro-batches."""
+    num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
     return circular(num_stages, num_micro, 1)
 
 
@@ -98,7 +130,7 @@ def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
       >>> s.bubble_fraction(), circular_bubble_fraction(2, 2, 2)
       (0.2, 0.2)
     """
-    n, m, v = num_devices, num_micro, repeats
+    n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
     slots = m if v == 1 else max(m, n)
     ticks = np.arange(v * slots + n - 1)[:, None]
     devices = np.arange(n)[None, :]
@@ -120,12 +152,14 @@ def sequential(num_stages: int, num_micro: int) -> Schedule:
     >>> s.table.T.tolist(), s.stages().T.tolist(), s.bubble_fraction()
     ([[0, 1], [0, 1], [0, 1]], [[0, 0], [1, 1], [2, 2]], 0.0)
     """
+    num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
     table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], (num_micro, num_stages))
     return Schedule(table=np.array(table), num_micro=num_micro, fill_ticks=0)
 
 
 def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
     """GPipe's ideal bubble fraction, ``(n - 1) / (m + n - 1)``."""
+    num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
     return (num_stages - 1) / (num_micro + num_stages - 1)
 
 
@@ -136,7 +170,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
     bubble is ``1 - v m / (v n + n - 1)`` instead; :meth:`Schedule.bubble_fraction` gives the
     exact value of any table.
     """
-    n, m, v = num_devices, num_micro, repeats
+    n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
     return (n - 1) / (v * m + n - 1)
 
 
@@ -240,6 +274,7 @@ class TrainingSchedule(NamedTuple):
         """The lockstep time of the table: every tick lasts as long as its busiest device, which
         spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (for "1f1b" pass the
         whole backward as ``b``)."""
+        f, b, w = _costs(f=f, b=b, w=w)
         cost = f * (self.forward >= 0) + b * (self.backward >= 0)
         if self.weight is not None:
             cost = cost + w * (self.weight >= 0)
@@ -247,6 +282,7 @@ class TrainingSchedule(NamedTuple):
 
     def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
         """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
+        f, b, w = _costs(f=f, b=b, w=w)
         slots = self.slots()
         busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
         return float(1.0 - busy / self.step_time(f, b, w))
@@ -298,9 +334,15 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> T
       >>> s.slots()["F"].tolist(), s.stash_slots()
       ([4, 4], 2)
     """
-    n, m, v = num_devices, num_micro, repeats
+    n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
     if m % n:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches ({m}) to be a multiple of n = {n}")
+        up = -(-m // n) * n
+        near = sorted({c for c in (up - n, up) if c > 0}, key=lambda c: (abs(c - m), c))
+        fix = " or ".join(f"`num_micro={c}`" for c in near)
+        raise ValueError(
+            f"Interleaved 1F1B sends micro-batches round the {n} devices in groups of {n}, so "
+            f"`num_micro` must be a multiple of `num_devices={n}`, but got {m}. Use {fix}."
+        )
     S = n * v
     i = np.arange(m)
     base = (i // n) * n * v + i % n
@@ -321,6 +363,20 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> T
 def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> TrainingSchedule:
     """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`) for ``num_stages`` stages
     (``num_stages / repeats`` devices for "interleaved-1f1b")."""
+    if name not in TRAINING_KINDS:
+        kinds = ", ".join(repr(k) for k in TRAINING_KINDS)
+        raise ValueError(f"`name` must be one of {kinds}, but got {name!r}.")
+    num_stages, num_micro, repeats = _counts(num_stages=num_stages, num_micro=num_micro, repeats=repeats)
+    if name != "interleaved-1f1b" and repeats != 1:
+        raise ValueError(
+            f"`repeats={repeats}` needs `name='interleaved-1f1b'`; {name!r} runs one stage per device."
+        )
+    if num_stages % repeats:
+        raise ValueError(
+            f"`num_stages={num_stages}` must be a multiple of `repeats={repeats}` (each device "
+            f"holds {repeats} stages); use {repeats * max(1, round(num_stages / repeats))} stages "
+            "or change `repeats`."
+        )
     if name == "interleaved-1f1b":
         return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats)
     return _training_table(name, num_stages, num_micro)
@@ -328,6 +384,7 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> Tr
 
 def _training_table(name, n, m) -> TrainingSchedule:
     assert name in ("1f1b", "zb-h1"), name
+    n, m = _counts(num_stages=n, num_micro=m)
     ticks = m + 2 * (n - 1)
     t = np.arange(ticks)[:, None]
     s = np.arange(n)[None, :]
@@ -348,5 +405,6 @@ def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w
     backward) is GPipe's ``(n - 1) / (m + n - 1)``; the ``n - 1`` deferred W's of each device run
     in the drain, where they cost nothing extra.
     """
-    n, m = num_stages, num_micro
+    n, m = _counts(num_stages=num_stages, num_micro=num_micro)
+    f, b, w = _costs(f=f, b=b, w=w)
     return (n - 1) * (f + b) / ((m + n - 1) * (f + b) + m * w)

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine, keys, microbatch
 from pipejax._src import schedule as sched
-from pipejax._src.layout import Container, Layout
+from pipejax._src.layout import Container, Layout, is_weak
 from pipejax._src.placement import StageParams
 
 PyTree = Any
@@ -89,6 +89,8 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
     def f(params, x, targets, key=None, *, state=None, context=None):
         keys.check_key(key)
         _check_params(pipe, params)
+        _check_float_params(params)
+        pipe._check_batch(x, context, targets)
         if state is not None:
             if not pipe.stateful:
                 raise TypeError(
@@ -141,9 +143,12 @@ def per_example(loss_fn, outputs, targets, size: int, batch: int):
     weights = None
     if isinstance(out, (tuple, list)) and len(out) == 2:
         out, weights = out
-    where = f"one per example: shape ({size},)"
+    where = f"one per example of the batch of {batch}: shape ({size},)"
     if size != batch:
-        where += f" for each micro-batch of {size} examples (the batch of {batch} is cut into micro-batches)"
+        where += (
+            f" per call, as `loss_fn` sees the batch of {batch} in micro-batches of {size} "
+            "examples under this schedule"
+        )
     for name, a in (("losses", out), ("weights", weights)):
         if a is None:
             continue
@@ -162,6 +167,21 @@ def per_example(loss_fn, outputs, targets, size: int, batch: int):
                 "boolean losses). Return a float loss, e.g. cast with `.astype(jnp.float32)`."
             )
     return out, weights
+
+
+def _check_float_params(params) -> None:
+    """Every schedule differentiates every parameter leaf, so each must be floating point (the
+    rule of ``jax.grad``, which GPipe's backward applies; one message for every schedule)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"`params` leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}, but "
+                "`value_and_grad` differentiates every parameter, so every leaf must be floating "
+                "point (`jax.grad`'s rule, under every schedule). Make it a float (e.g. `2.0`, "
+                "`jnp.asarray(p, jnp.float32)`), or move integer constants out of `params` (into "
+                "the stage function, or `context=`)."
+            )
 
 
 def _check_params(pipe, params, name="params"):
@@ -212,8 +232,10 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
             if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
         ]
         fix = "a batch of at least that many examples"
-        if fits:
-            fix = f"e.g. `chunks={min(fits, key=lambda c: (abs(c - pipe.chunks), c))}` for this batch"
+        if fits:  # nearest first
+            best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
+            also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
+            fix = f"e.g. `chunks={best}`{also} for this batch"
         raise ValueError(
             f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
             f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
@@ -231,11 +253,13 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     state_r = pl._runner_form(pipe, state) if pipe.stateful else None
     if pipe.homogeneous:
         boundaries, stats_layouts = pl._homogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
+        xs = boundaries[0].cast(xs)
     else:
         boundaries, stats_layouts = pl._heterogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype), y_struct
+        lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype, weak_type=a.weak_type),
+        y_struct,
     )
     _, weights = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
@@ -297,7 +321,7 @@ def check_targets(targets, batch: int) -> None:
 
 
 def _micro(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=is_weak(a)), tree)
 
 
 class _Program:

@@ -166,7 +166,7 @@ class Chain:
             return
         before = Layout.of(x)
         after = Layout.of(jax.eval_shape(lambda p, h, k: block(p, h, k)[0], params_r, x, key_r))
-        if after != before:
+        if after.strong() != before.strong():  # weak types aside
             raise ValueError(
                 f"With repeat={self.repeat} the layers of a Chain must map `{arg}` to a value of the same "
                 f"shape and dtype, but in Chain.{where} they map {before.describe()} to {after.describe()}. "
@@ -231,7 +231,7 @@ class Chain:
         keys = jax.random.split(key, (self.repeat, len(self.layers)))  # one draw: compiles once
         if self.repeat > 1:
             before, after = Layout.of(x), Layout.of(jax.eval_shape(body, x, keys[0])[0])
-            if after != before:
+            if after.strong() != before.strong():  # weak types aside
                 raise ValueError(
                     f"With repeat={self.repeat} the layers of a Chain must map `x` to a value of the same "
                     f"shape and dtype, but they map {before.describe()} to {after.describe()}. Put "
