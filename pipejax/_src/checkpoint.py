@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pipejax._src.keys import check_key
+from pipejax._src import checks
 from pipejax._src.layout import Layout
 from pipejax._src.schedule import Schedule
 
@@ -217,10 +217,7 @@ def checkpoint_sequential(
     References:
       Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016.
     """
-    if not callable(layer):
-        raise TypeError(
-            f"`layer` must be a callable `layer(params_l, x, key_l) -> x`, but got {type(layer).__name__}."
-        )
+    checks.check_callable(layer, "layer", "layer(params_l, x, key_l) -> x")
     if segments is not None:
         if isinstance(segments, bool) or not isinstance(segments, int):
             raise TypeError(f"`segments` must be an int >= 1 or None, but got {segments!r}.")
@@ -242,7 +239,12 @@ def checkpoint_sequential(
 
     def apply(stacked_params: Any, x: Any, key: jax.Array | None = None) -> Any:
         num_layers = _num_layers(stacked_params)
-        _check_key(key)
+        checks.check_key(
+            key,
+            where="checkpoint_sequential's apply",
+            batch_fix="Layer l draws from `jax.random.fold_in(key, l)`; for one key per example or per run, "
+            "map over the keys: `jax.vmap(apply, in_axes=(None, 0, 0))(params, x, keys)`.",
+        )
         _check_layer_keeps_type(layer, stacked_params, x, key)
         count = min(segments or default_segments(num_layers), num_layers)
         size = -(-num_layers // count)  # layers per full segment
@@ -302,19 +304,6 @@ def _num_layers(stacked_params: Any) -> int:
     if num_layers == 0:
         raise ValueError("`stacked_params` has zero layers (leading axis 0); pass at least one.")
     return num_layers
-
-
-def _check_key(key: Any) -> None:
-    """One key (or None): a batch of keys would reach ``fold_in`` and fail there without context."""
-    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    if (typed and shape != ()) or (dtype == jnp.uint32 and shape is not None and len(shape) > 1):
-        raise TypeError(
-            f"`key` of checkpoint_sequential's apply must be one PRNG key (layer l draws from "
-            f"`jax.random.fold_in(key, l)`), but got a batch of keys of shape {shape}. For one key per "
-            "example or per run, map over the keys: `jax.vmap(apply, in_axes=(None, 0, 0))(params, x, keys)`."
-        )
-    check_key(key, name="key")
 
 
 def _check_layer_keeps_type(layer, stacked_params, x, key) -> None:

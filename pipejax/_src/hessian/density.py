@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
 from pipejax._src.hessian.lanczos import (
     Progress,
     Reorth,
@@ -114,8 +115,8 @@ def density(
     """
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
-    num_runs = check_count("num_runs", num_runs, 1)
-    num_steps = check_count("num_steps", num_steps, 1)
+    num_runs = checks.check_int(num_runs, "num_runs", 1)
+    num_steps = checks.check_int(num_steps, "num_steps", 1)
     masks, n = dimension(params, blocks)
     if num_steps > n:
         raise ValueError(

@@ -15,6 +15,7 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 
 PyTree = Any
@@ -209,8 +210,7 @@ class _Product:
 
 
 def check_curvature(loss: Any, curvature: Any) -> _Product:
-    if not callable(loss):
-        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    checks.check_callable(loss, "loss", "loss(params, *args) -> scalar")
     if isinstance(loss, _Product):
         return loss
     if curvature not in CURVATURES:
@@ -235,37 +235,17 @@ def check_mode(mode: Any) -> None:
         )
 
 
-def check_count(name: str, value: Any, minimum: int, rule: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be at least {minimum}{rule}, got {value}.")
-    return int(value)
+KEY_PURPOSE = "Random probes and start vectors are drawn from it; pass a fresh key, not a seed or an array."
 
 
 def check_key(key: Any, name: str = "key") -> jax.Array:
     """A single PRNG key (typed, or a legacy ``uint32[2]`` one, which is wrapped)."""
-    dtype = getattr(key, "dtype", None)
-    shape = getattr(key, "shape", None)
-    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        if shape != ():
-            raise TypeError(
-                f"`{name}` must be one PRNG key, got an array of keys of shape {shape}. Pass a "
-                f"single key, e.g. `{name}=jax.random.key(0)`."
-            )
-        return key
-    if dtype == jnp.uint32 and shape == (2,):
-        return jax.random.wrap_key_data(key)
-    raise TypeError(
-        f"`{name}` must be a PRNG key such as `jax.random.key(0)`, got {key!r}. Random probes and "
-        "start vectors are drawn from it; pass a fresh key, not a seed or an array."
-    )
+    return checks.typed_key(checks.check_key(key, name=name, optional=False, purpose=KEY_PURPOSE))
 
 
 def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> None:
     """The loss must return one real floating-point scalar, and params must be floating point."""
-    if not callable(loss):
-        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    checks.check_callable(loss, "loss", "loss(params, *args) -> scalar")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             raise TypeError(
@@ -435,7 +415,7 @@ def stream(source: Any, num_batches: int) -> Stream:
       >>> bool(jnp.allclose(streamed, hvp(loss, jnp.zeros(2), v, x)))
       True
     """
-    num_batches = check_count("num_batches", num_batches, 1)
+    num_batches = checks.check_int(num_batches, "num_batches")
     if not (callable(source) or hasattr(source, "__iter__")):
         raise TypeError(
             f"`source` of stream must be a function returning an iterator of batches or a re-iterable, "

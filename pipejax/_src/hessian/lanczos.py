@@ -25,9 +25,10 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
 
 PyTree = Any
 Progress = bool | Callable[[str, int, int], None]
@@ -288,7 +289,7 @@ def _lanczos(
     basis, which is only written, and read by the passes.
     """
     pin = (lambda v, lead=0: v) if constrain is None else constrain
-    m = check_count("num_steps", num_steps, 1)
+    m = checks.check_int(num_steps, "num_steps", 1)
     check_reorth(reorthogonalise)
     n = tree.size(v0)
     if m > n:
@@ -538,14 +539,14 @@ def eigenvalues(
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     masks, n = dimension(params, blocks)
-    k = check_count("k", k, 1)
+    k = checks.check_int(k, "k", 1)
     if k > n:
         raise ValueError(f"`k` must be at most the number of parameters {n}, got k={k}.")
     if which not in ("LA", "LM"):
         raise ValueError(
             f"`which` must be 'LA' (largest algebraic) or 'LM' (largest magnitude), got {which!r}."
         )
-    m = min(n, max(90, 4 * k)) if num_steps is None else check_count("num_steps", num_steps, 1)
+    m = min(n, max(90, 4 * k)) if num_steps is None else checks.check_int(num_steps, "num_steps", 1)
     if m < k:
         raise ValueError(
             f"`num_steps` must be at least `k` (Lanczos gives num_steps Ritz values), got "

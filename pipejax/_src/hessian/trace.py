@@ -8,9 +8,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
 from pipejax._src.hessian.lanczos import Progress, report
 
 PyTree = Any
@@ -84,7 +85,7 @@ def trace(
     if method not in ("hutchinson", "hutch++"):
         raise ValueError(f"`method` must be 'hutchinson' or 'hutch++', got {method!r}.")
     minimum = 2 if method == "hutchinson" else 4
-    num_probes = check_count("num_probes", num_probes, minimum, f" for method={method!r}")
+    num_probes = checks.check_int(num_probes, "num_probes", minimum, rule=f" for method={method!r}")
     masks, n = dimension(params, blocks)
     if method == "hutch++" and num_probes // 3 > n:
         raise ValueError(

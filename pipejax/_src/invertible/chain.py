@@ -214,9 +214,7 @@ class Chain:
         Layers are initialised in order on the batch as transformed by the layers before them, so
         data-dependent initialisation (``ActNorm``) sees the activations it will normalise.
         """
-        if key is None:
-            raise TypeError("`key` of Chain.init must be a PRNG key (e.g. jax.random.key(0)), but got None.")
-        check_key(key, "Chain.init")
+        check_key(key, "Chain.init", optional=False)
         self._check_x(x, "init", "x")
 
         def body(h, keys_r):

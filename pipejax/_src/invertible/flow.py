@@ -58,9 +58,7 @@ def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any 
       >>> bool(jnp.all((y >= -0.5) & (y < 0.5)))
       True
     """
-    check_key(key, "dequantize")
-    if key is None:
-        raise TypeError("`key` of dequantize must be a PRNG key for the uniform noise, but got None.")
+    check_key(key, "dequantize", optional=False)
     if not (isinstance(num_bins, int) and num_bins >= 2):
         raise ValueError(f"`num_bins` of dequantize must be an int >= 2, but got {num_bins!r}.")
     noise = jax.random.uniform(key, jnp.shape(x), dtype)
@@ -173,9 +171,7 @@ class Flow:
         ``temperature < 1`` trades diversity for sample quality (Glow's reduced-temperature
         sampling). ``layer_key`` feeds the layers' randomness (``None``: no dropout).
         """
-        check_key(key, "Flow.sample")
-        if key is None:
-            raise TypeError("`key` of Flow.sample must be a PRNG key, but got None.")
+        check_key(key, "Flow.sample", optional=False)
         if not (isinstance(num_samples, int) and num_samples >= 1):
             raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
         self._check_params(params, "sample")
