@@ -253,7 +253,16 @@ def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> N
                 f"dtype {jnp.result_type(leaf)}. Take the Hessian with respect to the float leaves "
                 "only (close over the others in `loss`)."
             )
-    out = jax.eval_shape(loss, params, *args)
+    try:
+        out = jax.eval_shape(loss, params, *args)
+    except Exception as err:  # the user's own error keeps its type; say what it was called with
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+        err.add_note(
+            f"pipejax.hessian: raised by `loss(params, *args)` called with params {shapes} and "
+            f"{len(args)} batch argument(s). Check that `params` is the tree `loss` reads (its keys and "
+            "shapes) and that the batch matches `loss`'s arguments."
+        )
+        raise
     scalar = isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
     if not (scalar and jnp.issubdtype(out.dtype, jnp.floating)):
         raise ValueError(
@@ -329,7 +338,21 @@ class Stream:
 
     def __init__(self, source: Any, num_batches: int):
         self.source, self.num_batches = source, num_batches
-        first = next(self._fresh())
+        self.error: Exception | None = None  # what the last fetch raised (see `reading`)
+        size = len(source) if hasattr(source, "__len__") else None
+        if size is not None and 0 < size < num_batches:
+            raise ValueError(
+                f"`source` of stream holds {size} batches, fewer than num_batches={num_batches}; pass "
+                f"num_batches={size} or a longer source."
+            )
+        try:
+            first = next(self._fresh())
+        except StopIteration:
+            raise ValueError(
+                f"`source` of stream gave no batch: it is empty (num_batches={num_batches}). Pass a "
+                "function returning a fresh iterator of batches each time (e.g. `lambda: loader.epoch()`) "
+                "or a non-empty re-iterable; a one-shot iterator that was already read is empty."
+            ) from None
         self.example = first if isinstance(first, tuple) else (first,)
         self.struct = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.example
@@ -342,7 +365,13 @@ class Stream:
         return iter(self.source() if callable(self.source) else self.source)
 
     def _fetch(self, j: np.ndarray) -> Any:
-        j = int(j)
+        try:
+            return self._read(int(j))
+        except Exception as err:  # io_callback wraps it in a runtime error; `reading` re-raises it
+            self.error = err
+            raise
+
+    def _read(self, j: int) -> Any:
         if j == 0:  # every pass over the dataset (one per product) starts a fresh iterator
             self._it, self._next = self._fresh(), 0
         if j != self._next:
@@ -351,7 +380,9 @@ class Stream:
             batch = next(self._it)
         except StopIteration:
             raise ValueError(
-                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches."
+                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches. "
+                "Pass the number of batches one pass of the source gives, or a source that gives a fresh "
+                "iterator on every pass (a function, or a list): each product reads the whole dataset."
             ) from None
         self._next += 1
         batch = batch if isinstance(batch, tuple) else (batch,)
@@ -380,6 +411,21 @@ class Stream:
 jax.tree_util.register_pytree_node(Stream, lambda s: ((), s), lambda s, _: s)
 
 
+def reading(groups: Any, program: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``program(*args, **kwargs)``, waited for; when it reads a :class:`Stream` whose source
+    failed (ended early, a batch of other shapes), the source's own error is raised, not the
+    runtime error that carried it out of the compiled loop."""
+    if not isinstance(groups, Stream):
+        return program(*args, **kwargs)
+    groups.error = None
+    try:
+        return jax.block_until_ready(program(*args, **kwargs))
+    except jax.errors.JaxRuntimeError as err:
+        if groups.error is None:
+            raise
+        raise groups.error from err
+
+
 def stream(source: Any, num_batches: int) -> Stream:
     """A dataset read batch by batch during each product, for ``data=``: nothing is held in memory.
 
@@ -401,8 +447,9 @@ def stream(source: Any, num_batches: int) -> Stream:
 
     Raises:
       TypeError: ``num_batches`` not an int.
-      ValueError: ``num_batches < 1``; at run time, a source that ends early or a batch whose
-        shapes differ from the first.
+      ValueError: ``num_batches < 1``; an empty source, or one with a length below
+        ``num_batches``; while a product runs, a source that ends early or a batch whose shapes
+        differ from the first (raised by the function that was given ``data=``, as itself).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -582,9 +629,10 @@ def hvp(
       >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x).tolist()
       [2.0, 4.0]
     """
+    check_vector(v, params)  # before the loss runs: a mismatch is shown as both trees
     op = make_operator(loss, params, args, data, mode, curvature=curvature)
-    check_vector(v, params)
-    return tree.cast(_hvp_jit(op.loss, op.mode, params, v, args, op.groups, op.dtype), params)
+    out = reading(op.groups, _hvp_jit, op.loss, op.mode, params, v, args, op.groups, op.dtype)
+    return tree.cast(out, params)
 
 
 def _hvp_impl(loss, mode, params, v, args, groups, dtype):

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, report
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
+from pipejax._src.hessian.lanczos import Progress, check_progress, report
 
 PyTree = Any
 
@@ -80,6 +80,7 @@ def trace(
       smoothing splines*, 1989. Meyer, Musco, Musco and Woodruff, *Hutch++: Optimal Stochastic
       Trace Estimation*, SOSA 2021.
     """
+    check_progress(progress)
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     if method not in ("hutchinson", "hutch++"):
@@ -92,7 +93,8 @@ def trace(
             f"`num_probes` // 3 (the Hutch++ sketch size) must be at most the number of parameters "
             f"{n}, got num_probes={num_probes}."
         )
-    return _trace_jit(
+    return reading(
+        op.groups, _trace_jit,
         op.loss, op.mode, op.dtype, method, num_probes, progress, tree.layout(params),
         params, args, op.groups, masks, key,
     )  # fmt: skip
