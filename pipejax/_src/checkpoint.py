@@ -199,11 +199,18 @@ def checkpoint_sequential(
         divisor of ``L`` (see :func:`default_segments`). More segments than layers give one layer
         per segment.
       policy: an optional ``jax.checkpoint`` policy for what each segment may save besides its
-        input (e.g. ``jax.checkpoint_policies.dots_saveable``).
+        input (e.g. ``jax.checkpoint_policies.dots_saveable``): a function, not one of the
+        pipeline's checkpoint mode names (``None`` is the pipeline's ``"always"``).
 
     Returns:
       ``apply(stacked_params, x, key=None)``, where every leaf of ``stacked_params`` has a leading
       axis of length ``L`` (layer ``l`` gets ``tree.map(lambda a: a[l], stacked_params)``).
+
+    Raises:
+      TypeError: ``layer`` not callable, ``segments`` not an int, ``policy`` a string or another
+        non-policy; from ``apply``, a ``key`` that is not one PRNG key.
+      ValueError: ``segments < 1``; from ``apply``, parameters without one leading layer axis,
+        or a ``layer`` that changes the activation's type.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -226,6 +233,7 @@ def checkpoint_sequential(
                 f"`segments` must be >= 1 (the number of checkpointed segments), but got {segments}; "
                 "pass None for about sqrt(L)."
             )
+    _check_policy(policy)
     remat = _remat(policy)
 
     def step(carry, xs, key):
@@ -263,6 +271,26 @@ def checkpoint_sequential(
         return x
 
     return apply
+
+
+def _check_policy(policy: Any) -> None:
+    """``policy`` of checkpoint_sequential: ``None`` or a ``jax.checkpoint`` policy (a function)."""
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return
+    if isinstance(policy, str):
+        raise TypeError(
+            f"`policy` of checkpoint_sequential must be None or a jax.checkpoint policy (a function "
+            f"from jax.checkpoint_policies), but got the string {policy!r}. Segments are always "
+            "checkpointed; the policy says what else a segment may save: None (the default) saves "
+            "only the segment's input, as the pipeline's checkpoint='always' does; "
+            "`jax.checkpoint_policies.dots_saveable` also saves matmul outputs; "
+            "`jax.checkpoint_policies.everything_saveable` saves everything (no recomputation, as "
+            "checkpoint='never'; then plain jax.lax.scan is simpler)."
+        )
+    raise TypeError(
+        f"`policy` of checkpoint_sequential must be None or a jax.checkpoint policy such as "
+        f"`jax.checkpoint_policies.dots_saveable`, but got {type(policy).__name__} {policy!r}."
+    )
 
 
 def default_segments(num_layers: int) -> int:

@@ -352,6 +352,9 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     Returns:
       ``tree`` with the same structure.
 
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. an axis name).
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> from pipejax.flax import on_mesh
@@ -359,6 +362,13 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> on_mesh({"w": jnp.ones(3)}, mesh)["w"].sharding.spec
       P()
     """
+    if not isinstance(mesh, Mesh):
+        named = isinstance(mesh, str)
+        hint = " An axis name is not a mesh: pass the Mesh that axis belongs to." if named else ""
+        raise TypeError(
+            f"`mesh` of on_mesh must be a jax.sharding.Mesh (the pipeline's mesh, e.g. "
+            f"`jax.make_mesh((2,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}.{hint}"
+        )
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
 
