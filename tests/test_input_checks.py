@@ -338,3 +338,18 @@ def test_linen_from_sequential_checks_the_tree():
     with pytest.raises(Exception, match=r"collection is empty") as info:
         pipe.apply(variables, x)
     assert any("layer 2 (_Gained)" in note and "from_sequential" in note for note in info.value.__notes__)
+
+
+def test_siblings_train_flag_temperature_and_dtype():
+    with pytest.raises(TypeError, match=r"`train` of batch_norm must be True or False, but got str 'False'"):
+        pj.batch_norm(jnp.ones((2, 3)), pj.batch_norm_init(3), train="False")  # a truthy string trained
+    with pytest.raises(TypeError, match=r"`unbiased` of batch_norm_update must be True or False"):
+        pj.batch_norm_update(pj.batch_norm_init(3), pj.moments(jnp.ones((2, 3))), unbiased=None)
+    flow = inv.Flow(inv.AdditiveCoupling(hidden=4), event_shape=(2,))
+    params = flow.init(KEY, jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match=r"`temperature` of Flow.sample must be a scalar >= 0.*-1.0"):
+        flow.sample(params, KEY, 2, temperature=-1.0)
+    with pytest.raises(TypeError, match=r"`temperature` of Flow.sample must be a scalar >= 0.*'hot'"):
+        flow.sample(params, KEY, 2, temperature="hot")
+    with pytest.raises(TypeError, match=r"`dtype` of dequantize must be a floating dtype"):
+        inv.dequantize(jnp.zeros((2, 3), jnp.int32), KEY, dtype=jnp.int32)

@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pipejax._src import checks
+
 
 class BatchStats(NamedTuple):
     """The running statistics of one BatchNorm layer: its state.
@@ -239,6 +241,7 @@ def batch_norm_update(
             f"`momentum` must be a float in [0, 1] (Flax convention: the weight of the old running "
             f"statistics; PyTorch's momentum=0.1 is 0.9 here), but got {momentum!r}."
         )
+    checks.check_bool(unbiased, "unbiased", "batch_norm_update")
     if jnp.ndim(stats.count) == 1:
         stats = merge_moments(stats)
     elif jnp.ndim(stats.count) != 0:
@@ -309,6 +312,7 @@ def batch_norm(
       >>> y.tolist(), mom.mean.tolist()
       ([[-1.0, -1.0], [1.0, 1.0]], [1.0, 3.0])
     """
+    checks.check_bool(train, "train", "batch_norm")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(

@@ -287,7 +287,8 @@ class NNXPipeline(nnx.Module):
           >>> x, t = jnp.ones((5, 4)), jnp.zeros((5, 8))
           >>> sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)  # one loss per example
           >>> loss, grads = pipe.value_and_grad(sq)(x, t)
-          >>> loss_ref, grads_ref = nnx.value_and_grad(lambda m: sq(m(x), t).mean())(pipe)
+          >>> gpipe = NNXPipeline(layers, balance=[2, 1], chunks=3)  # its forward call differentiates
+          >>> loss_ref, grads_ref = nnx.value_and_grad(lambda m: sq(m(x), t).mean())(gpipe)
           >>> bool(jnp.allclose(loss, loss_ref))
           True
           >>> jax.tree.structure(grads) == jax.tree.structure(grads_ref)

@@ -120,13 +120,12 @@ def channels(v: jax.Array, ndim: int) -> jax.Array:
 
 def check_input(x: Any, name: str, where: str, ranks: Sequence[int] | None = None, arg: str = "x") -> None:
     """Raises unless ``x`` is a floating array of one of ``ranks`` (any rank >= 2 if ``None``)."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"`{arg}` of {name}.{where} must be an array, but got {type(x).__name__}.")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"`{arg}` of {name}.{where} must be a floating array, but got dtype {x.dtype}; cast it, "
-            "e.g. with x.astype(jnp.float32) (for integer image data use pipejax.invertible.dequantize)."
-        )
+    checks.check_float_array(
+        x,
+        arg,
+        f"{name}.{where}",
+        "cast it, e.g. with x.astype(jnp.float32) (for integer image data use pipejax.invertible.dequantize)",
+    )
     if ranks is None:
         if x.ndim < 2:
             raise ValueError(

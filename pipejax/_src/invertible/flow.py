@@ -70,8 +70,10 @@ def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any 
       True
     """
     check_key(key, "dequantize", optional=False)
-    if not (isinstance(num_bins, int) and num_bins >= 2):
+    if isinstance(num_bins, bool) or not (isinstance(num_bins, int) and num_bins >= 2):
         raise ValueError(f"`num_bins` of dequantize must be an int >= 2, but got {num_bins!r}.")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"`dtype` of dequantize must be a floating dtype (the result's), but got {dtype!r}.")
     valid = check_levels(x, num_bins, "dequantize")
     noise = jax.random.uniform(key, jnp.shape(x), dtype)
     y = (jnp.asarray(x).astype(dtype) + noise) / jnp.asarray(num_bins, dtype) - jnp.asarray(0.5, dtype)
@@ -219,8 +221,16 @@ class Flow:
         sampling). ``layer_key`` feeds the layers' randomness (``None``: no dropout).
         """
         check_key(key, "Flow.sample", optional=False)
-        if not (isinstance(num_samples, int) and num_samples >= 1):
+        if isinstance(num_samples, bool) or not (isinstance(num_samples, int) and num_samples >= 1):
             raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
+        numeric = isinstance(temperature, int | float) or hasattr(temperature, "dtype")
+        numeric = numeric and not isinstance(temperature, bool) and jnp.ndim(temperature) == 0
+        known = checks.concrete(temperature) if numeric else None
+        if not numeric or (known is not None and not known >= 0):
+            raise (ValueError if numeric else TypeError)(
+                f"`temperature` of Flow.sample must be a scalar >= 0 (the scale of the base samples; 1 "
+                f"samples the model), but got {temperature!r}."
+            )
         self._check_params(params, "sample")
         x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), self._dtype(params))
         z_struct = jax.eval_shape(lambda p, x: self.layer.forward(p, x)[0], params, x_struct)
