@@ -11,7 +11,6 @@ runs in Python at trace time, before any compiled code.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -151,35 +150,6 @@ def check_float_array(x: Any, name: str, where: str | None = None, fix: str = ""
             f"{label(name, where)} must be a floating array, but got dtype {x.dtype}; "
             f"{fix or 'cast it, e.g. with x.astype(jnp.float32)'}."
         )
-
-
-def check_same_structure(got: Any, expected: Any, name: str, expected_name: str, fix: str = "") -> None:
-    """Raises ``ValueError``, showing both structures, unless ``got`` is structured like ``expected``."""
-    a, b = jax.tree.structure(got), jax.tree.structure(expected)
-    if a != b:
-        raise ValueError(
-            f"`{name}` must have the pytree structure of {expected_name}, but got {a} where "
-            f"{expected_name} has {b}.{_space(fix)}"
-        )
-
-
-def add_note(err: BaseException, note: str) -> BaseException:
-    """``err`` with ``note`` added (shown under the traceback); the exception keeps its type."""
-    err.add_note(note)
-    return err
-
-
-def call_context(fn: Callable[..., Any], note: str) -> Callable[..., Any]:
-    """``fn`` whose exceptions carry ``note`` (they keep their type: a user's own error stays one)."""
-
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:
-            err.add_note(note)
-            raise
-
-    return wrapped
 
 
 def _space(text: str) -> str:
