@@ -134,8 +134,8 @@ def test_layer_not_callable():
 def test_a_batch_of_keys_is_refused_with_the_fix():
     apply = pj.checkpoint_sequential(layer)
     for keys in (jax.random.split(jax.random.key(0), 2), jax.random.split(jax.random.PRNGKey(0), 2)):
-        msg = r"`key` of checkpoint_sequential's apply must be one PRNG key.*shape \(2,( 2)?\).*jax.vmap"
+        msg = r"`key` of checkpoint_sequential's apply must be a single PRNG key.*shape \(2,( 2)?\).*jax.vmap"
         with pytest.raises(TypeError, match=msg):
             apply(make_params(4), X, keys)
-    with pytest.raises(TypeError, match=r"`key` must be None or a PRNG key"):
+    with pytest.raises(TypeError, match=r"`key` of checkpoint_sequential's apply must be None or a PRNG key"):
         apply(make_params(4), X, 3)

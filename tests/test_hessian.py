@@ -437,7 +437,7 @@ def test_bad_input_is_reported():
         ph.hvp(lambda w, x: jnp.sum(x @ w), w, w, data=iter([jnp.ones((2, 5))]))
     with pytest.raises(ValueError, match=r"either one batch as `\*args` or a dataset"):
         ph.hvp(lambda w, x: jnp.sum(x @ w), w, w, jnp.ones((2, 5)), data=[jnp.ones((2, 5))])
-    with pytest.raises(ValueError, match=r"`num_probes` must be at least 4 for method='hutch\+\+'"):
+    with pytest.raises(ValueError, match=r"`num_probes` must be an int >= 4 for method='hutch\+\+'"):
         ph.trace(quad, w, key=key, num_probes=3, method="hutch++")
     with pytest.raises(ValueError, match=r"`num_steps` must be at most the number of parameters 5"):
         ph.density(quad, w, key=key, num_steps=6)

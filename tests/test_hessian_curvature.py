@@ -137,7 +137,7 @@ def test_stream_errors(model):
     x, y = model["x"], model["y"]
     with pytest.raises(TypeError, match=r"`data` must be a re-iterable.*pipejax.hessian.stream"):
         ph.hvp(LOSS, model["params"], model["params"], data=iter([(x, y)]))
-    with pytest.raises(ValueError, match=r"`num_batches` must be at least 1"):
+    with pytest.raises(ValueError, match=r"`num_batches` must be an int >= 1"):
         ph.stream(lambda: iter([(x, y)]), 0)
     short = ph.stream(lambda: iter([(x[:6], y[:6])]), 3)  # says 3 batches, holds 1
     with pytest.raises(Exception, match=r"num_batches=3, but its source ended after 1 batches"):

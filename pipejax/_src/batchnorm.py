@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pipejax._src import checks
+
 
 class BatchStats(NamedTuple):
     """The running statistics of one BatchNorm layer: its state.
@@ -86,6 +88,11 @@ def batch_norm_init(features: int | Sequence[int], dtype: jnp.dtype = jnp.float3
       [1.0, 1.0, 1.0]
     """
     shape = (features,) if isinstance(features, int) else tuple(features)
+    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError(
+            f"`features` of batch_norm_init must be a positive int (the number of channels) or a "
+            f"non-empty shape of positive ints, but got {features!r}."
+        )
     return BatchStats(jnp.zeros(shape, dtype), jnp.ones(shape, dtype))
 
 
@@ -133,6 +140,11 @@ def moments(x: jax.Array, mask: jax.Array | None = None, *, axis: int | Sequence
         m2 = jnp.sum(jnp.square(x - centre), axis=reduce)
         return Moments(rows * per_row, _drop(centre, reduce), m2)
     mask = jnp.asarray(mask)
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise TypeError(
+            f"`mask` must be a bool array (True on the rows that count), but got dtype {mask.dtype}; "
+            "a weighted mask is not supported: pass `weights > 0`."
+        )
     if mask.shape != (x.shape[0],):
         raise ValueError(
             f"`mask` must be a bool array of shape ({x.shape[0]},), one entry per row of `x`, but "
@@ -229,6 +241,7 @@ def batch_norm_update(
             f"`momentum` must be a float in [0, 1] (Flax convention: the weight of the old running "
             f"statistics; PyTorch's momentum=0.1 is 0.9 here), but got {momentum!r}."
         )
+    checks.check_bool(unbiased, "unbiased", "batch_norm_update")
     if jnp.ndim(stats.count) == 1:
         stats = merge_moments(stats)
     elif jnp.ndim(stats.count) != 0:
@@ -237,7 +250,18 @@ def batch_norm_update(
             f"micro-batches), but got shape {jnp.shape(stats.count)}; for homogeneous stages "
             "`jax.vmap(pj.batch_norm_update)` over the stage axis."
         )
+    if not (hasattr(state, "mean") and hasattr(state, "var")):
+        raise TypeError(
+            f"`state` of batch_norm_update must be a BatchStats (pj.batch_norm_init(features)), but got "
+            f"{type(state).__name__}."
+        )
     count, mean, m2 = stats
+    for name, value in (("stats.mean", mean), ("stats.m2", m2), ("state.var", state.var)):
+        if jnp.shape(value) != jnp.shape(state.mean):
+            raise ValueError(
+                f"`{name}` has shape {jnp.shape(value)}, but `state.mean` has shape {jnp.shape(state.mean)}: "
+                "the statistics must be those of the layer whose state is updated (one entry per feature)."
+            )
     var = m2 / jnp.maximum(count - 1, 1) if unbiased else m2 / jnp.maximum(count, 1)
     return BatchStats(
         (momentum * state.mean + (1 - momentum) * mean.astype(state.mean.dtype)).astype(state.mean.dtype),
@@ -288,8 +312,28 @@ def batch_norm(
       >>> y.tolist(), mom.mean.tolist()
       ([[-1.0, -1.0], [1.0, 1.0]], [1.0, 3.0])
     """
+    checks.check_bool(train, "train", "batch_norm")
     x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"`x` of batch_norm must be a floating array (y has the dtype of x), but got dtype {x.dtype}; "
+            "cast it, e.g. x.astype(jnp.float32)."
+        )
     features = _feature_axes(x.ndim, axis)
+    shape = tuple(x.shape[a] for a in features)
+    if not train:
+        if not (hasattr(state, "mean") and hasattr(state, "var")):
+            raise TypeError(
+                f"`state` of batch_norm must be the BatchStats of the layer (pj.batch_norm_init("
+                f"{shape[0] if len(shape) == 1 else shape})), but got {type(state).__name__}."
+            )
+        _check_features("state.mean", state.mean, shape, x.shape, axis)
+        _check_features("state.var", state.var, shape, x.shape, axis)
+    for name, value in (("scale", scale), ("bias", bias)):
+        if value is not None:
+            _check_features(name, value, shape, x.shape, axis)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, int | float) or not epsilon >= 0:
+        raise ValueError(f"`epsilon` of batch_norm must be a number >= 0, but got {epsilon!r}.")
     if train:
         mom = moments(x, mask, axis=features)
         mean, var = mom.mean, mom.m2 / jnp.maximum(mom.count, 1)
@@ -323,6 +367,21 @@ def _feature_axes(ndim: int, axis: int | Sequence[int]) -> tuple[int, ...]:
             "name the feature axes only (e.g. -1 for channels-last)."
         )
     return tuple(sorted(set(out)))
+
+
+def _check_features(name: str, value, shape: tuple[int, ...], x_shape: tuple[int, ...], axis) -> None:
+    """A per-feature array must have the feature shape of ``x`` exactly (no broadcasting)."""
+    if jnp.shape(value) != shape:
+        raise ValueError(
+            f"`{name}` of batch_norm has shape {jnp.shape(value)}, but `x` of shape {x_shape} has "
+            f"features of shape {shape} on axis {axis!r}: they must match (nothing is broadcast). "
+            + (
+                f"Make the statistics with pj.batch_norm_init({shape[0] if len(shape) == 1 else shape})"
+                if name.startswith("state")
+                else f"Pass one {name} per feature, of shape {shape}"
+            )
+            + ", or pass the features' `axis`."
+        )
 
 
 def _stats_dtype(dtype) -> jnp.dtype:

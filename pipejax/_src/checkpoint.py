@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pipejax._src.keys import check_key
+from pipejax._src import checks
 from pipejax._src.layout import Layout
 from pipejax._src.schedule import Schedule
 
@@ -199,11 +199,18 @@ def checkpoint_sequential(
         divisor of ``L`` (see :func:`default_segments`). More segments than layers give one layer
         per segment.
       policy: an optional ``jax.checkpoint`` policy for what each segment may save besides its
-        input (e.g. ``jax.checkpoint_policies.dots_saveable``).
+        input (e.g. ``jax.checkpoint_policies.dots_saveable``): a function, not one of the
+        pipeline's checkpoint mode names (``None`` is the pipeline's ``"always"``).
 
     Returns:
       ``apply(stacked_params, x, key=None)``, where every leaf of ``stacked_params`` has a leading
       axis of length ``L`` (layer ``l`` gets ``tree.map(lambda a: a[l], stacked_params)``).
+
+    Raises:
+      TypeError: ``layer`` not callable, ``segments`` not an int, ``policy`` a string or another
+        non-policy; from ``apply``, a ``key`` that is not one PRNG key.
+      ValueError: ``segments < 1``; from ``apply``, parameters without one leading layer axis,
+        or a ``layer`` that changes the activation's type.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -217,10 +224,7 @@ def checkpoint_sequential(
     References:
       Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear Memory Cost", 2016.
     """
-    if not callable(layer):
-        raise TypeError(
-            f"`layer` must be a callable `layer(params_l, x, key_l) -> x`, but got {type(layer).__name__}."
-        )
+    checks.check_callable(layer, "layer", "layer(params_l, x, key_l) -> x")
     if segments is not None:
         if isinstance(segments, bool) or not isinstance(segments, int):
             raise TypeError(f"`segments` must be an int >= 1 or None, but got {segments!r}.")
@@ -229,6 +233,7 @@ def checkpoint_sequential(
                 f"`segments` must be >= 1 (the number of checkpointed segments), but got {segments}; "
                 "pass None for about sqrt(L)."
             )
+    _check_policy(policy)
     remat = _remat(policy)
 
     def step(carry, xs, key):
@@ -242,7 +247,12 @@ def checkpoint_sequential(
 
     def apply(stacked_params: Any, x: Any, key: jax.Array | None = None) -> Any:
         num_layers = _num_layers(stacked_params)
-        _check_key(key)
+        checks.check_key(
+            key,
+            where="checkpoint_sequential's apply",
+            batch_fix="Layer l draws from `jax.random.fold_in(key, l)`; for one key per example or per run, "
+            "map over the keys: `jax.vmap(apply, in_axes=(None, 0, 0))(params, x, keys)`.",
+        )
         _check_layer_keeps_type(layer, stacked_params, x, key)
         count = min(segments or default_segments(num_layers), num_layers)
         size = -(-num_layers // count)  # layers per full segment
@@ -261,6 +271,26 @@ def checkpoint_sequential(
         return x
 
     return apply
+
+
+def _check_policy(policy: Any) -> None:
+    """``policy`` of checkpoint_sequential: ``None`` or a ``jax.checkpoint`` policy (a function)."""
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
+        return
+    if isinstance(policy, str):
+        raise TypeError(
+            f"`policy` of checkpoint_sequential must be None or a jax.checkpoint policy (a function "
+            f"from jax.checkpoint_policies), but got the string {policy!r}. Segments are always "
+            "checkpointed; the policy says what else a segment may save: None (the default) saves "
+            "only the segment's input, as the pipeline's checkpoint='always' does; "
+            "`jax.checkpoint_policies.dots_saveable` also saves matmul outputs; "
+            "`jax.checkpoint_policies.everything_saveable` saves everything (no recomputation, as "
+            "checkpoint='never'; then plain jax.lax.scan is simpler)."
+        )
+    raise TypeError(
+        f"`policy` of checkpoint_sequential must be None or a jax.checkpoint policy such as "
+        f"`jax.checkpoint_policies.dots_saveable`, but got {type(policy).__name__} {policy!r}."
+    )
 
 
 def default_segments(num_layers: int) -> int:
@@ -302,19 +332,6 @@ def _num_layers(stacked_params: Any) -> int:
     if num_layers == 0:
         raise ValueError("`stacked_params` has zero layers (leading axis 0); pass at least one.")
     return num_layers
-
-
-def _check_key(key: Any) -> None:
-    """One key (or None): a batch of keys would reach ``fold_in`` and fail there without context."""
-    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    if (typed and shape != ()) or (dtype == jnp.uint32 and shape is not None and len(shape) > 1):
-        raise TypeError(
-            f"`key` of checkpoint_sequential's apply must be one PRNG key (layer l draws from "
-            f"`jax.random.fold_in(key, l)`), but got a batch of keys of shape {shape}. For one key per "
-            "example or per run, map over the keys: `jax.vmap(apply, in_axes=(None, 0, 0))(params, x, keys)`."
-        )
-    check_key(key, name="key")
 
 
 def _check_layer_keeps_type(layer, stacked_params, x, key) -> None:

@@ -154,3 +154,19 @@ def saved_residuals(fn: Any, *args: Any) -> list[tuple[Any, str]]:
     from jax._src import ad_checkpoint
 
     return ad_checkpoint.saved_residuals(fn, *args)
+
+
+def in_forward_mode(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` carries a tangent of pure forward-mode autodiff (``jax.jvp``,
+    ``jax.jacfwd``), which a ``jax.custom_vjp`` cannot take.
+
+    With JAX's direct linearisation (the default in 0.10) reverse mode traces with
+    ``LinearizeTracer`` and pure forward mode with ``JVPTracer``, so the two can be told apart
+    at trace time; without it reverse mode also uses ``JVPTracer``, and this answers ``False``.
+    """
+    if not jax.config.jax_use_direct_linearize:
+        return False
+    from jax._src.interpreters import ad
+
+    leaves = jax.tree.leaves(tree)
+    return any(isinstance(leaf, ad.JVPTracer) and not isinstance(leaf.tangent, ad.Zero) for leaf in leaves)

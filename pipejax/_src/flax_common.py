@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pipejax._src import checks
 from pipejax._src.balance import partition
 from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
 from pipejax._src.batchnorm import moments as moments_of
@@ -271,11 +272,8 @@ class Stack:
           ValueError: with ``deferred_batch_norm=True`` (the step returns no statistics).
         """
         owner = self.owner
-        if not callable(loss_fn):
-            raise TypeError(
-                f"`loss_fn` of {owner}.value_and_grad must be a callable `loss_fn(outputs, targets) -> "
-                f"losses` giving one loss per example, but got {type(loss_fn).__name__} {loss_fn!r}."
-            )
+        signature = "loss_fn(outputs, targets) -> losses"
+        checks.check_callable(loss_fn, "loss_fn", signature, f"{owner}.value_and_grad")
         if self.deferred:
             raise ValueError(
                 f"{owner}.value_and_grad does not support `deferred_batch_norm=True`: it returns the "
@@ -354,6 +352,9 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     Returns:
       ``tree`` with the same structure.
 
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. an axis name).
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> from pipejax.flax import on_mesh
@@ -361,6 +362,13 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> on_mesh({"w": jnp.ones(3)}, mesh)["w"].sharding.spec
       P()
     """
+    if not isinstance(mesh, Mesh):
+        named = isinstance(mesh, str)
+        hint = " An axis name is not a mesh: pass the Mesh that axis belongs to." if named else ""
+        raise TypeError(
+            f"`mesh` of on_mesh must be a jax.sharding.Mesh (the pipeline's mesh, e.g. "
+            f"`jax.make_mesh((2,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}.{hint}"
+        )
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import flax.struct
 import jax
@@ -369,6 +370,8 @@ class LinenPipeline(nn.Module):
                     f"`variables[{collection!r}]` has entries {unknown} that match no layer; expected "
                     f"names among layers_0 ... layers_{len(self.layers) - 1}."
                 )
+            if collection == "params":
+                _check_present(self.layers, tree, names)
             out[collection] = {
                 "stages": stack_box(stack, stack.place([tree.get(name, {}) for name in names]))
             }
@@ -460,6 +463,38 @@ _init.__wrapped__ = _dataclass_init  # type: ignore[attr-defined]
 LinenPipeline.__init__ = _init  # type: ignore[method-assign]
 
 
+# Flax layers that always hold parameters: an absent entry for one of them is a mistake.
+_PARAM_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Embed, nn.Einsum)
+
+
+def _check_present(layers: Sequence[nn.Module], tree: Mapping[str, Any], names: list[str]) -> None:
+    """Raises for a layer absent from the ``params`` of ``from_sequential`` that must have some.
+
+    A layer needs an entry if it is a Flax layer that always has parameters (``nn.Dense``,
+    ``nn.Conv``, ...), or if an equal layer (same class and configuration) has one. Other
+    absent layers are taken to have no parameters (as ``nn.Sequential.init`` leaves them out);
+    if they do, ``apply`` says which layer found none.
+    """
+    present = [name in tree and bool(jax.tree.leaves(tree[name])) for name in names]
+    missing = [
+        index
+        for index, layer in enumerate(layers)
+        if not present[index]
+        and (
+            isinstance(layer, _PARAM_LAYERS)
+            or any(present[j] and other == layer for j, other in enumerate(layers) if j != index)
+        )
+    ]
+    if missing:
+        listing = ", ".join(f"layers_{i} ({type(layers[i]).__name__})" for i in missing)
+        verb = "holds" if len(missing) == 1 else "hold"
+        raise ValueError(
+            f"`variables['params']` has no parameters for {listing}, which {verb} parameters: "
+            "nn.Sequential(layers).init creates an entry 'layers_<l>' for every layer with parameters. "
+            "Pass the variables of all of them (only layers without parameters may be absent)."
+        )
+
+
 def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:
     """Layer ``l``'s slice ``[l]`` of every leaf, for each layer of a stacked tree."""
     tree = unfreeze(tree)
@@ -499,8 +534,17 @@ def _run_layer(layers: Sequence[nn.Module], rng_collection: str, deferred: bool)
             variables = {"params": variables["params"]}
         variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
         records: dict[tuple[str, ...], common.SownMoments] = {}
-        with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, index, records)):
-            y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
+        try:
+            with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, index, records)):
+                y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
+        except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeParamNotFoundError) as err:
+            err.add_note(
+                f"pipejax.flax.LinenPipeline: layer {index} ({type(layers[index]).__name__}) has no such "
+                f"variable in the pipeline's variables: was 'layers_{index}' missing from the variables "
+                "given to from_sequential / from_stacked? Convert the variables of every layer with "
+                "parameters."
+            )
+            raise
         return y, records
 
     return run

@@ -27,6 +27,7 @@ updates ``packed_batch_stats`` once from the moments of all micro-batches.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from pipejax._src import checks
 from pipejax._src import flax_common as common
 from pipejax._src.placement import StageParams
 
@@ -285,7 +287,8 @@ class NNXPipeline(nnx.Module):
           >>> x, t = jnp.ones((5, 4)), jnp.zeros((5, 8))
           >>> sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)  # one loss per example
           >>> loss, grads = pipe.value_and_grad(sq)(x, t)
-          >>> loss_ref, grads_ref = nnx.value_and_grad(lambda m: sq(m(x), t).mean())(pipe)
+          >>> gpipe = NNXPipeline(layers, balance=[2, 1], chunks=3)  # its forward call differentiates
+          >>> loss_ref, grads_ref = nnx.value_and_grad(lambda m: sq(m(x), t).mean())(gpipe)
           >>> bool(jnp.allclose(loss, loss_ref))
           True
           >>> jax.tree.structure(grads) == jax.tree.structure(grads_ref)
@@ -476,21 +479,37 @@ def _path_key(path: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in path)
 
 
-def unstack(stack: nnx.Module) -> list[nnx.Module]:
+def unstack(stack: nnx.Module, *, num_layers: int | None = None) -> list[nnx.Module]:
     """The layers of an NNX layer stack, as separate modules.
 
     Flax builds deep models as one module whose variables have a leading layer axis
     (``nnx.vmap`` over a constructor, with ``nnx.split_rngs``), run with ``nnx.scan``. Layer
     ``l`` is the same module with the slices ``[l]`` of every variable (rng streams included).
 
+    A module that was not built as a stack is refused, since slicing it would give "layers" of
+    the wrong shapes (an ``nnx.Linear(4, 4)`` would give 4 layers with kernels of shape
+    ``(4,)``). The rule, checked on the first layer:
+
+    * every variable has a leading axis, of one size ``L`` for all of them;
+    * every Flax layer inside (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ...) has the
+      parameter shapes its own configuration makes (it is rebuilt abstractly with
+      ``nnx.eval_shape`` to compare);
+    * no parameter of another module becomes a scalar: a stacked per-layer scalar is rare, a
+      vector mistaken for a stack is common. If your layers do hold scalar parameters, confirm
+      the stack by passing ``num_layers=L``.
+
     Args:
       stack: the stacked module.
+      num_layers: the number of layers ``L``, if known: checked against the leading axis, and it
+        allows scalar parameters in the layers.
 
     Returns:
       ``L`` new modules sharing nothing with ``stack``: pass them to :class:`NNXPipeline`.
 
     Raises:
-      ValueError: if the variables do not share one leading axis.
+      TypeError: ``stack`` is not an ``nnx.Module``.
+      ValueError: ``stack`` is not a layer stack (the rule above), or ``num_layers`` differs
+        from its leading axis.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -504,15 +523,95 @@ def unstack(stack: nnx.Module) -> list[nnx.Module]:
       >>> len(layers), layers[0].kernel.shape, restack(layers).kernel.shape
       (3, (2, 2), (3, 2, 2))
     """
+    if not isinstance(stack, nnx.Module):
+        raise TypeError(
+            f"`stack` of unstack must be an nnx.Module built as a layer stack (nnx.vmap over a "
+            f"constructor), but got {type(stack).__name__}. For a list of layers, pass it to "
+            "NNXPipeline directly."
+        )
     graphdef, state = nnx.split(stack)
-    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(state)}
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not leaves:
+        raise ValueError(
+            f"`stack` ({type(stack).__name__}) has no variables, so it has no layer axis to unstack; "
+            "build the stack with nnx.vmap over a constructor."
+        )
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else None for _, a in leaves}
     if len(sizes) != 1 or None in sizes:
+        listing = ", ".join(f"{jax.tree_util.keystr(p)}: {jnp.shape(a)}" for p, a in leaves)
         raise ValueError(
             f"`stack` must be a layer stack (every variable stacked on one leading layer axis, as "
-            f"nnx.vmap makes it), but its variables have leading sizes {sorted(sizes, key=str)}."
+            f"nnx.vmap makes it), but its variables have leading sizes {sorted(sizes, key=str)} "
+            f"(None: a scalar); shapes {listing}. A single layer needs no unstacking: pass [module]."
         )
     (size,) = sizes
-    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(size)]
+    if num_layers is not None:
+        num_layers = checks.check_int(num_layers, "num_layers", 1, "unstack")
+        if num_layers != size:
+            raise ValueError(
+                f"`num_layers` of unstack is {num_layers}, but the variables of `stack` have a leading "
+                f"axis of size {size}."
+            )
+    layers = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(size)]
+    _check_unstacked(stack, layers[0], size, confirmed=num_layers is not None)
+    return layers
+
+
+def _check_unstacked(stack: nnx.Module, layer: nnx.Module, size: int, confirmed: bool) -> None:
+    """Raises if ``layer``, the first slice of ``stack``, does not look like one layer (:func:`unstack`)."""
+    nodes = dict(nnx.iter_graph(layer))
+    where = (
+        f"`stack` ({type(stack).__name__}) is not a layer stack: sliced on its leading axis (size {size}) "
+        "it gives layers whose"
+    )
+    fix = (
+        "unstack takes a module built by nnx.vmap over a constructor (see the example in its "
+        "docstring); a single layer needs no unstacking: pass [module] to NNXPipeline."
+    )
+    for path, module in nodes.items():
+        if not (isinstance(module, nnx.Module) and type(module).__module__.startswith("flax.")):
+            continue
+        expected = _rebuilt_param_shapes(module)
+        if expected is None:
+            continue
+        for sub, shape in _param_shapes(module).items():
+            if sub in expected and expected[sub] != shape:
+                name = _path_key(path + sub) or "<root>"
+                raise ValueError(
+                    f"{where} parameter {name} has shape {shape}, but {type(module).__name__} as configured "
+                    f"makes it of shape {expected[sub]}. {fix}"
+                )
+    if confirmed:
+        return
+    for sub, shape in _param_shapes(layer).items():
+        owner = nodes.get(sub[:-1])
+        builtin = owner is not None and type(owner).__module__.startswith("flax.")
+        if shape == () and not builtin:
+            raise ValueError(
+                f"{where} parameter {_path_key(sub)} is a scalar. {fix} If your layers do hold "
+                f"scalar parameters, confirm the stack with `unstack(stack, num_layers={size})`."
+            )
+
+
+def _param_shapes(module: nnx.Module) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {path: tuple(jnp.shape(v.get_value())) for path, v in flat}
+
+
+def _rebuilt_param_shapes(module: nnx.Module) -> dict[tuple[Any, ...], tuple[int, ...]] | None:
+    """The parameter shapes of a Flax layer rebuilt (abstractly) from the configuration it stores.
+
+    Flax's own layers keep their constructor arguments as attributes of the same names. ``None``
+    when the layer cannot be rebuilt that way.
+    """
+    cls = type(module)
+    try:
+        params = inspect.signature(cls.__init__).parameters
+        kwargs = {n: getattr(module, n) for n in params if n not in ("self", "rngs") and hasattr(module, n)}
+        rngs = (lambda: {"rngs": nnx.Rngs(0)}) if "rngs" in params else dict
+        return _param_shapes(nnx.eval_shape(lambda: cls(**kwargs, **rngs())))
+    except Exception:  # a layer that stores its configuration otherwise: no reference to compare
+        return None
 
 
 def restack(layers: Sequence[nnx.Module]) -> nnx.Module:
@@ -522,14 +621,35 @@ def restack(layers: Sequence[nnx.Module]) -> nnx.Module:
     ``nnx.scan`` forward pass takes.
 
     Raises:
-      ValueError: if the layers differ in structure.
+      TypeError: ``layers`` is not a sequence of ``nnx.Module``.
+      ValueError: ``layers`` is empty, or the layers differ in structure or shapes.
     """
-    splits = [nnx.split(layer) for layer in layers]
-    if len({g for g, _ in splits}) != 1:
-        raise ValueError(
-            "The layers differ in structure, so they do not form a stack; restack needs one kind."
+    if isinstance(layers, nnx.Module) or not isinstance(layers, Sequence):
+        raise TypeError(
+            f"`layers` of restack must be a list of nnx.Module layers of one kind, but got "
+            f"{type(layers).__name__}."
         )
-    return nnx.merge(splits[0][0], jax.tree.map(lambda *a: jnp.stack(a), *[st for _, st in splits]))
+    if len(layers) == 0:
+        raise ValueError(
+            "`layers` of restack is empty: there is no layer to stack. Pass the list of layers, e.g. "
+            "`restack(pipe.to_sequential())`."
+        )
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nnx.Module):
+            raise TypeError(
+                f"`layers[{index}]` of restack must be an nnx.Module, but got {type(layer).__name__}."
+            )
+    splits = [nnx.split(layer) for layer in layers]
+    first = splits[0]
+    shapes = lambda st: jax.tree.map(jnp.shape, st)
+    for index, (g, st) in enumerate(splits[1:], start=1):
+        if g != first[0] or shapes(st) != shapes(first[1]):
+            raise ValueError(
+                f"The layers differ in structure, so they do not form a stack: layers[{index}] "
+                f"({type(layers[index]).__name__}) differs from layers[0] ({type(layers[0]).__name__}) "
+                "in its module structure, configuration or variable shapes; restack needs layers of one kind."
+            )
+    return nnx.merge(first[0], jax.tree.map(lambda *a: jnp.stack(a), *[st for _, st in splits]))
 
 
 _NAME = "NNXPipeline"

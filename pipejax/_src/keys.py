@@ -17,30 +17,39 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
+from pipejax._src.checks import check_key as check_key  # the one key check, kept here for its callers
 
-def check_key(key: Any, *, name: str = "key") -> None:
-    """Raises ``TypeError`` unless ``key`` is ``None``, a typed key, or a raw ``uint32[2]`` key."""
-    if key is None:
-        return
-    dtype = getattr(key, "dtype", None)
-    shape = getattr(key, "shape", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        if shape == ():
-            return
+
+def check_index(value: Any, name: str, where: str) -> None:
+    """Raises unless ``value`` is an integer index in ``[0, 2**32)`` (what ``fold_in`` folds in).
+
+    A traced index is not known at trace time; only its dtype is checked.
+    """
+    dtype = jnp.result_type(value) if hasattr(value, "dtype") or isinstance(value, int) else None
+    if isinstance(value, bool) or dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(value):
         raise TypeError(
-            f"`{name}` must be a single PRNG key, but got a key array of shape {shape}. Pass one "
-            "key (e.g. `jax.random.key(0)`); pipejax derives the per-stage keys itself."
+            f"`{name}` of {where} must be an integer index (a Python int or an integer scalar), but got "
+            f"{type(value).__name__} {value!r}."
         )
-    if dtype == jnp.uint32 and shape == (2,):
-        return
-    raise TypeError(
-        f"`{name}` must be None or a PRNG key such as `jax.random.key(0)`, but got "
-        f"{type(key).__name__} with shape {shape} and dtype {dtype}."
-    )
+    known = checks.index_value(value)
+    if known is not None and not 0 <= known < 2**32:
+        raise ValueError(
+            f"`{name}` of {where} must be a 0-based index in [0, 2**32), but got {known}. Count "
+            "micro-batches, stages and layers from 0 (the last stage of 4 is 3, not -1)."
+        )
 
 
 def key_for(key: jax.Array | None, microbatch: Any, stage: Any) -> jax.Array | None:
-    """The key that ``stage`` receives for ``microbatch``; ``None`` when ``key`` is ``None``."""
+    """The key that ``stage`` receives for ``microbatch``; ``None`` when ``key`` is ``None``.
+
+    Raises:
+      TypeError: ``key`` is not one PRNG key, or an index is not an integer.
+      ValueError: a negative index (indices count from 0).
+    """
+    check_key(key)
+    check_index(microbatch, "microbatch", "stage_key")
+    check_index(stage, "stage", "stage_key")
     if key is None:
         return None
     return jax.random.fold_in(jax.random.fold_in(key, microbatch), stage)
@@ -84,6 +93,7 @@ def layer_key(stage_key: jax.Array | None, j: int) -> jax.Array | None:
       >>> pj.layer_key(None, 1) is None
       True
     """
+    check_index(j, "j", "layer_key")
     if stage_key is None:
         return None
     typed = jax.dtypes.issubdtype(stage_key.dtype, jax.dtypes.prng_key)

@@ -9,15 +9,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
 from pipejax._src.hessian.lanczos import (
     Progress,
     Reorth,
     _lanczos,
     check_basis_dtype,
     check_none_basis,
+    check_progress,
     check_reorth,
 )
 
@@ -112,10 +114,11 @@ def density(
       estimates of the error of the Gauss quadrature formula and their applications*, Comput. Math.
       Math. Phys. 36, 1996.
     """
+    check_progress(progress)
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
-    num_runs = check_count("num_runs", num_runs, 1)
-    num_steps = check_count("num_steps", num_steps, 1)
+    num_runs = checks.check_int(num_runs, "num_runs", 1)
+    num_steps = checks.check_int(num_steps, "num_steps", 1)
     masks, n = dimension(params, blocks)
     if num_steps > n:
         raise ValueError(
@@ -125,7 +128,8 @@ def density(
     check_reorth(reorthogonalise)
     check_none_basis(reorthogonalise, basis_dtype)
     bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
-    return _density_jit(
+    return reading(
+        op.groups, _density_jit,
         op.loss, op.mode, op.dtype, num_steps, num_runs, progress, reorthogonalise, bdt,
         tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
@@ -190,8 +194,26 @@ _density_jit = jax.jit(
 )
 
 
+def check_density(d: Any, where: str) -> None:
+    """``d`` must be a :class:`Density` (what :func:`density` returns): nodes and weights of one 2-D shape."""
+    if not isinstance(d, Density):
+        raise TypeError(
+            f"`d` of {where} must be the Density that pipejax.hessian.density returns (its nodes and "
+            f"weights), but got {type(d).__name__}"
+            f"{' of shape ' + str(jnp.shape(d)) if hasattr(d, 'shape') else ''}. Pass `density(...)`'s "
+            "result, or build one: `Density(nodes=..., weights=...)`, both of shape (num_runs, num_steps)."
+        )
+    shapes = jnp.shape(d.nodes), jnp.shape(d.weights)
+    if len(shapes[0]) != 2 or shapes[0] != shapes[1]:
+        raise ValueError(
+            f"`d` of {where} must have nodes and weights of one shape (num_runs, num_steps), but got "
+            f"nodes of shape {shapes[0]} and weights of shape {shapes[1]}."
+        )
+
+
 def spectral_range(d: Density) -> jax.Array:
     """The mean over runs of (largest node - smallest node): the range the conventions scale by."""
+    check_density(d, "spectral_range")
     return jnp.mean(jnp.max(d.nodes, axis=1) - jnp.min(d.nodes, axis=1))
 
 
@@ -226,6 +248,10 @@ def smooth_density(
     Returns:
       ``(grid, values)``, two arrays of shape ``(num_points,)`` (or the given grid's).
 
+    Raises:
+      TypeError: ``d`` is not a :class:`Density` (e.g. an array).
+      ValueError: a non-positive ``sigma_squared``, a grid that is not 1-D.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from pipejax.hessian import Density, smooth_density
@@ -234,6 +260,17 @@ def smooth_density(
       >>> p.round(3).tolist()  # half of N(0; 0, 0.01) = 0.5 / sqrt(2 pi 0.01)
       [1.995, 0.0]
     """
+    check_density(d, "smooth_density")
+    checks.check_int(num_points, "num_points", 1, "smooth_density")
+    if isinstance(sigma_squared, bool) or not isinstance(sigma_squared, int | float) or not sigma_squared > 0:
+        raise ValueError(
+            f"`sigma_squared` of smooth_density must be a positive number (the kernel's variance), but "
+            f"got {sigma_squared!r}."
+        )
+    if grid is not None and jnp.ndim(grid) != 1:
+        raise ValueError(
+            f"`grid` of smooth_density must be a 1-D array of points, but got shape {jnp.shape(grid)}."
+        )
     nodes, weights = jnp.asarray(d.nodes), jnp.asarray(d.weights)
     span = spectral_range(d)
     var = sigma_squared * (jnp.maximum(1.0, span) if relative else 1.0)

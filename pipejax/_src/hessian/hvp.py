@@ -15,6 +15,7 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 
 PyTree = Any
@@ -209,8 +210,7 @@ class _Product:
 
 
 def check_curvature(loss: Any, curvature: Any) -> _Product:
-    if not callable(loss):
-        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    checks.check_callable(loss, "loss", "loss(params, *args) -> scalar")
     if isinstance(loss, _Product):
         return loss
     if curvature not in CURVATURES:
@@ -235,37 +235,17 @@ def check_mode(mode: Any) -> None:
         )
 
 
-def check_count(name: str, value: Any, minimum: int, rule: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be at least {minimum}{rule}, got {value}.")
-    return int(value)
+KEY_PURPOSE = "Random probes and start vectors are drawn from it; pass a fresh key, not a seed or an array."
 
 
 def check_key(key: Any, name: str = "key") -> jax.Array:
     """A single PRNG key (typed, or a legacy ``uint32[2]`` one, which is wrapped)."""
-    dtype = getattr(key, "dtype", None)
-    shape = getattr(key, "shape", None)
-    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        if shape != ():
-            raise TypeError(
-                f"`{name}` must be one PRNG key, got an array of keys of shape {shape}. Pass a "
-                f"single key, e.g. `{name}=jax.random.key(0)`."
-            )
-        return key
-    if dtype == jnp.uint32 and shape == (2,):
-        return jax.random.wrap_key_data(key)
-    raise TypeError(
-        f"`{name}` must be a PRNG key such as `jax.random.key(0)`, got {key!r}. Random probes and "
-        "start vectors are drawn from it; pass a fresh key, not a seed or an array."
-    )
+    return checks.typed_key(checks.check_key(key, name=name, optional=False, purpose=KEY_PURPOSE))
 
 
 def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> None:
     """The loss must return one real floating-point scalar, and params must be floating point."""
-    if not callable(loss):
-        raise TypeError(f"`loss` must be a function `loss(params, *args) -> scalar`, got {loss!r}.")
+    checks.check_callable(loss, "loss", "loss(params, *args) -> scalar")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             raise TypeError(
@@ -273,7 +253,16 @@ def check_loss(loss: Callable[..., jax.Array], params: PyTree, args: tuple) -> N
                 f"dtype {jnp.result_type(leaf)}. Take the Hessian with respect to the float leaves "
                 "only (close over the others in `loss`)."
             )
-    out = jax.eval_shape(loss, params, *args)
+    try:
+        out = jax.eval_shape(loss, params, *args)
+    except Exception as err:  # the user's own error keeps its type; say what it was called with
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+        err.add_note(
+            f"pipejax.hessian: raised by `loss(params, *args)` called with params {shapes} and "
+            f"{len(args)} batch argument(s). Check that `params` is the tree `loss` reads (its keys and "
+            "shapes) and that the batch matches `loss`'s arguments."
+        )
+        raise
     scalar = isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
     if not (scalar and jnp.issubdtype(out.dtype, jnp.floating)):
         raise ValueError(
@@ -349,7 +338,21 @@ class Stream:
 
     def __init__(self, source: Any, num_batches: int):
         self.source, self.num_batches = source, num_batches
-        first = next(self._fresh())
+        self.error: Exception | None = None  # what the last fetch raised (see `reading`)
+        size = len(source) if hasattr(source, "__len__") else None
+        if size is not None and 0 < size < num_batches:
+            raise ValueError(
+                f"`source` of stream holds {size} batches, fewer than num_batches={num_batches}; pass "
+                f"num_batches={size} or a longer source."
+            )
+        try:
+            first = next(self._fresh())
+        except StopIteration:
+            raise ValueError(
+                f"`source` of stream gave no batch: it is empty (num_batches={num_batches}). Pass a "
+                "function returning a fresh iterator of batches each time (e.g. `lambda: loader.epoch()`) "
+                "or a non-empty re-iterable; a one-shot iterator that was already read is empty."
+            ) from None
         self.example = first if isinstance(first, tuple) else (first,)
         self.struct = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.example
@@ -362,7 +365,13 @@ class Stream:
         return iter(self.source() if callable(self.source) else self.source)
 
     def _fetch(self, j: np.ndarray) -> Any:
-        j = int(j)
+        try:
+            return self._read(int(j))
+        except Exception as err:  # io_callback wraps it in a runtime error; `reading` re-raises it
+            self.error = err
+            raise
+
+    def _read(self, j: int) -> Any:
         if j == 0:  # every pass over the dataset (one per product) starts a fresh iterator
             self._it, self._next = self._fresh(), 0
         if j != self._next:
@@ -371,7 +380,9 @@ class Stream:
             batch = next(self._it)
         except StopIteration:
             raise ValueError(
-                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches."
+                f"`stream` was told num_batches={self.num_batches}, but its source ended after {j} batches. "
+                "Pass the number of batches one pass of the source gives, or a source that gives a fresh "
+                "iterator on every pass (a function, or a list): each product reads the whole dataset."
             ) from None
         self._next += 1
         batch = batch if isinstance(batch, tuple) else (batch,)
@@ -400,6 +411,21 @@ class Stream:
 jax.tree_util.register_pytree_node(Stream, lambda s: ((), s), lambda s, _: s)
 
 
+def reading(groups: Any, program: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``program(*args, **kwargs)``, waited for; when it reads a :class:`Stream` whose source
+    failed (ended early, a batch of other shapes), the source's own error is raised, not the
+    runtime error that carried it out of the compiled loop."""
+    if not isinstance(groups, Stream):
+        return program(*args, **kwargs)
+    groups.error = None
+    try:
+        return jax.block_until_ready(program(*args, **kwargs))
+    except jax.errors.JaxRuntimeError as err:
+        if groups.error is None:
+            raise
+        raise groups.error from err
+
+
 def stream(source: Any, num_batches: int) -> Stream:
     """A dataset read batch by batch during each product, for ``data=``: nothing is held in memory.
 
@@ -421,8 +447,9 @@ def stream(source: Any, num_batches: int) -> Stream:
 
     Raises:
       TypeError: ``num_batches`` not an int.
-      ValueError: ``num_batches < 1``; at run time, a source that ends early or a batch whose
-        shapes differ from the first.
+      ValueError: ``num_batches < 1``; an empty source, or one with a length below
+        ``num_batches``; while a product runs, a source that ends early or a batch whose shapes
+        differ from the first (raised by the function that was given ``data=``, as itself).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -435,7 +462,7 @@ def stream(source: Any, num_batches: int) -> Stream:
       >>> bool(jnp.allclose(streamed, hvp(loss, jnp.zeros(2), v, x)))
       True
     """
-    num_batches = check_count("num_batches", num_batches, 1)
+    num_batches = checks.check_int(num_batches, "num_batches")
     if not (callable(source) or hasattr(source, "__iter__")):
         raise TypeError(
             f"`source` of stream must be a function returning an iterator of batches or a re-iterable, "
@@ -602,9 +629,10 @@ def hvp(
       >>> hvp(loss, jnp.zeros(2), jnp.array([1.0, 0.0]), x).tolist()
       [2.0, 4.0]
     """
+    check_vector(v, params)  # before the loss runs: a mismatch is shown as both trees
     op = make_operator(loss, params, args, data, mode, curvature=curvature)
-    check_vector(v, params)
-    return tree.cast(_hvp_jit(op.loss, op.mode, params, v, args, op.groups, op.dtype), params)
+    out = reading(op.groups, _hvp_jit, op.loss, op.mode, params, v, args, op.groups, op.dtype)
+    return tree.cast(out, params)
 
 
 def _hvp_impl(loss, mode, params, v, args, groups, dtype):

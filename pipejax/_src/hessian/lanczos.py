@@ -24,10 +24,12 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
 
 PyTree = Any
 Progress = bool | Callable[[str, int, int], None]
@@ -52,9 +54,19 @@ def print_progress(task: str, done: int, total: int) -> None:
         print(f"pipejax.hessian {task}: {done}/{total} HVPs", file=__import__("sys").stderr, flush=True)
 
 
+def check_progress(progress: Any) -> None:
+    """``progress`` must be a bool or a function ``f(task, done, total)``."""
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise TypeError(
+            f"`progress` must be True, False or a function `f(task, done, total)` called after each "
+            f"step, but got {type(progress).__name__} {progress!r}."
+        )
+
+
 def report(progress: Progress, task: str, done: jax.Array, total: int) -> None:
     """Calls the progress function from inside compiled code (nothing when ``progress`` is off)."""
-    if not progress:
+    check_progress(progress)
+    if progress is False:
         return
     fn = print_progress if progress is True else progress
     jax.debug.callback(lambda d: fn(task, int(d), total), done)
@@ -139,7 +151,9 @@ def lanczos(
 
     Args:
       matvec: the symmetric linear map, ``v -> H v``, traceable.
-      v0: the start vector (need not be normalised, must not be zero).
+      v0: the start vector (need not be normalised, must not be zero: a zero ``v0`` whose value
+        is known raises a ``ValueError``; under ``jax.jit``, where it is not, Lanczos starts from
+        a random vector drawn from ``key`` instead).
       num_steps: ``m``, the number of matvecs and the size of ``T``.
       key: draws restart vectors; ``None``: a fixed key.
       progress: ``True`` prints a line about every tenth step; a function ``f(task, done, total)``
@@ -157,6 +171,12 @@ def lanczos(
     Returns:
       A :class:`Tridiagonal` with ``diag``, ``offdiag`` and the ``basis`` (``None`` for ``"none"``).
 
+    Raises:
+      TypeError: ``matvec`` not callable, a ``v0`` that is not floating point, a ``key`` that is
+        not a PRNG key, ``progress`` neither a bool nor a function.
+      ValueError: a zero, empty or non-finite ``v0``; ``matvec`` changing the vector's shapes;
+        ``num_steps`` below 1 or above the dimension.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> from pipejax.hessian import lanczos
@@ -173,6 +193,7 @@ def lanczos(
       conjugate-gradient recurrences*, Linear Algebra Appl. 113, 1989.
     """
     check_none_basis(reorthogonalise, basis_dtype)
+    check_start(matvec, v0)
     return _lanczos(matvec, v0, num_steps, key, progress, task, reorthogonalise, basis_dtype=basis_dtype)[0]
 
 
@@ -229,6 +250,46 @@ def _recurrence(matvec, q, q_prev, b_prev, first, dtype, pin, local=True):
     return w, alpha + c, tree.norm(w)
 
 
+def check_start(matvec: Any, v0: PyTree) -> None:
+    """``matvec`` callable, ``v0`` a non-empty pytree of float arrays, finite and non-zero where concrete,
+    and ``matvec(v0)`` of ``v0``'s structure and shapes."""
+    checks.check_callable(matvec, "matvec", "matvec(v) -> H v", "lanczos")
+    leaves = jax.tree.leaves(v0)
+    if not leaves:
+        raise ValueError("`v0` of lanczos has no arrays; pass the start vector, e.g. `jnp.ones(n)`.")
+    for leaf in leaves:
+        checks.check_float_array(leaf, "v0", "lanczos")
+    values = [checks.concrete(a) for a in leaves]
+    if all(v is not None for v in values):
+        if not all(np.all(np.isfinite(v)) for v in values):
+            raise ValueError("`v0` of lanczos has NaN or infinite entries; pass a finite start vector.")
+        if not any(np.any(v != 0) for v in values):
+            raise ValueError(
+                "`v0` of lanczos is zero, so it spans no Krylov space (its normalisation would be NaN). "
+                "Pass a non-zero start vector, e.g. a random one: `jax.random.normal(key, (n,))`."
+            )
+    out = jax.eval_shape(matvec, v0)
+    shapes = lambda t: jax.tree.map(jnp.shape, t)
+    if jax.tree.structure(out) != jax.tree.structure(v0) or shapes(out) != shapes(v0):
+        raise ValueError(
+            f"`matvec` of lanczos must map a vector like `v0` to one like it, but maps {shapes(v0)} to "
+            f"{shapes(out)}."
+        )
+
+
+def _start(v0: PyTree, key: jax.Array, m: int, dtype: Any, restrict: Any) -> PyTree:
+    """``q_0 = v0 / ||v0||``; a random unit vector (from ``fold_in(key, m)``, a key no restart
+    uses) when ``v0`` is zero, which a traced ``v0`` cannot be checked for."""
+    norm = tree.norm(v0)
+
+    def drawn():
+        r = tree.normal(jax.random.fold_in(key, m), v0, dtype)
+        r = r if restrict is None else restrict(r)
+        return tree.scale(1 / jnp.maximum(tree.norm(r), jnp.finfo(dtype).tiny), r)
+
+    return jax.lax.cond(norm > 0, lambda: tree.scale(1 / jnp.where(norm > 0, norm, 1), v0), drawn)
+
+
 def _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype):
     """``reorthogonalise="none"``: the plain three-term recurrence, no basis (and no local pass:
     the quadrature does not need it, and it cost 0.03 of the HVPs' time at batch 256). A restart
@@ -259,7 +320,7 @@ def _lanczos_none(matvec, v0, m, key, progress, task, restrict, pin, dtype):
         report(progress, task, i + 1, m)
         return q_next, q, diag.at[i].set(alpha), offdiag.at[i].set(jnp.where(lost, zero, beta)), size
 
-    q0 = pin(tree.scale(1 / tree.norm(v0), v0))
+    q0 = pin(_start(v0, key, m, dtype, restrict))
     init = (q0, tree.scale(zero, q0), jnp.zeros(m, dtype), jnp.zeros(m, dtype), zero)
     _, _, diag, offdiag, _ = jax.lax.fori_loop(0, m, step, init)
     return Tridiagonal(diag, offdiag[: m - 1], None), jnp.zeros((), jnp.int32)
@@ -288,7 +349,7 @@ def _lanczos(
     basis, which is only written, and read by the passes.
     """
     pin = (lambda v, lead=0: v) if constrain is None else constrain
-    m = check_count("num_steps", num_steps, 1)
+    m = checks.check_int(num_steps, "num_steps", 1)
     check_reorth(reorthogonalise)
     n = tree.size(v0)
     if m > n:
@@ -323,7 +384,7 @@ def _lanczos(
     one = jnp.ones((), dtype)
     exact_rows = bdtype == jnp.dtype(dtype)  # the basis holds the vectors as computed
     tiny = jnp.finfo(dtype).tiny
-    q0 = pin(tree.scale(1 / tree.norm(v0), v0))
+    q0 = pin(_start(v0, key, m, dtype, restrict))
     # zeros: the first `settle` (a no-op otherwise) writes q_0 into row 0, as every one writes q_i
     basis = pin(tree.zeros_basis(v0, rows, bdtype), 1)
 
@@ -535,17 +596,18 @@ def eigenvalues(
       ed., section 10.1. Ghorbani, Krishnan and Xiao, *An Investigation into Neural Net
       Optimization via Hessian Eigenvalue Density*, ICML 2019.
     """
+    check_progress(progress)
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     masks, n = dimension(params, blocks)
-    k = check_count("k", k, 1)
+    k = checks.check_int(k, "k", 1)
     if k > n:
         raise ValueError(f"`k` must be at most the number of parameters {n}, got k={k}.")
     if which not in ("LA", "LM"):
         raise ValueError(
             f"`which` must be 'LA' (largest algebraic) or 'LM' (largest magnitude), got {which!r}."
         )
-    m = min(n, max(90, 4 * k)) if num_steps is None else check_count("num_steps", num_steps, 1)
+    m = min(n, max(90, 4 * k)) if num_steps is None else checks.check_int(num_steps, "num_steps", 1)
     if m < k:
         raise ValueError(
             f"`num_steps` must be at least `k` (Lanczos gives num_steps Ritz values), got "
@@ -555,7 +617,8 @@ def eigenvalues(
         raise ValueError(f"`num_steps` must be at most the number of parameters {n}, got {m}.")
     check_reorth(reorthogonalise, eigenvalues=True)
     bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
-    return _eigenvalues_jit(
+    return reading(
+        op.groups, _eigenvalues_jit,
         op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
         bdt, tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip

@@ -8,10 +8,11 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_count, check_key, make_operator
-from pipejax._src.hessian.lanczos import Progress, report
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
+from pipejax._src.hessian.lanczos import Progress, check_progress, report
 
 PyTree = Any
 
@@ -79,19 +80,21 @@ def trace(
       smoothing splines*, 1989. Meyer, Musco, Musco and Woodruff, *Hutch++: Optimal Stochastic
       Trace Estimation*, SOSA 2021.
     """
+    check_progress(progress)
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     if method not in ("hutchinson", "hutch++"):
         raise ValueError(f"`method` must be 'hutchinson' or 'hutch++', got {method!r}.")
     minimum = 2 if method == "hutchinson" else 4
-    num_probes = check_count("num_probes", num_probes, minimum, f" for method={method!r}")
+    num_probes = checks.check_int(num_probes, "num_probes", minimum, rule=f" for method={method!r}")
     masks, n = dimension(params, blocks)
     if method == "hutch++" and num_probes // 3 > n:
         raise ValueError(
             f"`num_probes` // 3 (the Hutch++ sketch size) must be at most the number of parameters "
             f"{n}, got num_probes={num_probes}."
         )
-    return _trace_jit(
+    return reading(
+        op.groups, _trace_jit,
         op.loss, op.mode, op.dtype, method, num_probes, progress, tree.layout(params),
         params, args, op.groups, masks, key,
     )  # fmt: skip

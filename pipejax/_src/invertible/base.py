@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from pipejax._src import compat
+from pipejax._src import checks, compat
 
 PyTree = Any
 
@@ -57,19 +57,15 @@ def fold(key: jax.Array | None, index: int | jax.Array) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, index)
 
 
-def check_key(key: Any, where: str) -> None:
-    """Raises unless ``key`` is ``None`` or a single PRNG key."""
-    if key is None:
-        return
-    shape = getattr(key, "shape", None)
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    if not ((typed and shape == ()) or (not typed and shape == (2,) and dtype == jnp.uint32)):
-        raise TypeError(
-            f"`key` of {where} must be None or one PRNG key (e.g. jax.random.key(0)), but got "
-            f"{type(key).__name__} of shape {shape} and dtype {dtype}. A batch of keys is not "
-            "supported: the layers derive per-layer keys with jax.random.fold_in."
-        )
+def check_key(key: Any, where: str, optional: bool = True) -> Any:
+    """Raises unless ``key`` is one PRNG key (or ``None`` when ``optional``); returns it."""
+    return checks.check_key(
+        key,
+        where=where,
+        optional=optional,
+        batch_fix="Pass one PRNG key (e.g. jax.random.key(0)): the layers derive per-layer keys with "
+        "jax.random.fold_in; map over a batch of keys with jax.vmap.",
+    )
 
 
 def first_leaf(x: PyTree) -> jax.Array:
@@ -124,13 +120,12 @@ def channels(v: jax.Array, ndim: int) -> jax.Array:
 
 def check_input(x: Any, name: str, where: str, ranks: Sequence[int] | None = None, arg: str = "x") -> None:
     """Raises unless ``x`` is a floating array of one of ``ranks`` (any rank >= 2 if ``None``)."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"`{arg}` of {name}.{where} must be an array, but got {type(x).__name__}.")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(
-            f"`{arg}` of {name}.{where} must be a floating array, but got dtype {x.dtype}; cast it, "
-            "e.g. with x.astype(jnp.float32) (for integer image data use pipejax.invertible.dequantize)."
-        )
+    checks.check_float_array(
+        x,
+        arg,
+        f"{name}.{where}",
+        "cast it, e.g. with x.astype(jnp.float32) (for integer image data use pipejax.invertible.dequantize)",
+    )
     if ranks is None:
         if x.ndim < 2:
             raise ValueError(

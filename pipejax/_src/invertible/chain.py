@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pipejax._src import compat
 from pipejax._src.checkpoint import checkpoint_sequential
 from pipejax._src.invertible.base import (
     Layer,
@@ -50,8 +51,9 @@ class Chain:
     All three run the same forward code, so forward results are bitwise identical; gradients of
     every order agree up to reconstruction error. ``jax.grad``, ``jax.hessian``,
     ``jax.jvp(jax.grad(f))`` and ``jax.grad(jax.grad(f))`` work in every mode. Pure forward mode of
-    the chain itself (``jax.jvp(chain.forward)``, ``jax.jacfwd``) is refused by JAX under
-    ``"constant"`` (it is a ``jax.custom_vjp``): use ``"linear"`` there. ``inverse`` has the same
+    the chain itself (``jax.jvp(chain.forward)``, ``jax.jacfwd``) is refused under ``"constant"``
+    (it is a ``jax.custom_vjp``) with a ``TypeError`` that says so: use ``"linear"`` or ``"sqrt"``
+    there. ``inverse`` has the same
     memory modes, run in the other direction.
 
     Randomness: layer ``i`` of repeat ``r`` gets ``fold_in(fold_in(key, r), i)``, in forward,
@@ -214,9 +216,7 @@ class Chain:
         Layers are initialised in order on the batch as transformed by the layers before them, so
         data-dependent initialisation (``ActNorm``) sees the activations it will normalise.
         """
-        if key is None:
-            raise TypeError("`key` of Chain.init must be a PRNG key (e.g. jax.random.key(0)), but got None.")
-        check_key(key, "Chain.init")
+        check_key(key, "Chain.init", optional=False)
         self._check_x(x, "init", "x")
 
         def body(h, keys_r):
@@ -254,7 +254,15 @@ class Chain:
         if self.memory == "linear":
             return scan_steps(step, params, x, keys, self.repeat, reverse)
         if self.memory == "constant":
-            return reversible_scan(step, unstep, self.repeat, reverse)(params, x, keys)
+            method = "inverse" if reverse else "forward"
+            if compat.in_forward_mode((params, x)):  # JAX would refuse it later, with no context
+                raise TypeError(_forward_mode_message(method))
+            try:
+                return reversible_scan(step, unstep, self.repeat, reverse)(params, x, keys)
+            except TypeError as err:  # JAX refuses forward mode of a custom_vjp
+                if "forward-mode" not in str(err):
+                    raise
+                raise TypeError(_forward_mode_message(method)) from err
 
         def layer(pk, carry, _):  # "sqrt": the keys travel with the parameters, in scan order
             (p, k), (h, logdet) = pk, carry
@@ -315,3 +323,12 @@ class Chain:
             return rebuilt, jnp.max(jnp.stack(errors))
 
         return scan(backward, y, (params, keys, inputs), self.repeat, True)[1]
+
+
+def _forward_mode_message(method: str) -> str:
+    return (
+        f"Chain(memory='constant').{method} cannot be differentiated in forward mode alone (jax.jvp, "
+        "jax.jacfwd): its backward pass is a jax.custom_vjp, which JAX refuses to differentiate "
+        "forwards. Build the chain with memory='linear' or memory='sqrt' for forward mode (jax.grad, "
+        "jax.hessian and jax.jvp(jax.grad(f)) work in every memory mode)."
+    )

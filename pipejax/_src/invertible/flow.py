@@ -8,7 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pipejax._src import checks
 from pipejax._src.invertible.base import Layer, PyTree, check_key, check_layer, per_example_sum
 
 
@@ -43,13 +45,22 @@ def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any 
     for the ``1 / num_bins`` rescaling.
 
     Args:
-      x: integer-valued data in ``[0, num_bins)`` (any real dtype).
+      x: integer-valued data in ``[0, num_bins)``: the levels themselves (e.g. 8-bit pixels),
+        in an integer dtype or a float dtype holding whole numbers, not data already scaled to
+        ``[0, 1)``.
       key: the PRNG key of the noise.
       num_bins: the number of levels of the data (256 for 8-bit images).
       dtype: the floating dtype of the result.
 
     Returns:
-      A floating array of ``x``'s shape.
+      A floating array of ``x``'s shape. Under ``jax.jit``, where the values of ``x`` are not
+      known when the checks run, entries that are not whole numbers in ``[0, num_bins)`` come out
+      NaN (so a wrong input cannot give a plausible number).
+
+    Raises:
+      TypeError: ``x`` is not a real array, ``key`` not a PRNG key.
+      ValueError: ``num_bins < 2``; an ``x`` whose values are known and are not whole numbers
+        in ``[0, num_bins)`` (e.g. images scaled to ``[0, 1)``: pass the levels instead).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -58,13 +69,49 @@ def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any 
       >>> bool(jnp.all((y >= -0.5) & (y < 0.5)))
       True
     """
-    check_key(key, "dequantize")
-    if key is None:
-        raise TypeError("`key` of dequantize must be a PRNG key for the uniform noise, but got None.")
-    if not (isinstance(num_bins, int) and num_bins >= 2):
+    check_key(key, "dequantize", optional=False)
+    if isinstance(num_bins, bool) or not (isinstance(num_bins, int) and num_bins >= 2):
         raise ValueError(f"`num_bins` of dequantize must be an int >= 2, but got {num_bins!r}.")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"`dtype` of dequantize must be a floating dtype (the result's), but got {dtype!r}.")
+    valid = check_levels(x, num_bins, "dequantize")
     noise = jax.random.uniform(key, jnp.shape(x), dtype)
-    return (jnp.asarray(x).astype(dtype) + noise) / jnp.asarray(num_bins, dtype) - jnp.asarray(0.5, dtype)
+    y = (jnp.asarray(x).astype(dtype) + noise) / jnp.asarray(num_bins, dtype) - jnp.asarray(0.5, dtype)
+    return y if valid is None else jnp.where(valid, y, jnp.asarray(jnp.nan, dtype))
+
+
+def check_levels(x: Any, num_bins: int, where: str) -> jax.Array | None:
+    """Checks that ``x`` holds whole numbers in ``[0, num_bins)`` (the data's levels).
+
+    Known values are checked now (``ValueError``); for traced ones the check is returned as a
+    boolean array (``None`` when nothing is left to check), for the caller to turn into NaN.
+    """
+    dtype = jnp.result_type(x) if hasattr(x, "dtype") or isinstance(x, int | float | list) else None
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(
+            f"`x` of {where} must be a real array of integer levels in [0, {num_bins}), but got "
+            f"{type(x).__name__}{f' of dtype {dtype}' if dtype is not None else ''}."
+        )
+    value = checks.concrete(x)
+    if value is None:
+        x = jnp.asarray(x)
+        valid = (x >= 0) & (x < num_bins)
+        return valid & (jnp.floor(x) == x) if jnp.issubdtype(dtype, jnp.floating) else valid
+    bad = ~((value >= 0) & (value < num_bins) & (np.floor(value) == value))
+    if np.any(bad):
+        whole = bool(np.all(np.floor(value[np.isfinite(value)]) == value[np.isfinite(value)]))
+        low, high = np.min(value), np.max(value)
+        hint = (
+            f" Data scaled to [0, 1) must be passed as levels: `jnp.round(x * {num_bins})`."
+            if not whole and 0 <= low and high <= 1
+            else f" Pass the levels (integers 0 .. {num_bins - 1}), or the `num_bins` of your data."
+        )
+        raise ValueError(
+            f"`x` of {where} must hold whole numbers in [0, {num_bins}) (the levels of num_bins={num_bins} "
+            f"data), but its values range over [{low}, {high}]"
+            f"{'' if whole else ' and are not all whole numbers'}.{hint}"
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +220,17 @@ class Flow:
         ``temperature < 1`` trades diversity for sample quality (Glow's reduced-temperature
         sampling). ``layer_key`` feeds the layers' randomness (``None``: no dropout).
         """
-        check_key(key, "Flow.sample")
-        if key is None:
-            raise TypeError("`key` of Flow.sample must be a PRNG key, but got None.")
-        if not (isinstance(num_samples, int) and num_samples >= 1):
+        check_key(key, "Flow.sample", optional=False)
+        if isinstance(num_samples, bool) or not (isinstance(num_samples, int) and num_samples >= 1):
             raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
+        numeric = isinstance(temperature, int | float) or hasattr(temperature, "dtype")
+        numeric = numeric and not isinstance(temperature, bool) and jnp.ndim(temperature) == 0
+        known = checks.concrete(temperature) if numeric else None
+        if not numeric or (known is not None and not known >= 0):
+            raise (ValueError if numeric else TypeError)(
+                f"`temperature` of Flow.sample must be a scalar >= 0 (the scale of the base samples; 1 "
+                f"samples the model), but got {temperature!r}."
+            )
         self._check_params(params, "sample")
         x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), self._dtype(params))
         z_struct = jax.eval_shape(lambda p, x: self.layer.forward(p, x)[0], params, x_struct)
@@ -200,14 +253,19 @@ class Flow:
     ) -> jax.Array:
         """Bits per dimension of integer data, with uniform dequantisation; shape ``(batch,)``.
 
-        ``x`` holds integers in ``[0, num_bins)``. It is dequantised with ``key``
-        (:func:`dequantize`), and ``bpd = -(log p(x') - D log(num_bins)) / (D log 2)`` where ``D``
-        is the number of dimensions of one example: the ``D log(num_bins)`` undoes the scaling
-        by ``1 / num_bins``, so this is an upper bound (in expectation over the noise) on the
-        discrete data's code length. A model that is uniform over all ``num_bins`` levels scores
+        ``x`` holds integers in ``[0, num_bins)`` (the levels, not data scaled to ``[0, 1)``: see
+        :func:`dequantize` for what is refused, and for the NaN a traced wrong input gives). It is
+        dequantised with ``key`` (:func:`dequantize`), and
+        ``bpd = -(log p(x') - D log(num_bins)) / (D log 2)`` where ``D`` is the number of
+        dimensions of one example: the ``D log(num_bins)`` undoes the scaling by ``1 / num_bins``,
+        so this is an upper bound (in expectation over the noise) on the discrete data's code
+        length. A model that is uniform over all ``num_bins`` levels scores
         ``log2(num_bins)`` bits (8 for 8-bit images).
         """
         self._check_x(x, "bits_per_dim")
+        if not (isinstance(num_bins, int) and num_bins >= 2):
+            raise ValueError(f"`num_bins` of Flow.bits_per_dim must be an int >= 2, but got {num_bins!r}.")
+        check_levels(x, num_bins, "Flow.bits_per_dim")  # named here; dequantize NaNs traced bad values
         dims = math.prod(self.event_shape)
         dtype = self._dtype(params)
         x_cont = dequantize(x, key, num_bins=num_bins, dtype=dtype)
