@@ -42,6 +42,7 @@ from pipejax._src.schedule import one_f_one_b as one_f_one_b_schedule
 from pipejax._src.schedule import sequential as sequential_schedule
 from pipejax._src.schedule import zb_h1 as zb_h1_schedule
 from pipejax._src.schedule import zb_h1_bubble_fraction as zb_h1_bubble_fraction
+from pipejax._src.timeline import inputs_held as timeline_inputs_held
 
 __version__ = "0.1.0"
 
@@ -85,6 +86,7 @@ __all__ = [
     "sequential_schedule",
     "split_microbatches",
     "stage_key",
+    "timeline_inputs_held",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",
 ]

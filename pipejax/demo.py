@@ -340,6 +340,29 @@ def memory_sweep(report: dict) -> list[tuple[str, int, int]]:
     return rows
 
 
+def schedule_tables(n: int, m: int) -> list:
+    """The GPipe, 1F1B and ZB-H1 tables of ``n`` devices and ``m`` micro-batches."""
+    return [pj.gpipe_schedule(n, m), pj.one_f_one_b_schedule(n, m), pj.zb_h1_schedule(n, m)]
+
+
+def schedule_figure(n: int, m: int, path: Path) -> None:
+    """The three tables as timelines, one under the other, each device's row noting the stage
+    inputs it keeps for the backward pass (``checkpoint="always"``)."""
+    import matplotlib.pyplot as plt
+
+    from pipejax._src import timeline
+
+    tables = schedule_tables(n, m)
+    width = min(4 + 1.65 * tables[-1].num_ticks, 18)
+    fig, axes = plt.subplots(len(tables), 1, figsize=(width, 2.4 * len(tables)))
+    for ax, table in zip(axes, tables, strict=True):
+        held = timeline.inputs_held(table)
+        table.plot(ax=ax, notes={d: f"keeps {k} inputs" for d, k in enumerate(held)})
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_report(out: Path, report: dict, dens, rows) -> None:
     out.mkdir(parents=True, exist_ok=True)
     figures = []
@@ -380,7 +403,8 @@ def write_report(out: Path, report: dict, dens, rows) -> None:
         fig.tight_layout()
         fig.savefig(out / "memory_vs_depth.png", dpi=100)
         plt.close(fig)
-        figures = ["loss.png", "spectral_density.png", "memory_vs_depth.png"]
+        schedule_figure(report["stages"], 2 * report["chunks"], out / "schedules.png")
+        figures = ["loss.png", "spectral_density.png", "memory_vs_depth.png", "schedules.png"]
     t, c, h, f = report["train"], report["checks"], report["hessian"], report["flow"]
     mem = {n: [tt for nn_, _, tt in rows if nn_ == n] for n in ("plain", "sqrt(L)", "reversible")}
     lines = [
@@ -411,6 +435,18 @@ def write_report(out: Path, report: dict, dens, rows) -> None:
         f"training step {f['temp_constant']:,} (constant memory) vs {f['temp_linear']:,} "
         "(stored activations).",
         "",
+        "## Schedules (figure: `schedules.png`)",
+        f"The GPipe, 1F1B and ZB-H1 tables of {report['stages']} devices and {2 * report['chunks']} "
+        "micro-batches as timelines (F: forward, B: backward, W: weight gradient; one colour per "
+        "micro-batch; a blank cell is a bubble). Each row notes how many stage inputs the device "
+        "keeps for its backward pass with `checkpoint='always'`: GPipe keeps one per tick, the "
+        "1F1B schedules only the micro-batches in flight. As text:",
+        "",
+        *(
+            f"    {line}"
+            for table in schedule_tables(report["stages"], 2 * report["chunks"])
+            for line in [f"{getattr(table, 'name', 'gpipe')}:", *table.render().splitlines(), ""]
+        ),
         "## Memory against depth (figure: `memory_vs_depth.png`)",
         "From L=8 to L=128 layers the compiled temp bytes of a training step grow "
         + ", ".join(f"{n} {v[-1] / v[0]:.1f}x" for n, v in mem.items())

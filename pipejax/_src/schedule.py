@@ -79,6 +79,19 @@ class Schedule(NamedTuple):
         """Idle device-ticks over all device-ticks."""
         return float((self.table < 0).mean())
 
+    def render(self) -> str:
+        """The table as a text timeline, a line per device (see :func:`pipejax._src.timeline.render`)."""
+        from pipejax._src import timeline  # presentation sits above the tables
+
+        return timeline.render(self)
+
+    def plot(self, **kwargs):
+        """The table as a picture with matplotlib; returns the ``Axes`` (see
+        :func:`pipejax._src.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
+        from pipejax._src import timeline
+
+        return timeline.plot(self, **kwargs)
+
 
 def _counts(**values) -> list[int]:
     """Each argument as an int >= 1 (the one check of every constructor here), in order."""
@@ -286,6 +299,19 @@ class TrainingSchedule(NamedTuple):
         slots = self.slots()
         busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
         return float(1.0 - busy / self.step_time(f, b, w))
+
+    def render(self) -> str:
+        """The table as a text timeline, a line per device (see :func:`pipejax._src.timeline.render`)."""
+        from pipejax._src import timeline  # presentation sits above the tables
+
+        return timeline.render(self)
+
+    def plot(self, **kwargs):
+        """The table as a picture with matplotlib; returns the ``Axes`` (see
+        :func:`pipejax._src.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
+        from pipejax._src import timeline
+
+        return timeline.plot(self, **kwargs)
 
 
 def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
