@@ -49,7 +49,6 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,10 +56,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import checkpoint as ckpt
-from pipejax._src import checks, compat, engine, keys, microbatch, placement, train
+from pipejax._src import boundaries as bnd
+from pipejax._src import (
+    compat,
+    engine,
+    keys,
+    microbatch,
+    options,
+    placement,
+    stage_forms,
+    train,
+)
 from pipejax._src import schedule as sched
-from pipejax._src.layout import Layout, is_weak
 from pipejax._src.placement import StageParams, stage_index
 from pipejax._src.placement import pack as pack_params
 
@@ -279,16 +286,16 @@ class Pipeline:
         data_axis_name: str | None = None,
         param_specs: Any = None,
     ):
-        self.homogeneous, self.stages = _check_stages(stages, num_stages)
+        self.homogeneous, self.stages = options.check_stages(stages, num_stages)
         self.num_stages = len(self.stages)
-        repeats = _check_schedule(schedule, repeats, self.num_stages)
+        repeats = options.check_schedule(schedule, repeats, self.num_stages)
         self.schedule_name = schedule
         self.repeats = repeats
         self.num_devices = self.num_stages // repeats  # devices along the stage axis
-        chunks = _check_chunks(chunks)
-        checkpoint = _check_checkpoint(checkpoint, schedule)
-        _check_mesh(mesh, axis_name, self.num_devices, repeats)
-        self.data_size = _check_data_axis(data_axis_name, mesh, axis_name)
+        chunks = options.check_chunks(chunks)
+        checkpoint = options.check_checkpoint(checkpoint, schedule)
+        options.check_mesh(mesh, axis_name, self.num_devices, repeats)
+        self.data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.mesh = mesh
@@ -340,7 +347,7 @@ class Pipeline:
         ``stage(params, x, key, context=c)``. ``None`` (the default) passes no keyword.
         """
         keys.check_key(key)
-        _check_params_shape(params, self)
+        options.check_params_shape(params, self)
         self._check_batch(x, context)
         if (
             self.mesh is not None
@@ -364,7 +371,7 @@ class Pipeline:
                     "receive it. Build it with `pj.pipeline(..., stateful=True)` and stages "
                     "`stage(params, x, key, state, mask) -> (y, stats)`."
                 )
-            _check_params_shape(state, self, name="state")
+            options.check_params_shape(state, self, name="state")
         params, (x, context), key, state = self._commit(params, (x, context), key, state)
         return self._jitted(params, x, key, state, context)
 
@@ -429,16 +436,16 @@ class Pipeline:
         The ``state`` of a stateful pipeline takes the same forms and may be placed the same way
         (``apply(placed_params, x, state=apply.place(state))``).
         """
-        _check_params_shape(params, self)
+        options.check_params_shape(params, self)
         splits = self._splits(params)
         if not self.homogeneous and not isinstance(params, StageParams):
             params = pack_params(params, splits)
         if self.mesh is None:
             return params
         if self.repeats > 1 and self.num_devices > 1:
-            params = _device_major(self, params)
+            params = stage_forms.device_major(self, params)
         put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
-        specs = _leaf_specs(self, params, splits)
+        specs = stage_forms.leaf_specs(self, params, splits)
         if isinstance(params, StageParams):
             buffers = tuple(put(b, sp) for b, sp in zip(params.buffers, specs, strict=True))
             return StageParams(buffers, params.container, params.layouts)
@@ -464,7 +471,7 @@ class Pipeline:
             return None
         specs = self.param_specs
         if self.homogeneous:
-            lead = 2 if _is_device_major(self, params) else 1
+            lead = 2 if stage_forms.is_device_major(self, params) else 1
             one = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params
             )
@@ -523,7 +530,7 @@ class Pipeline:
         if isinstance(params, StageParams):
             return params.stage(s)
         if self.homogeneous:
-            if _is_device_major(self, params):
+            if stage_forms.is_device_major(self, params):
                 n = self.num_devices
                 return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
             return jax.tree.map(lambda a: a[s], params)
@@ -563,7 +570,7 @@ class Pipeline:
 
     def _commit(self, params, x, key, state):
         """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
-        leaves = [a for a in jax.tree.leaves((params, x, key, state)) if _is_concrete(a)]
+        leaves = [a for a in jax.tree.leaves((params, x, key, state)) if options.is_concrete(a)]
         if self.mesh is None:
             # One device runs everything: gather inputs spread over several devices onto one.
             device_sets = {frozenset(a.sharding.device_set) for a in leaves if a.committed}
@@ -577,7 +584,7 @@ class Pipeline:
             sharding = NamedSharding(self.mesh, spec)
 
             def move(a):
-                if _is_concrete(a) and a.committed and a.sharding.device_set != mesh_devices:
+                if options.is_concrete(a) and a.committed and a.sharding.device_set != mesh_devices:
                     return jax.device_put(a, sharding)
                 return a
 
@@ -586,7 +593,7 @@ class Pipeline:
         def per_stage(tree):
             if not (self.homogeneous or isinstance(tree, StageParams)):
                 return put(tree, PartitionSpec())
-            if _is_device_major(self, tree):
+            if stage_forms.is_device_major(self, tree):
                 return put(tree, PartitionSpec(None, self.axis_name))
             return put(tree, PartitionSpec(self.axis_name))
 
@@ -620,8 +627,8 @@ class Pipeline:
             lead = (plan.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
         splits = self._splits(params)
-        params, state = _runner_form(self, params, splits), _runner_form(self, state)
-        param_specs = None if self.mesh is None else _full_specs(self, params, splits)
+        params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
+        param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
         cfg = engine.Config(
             self.stages,
             self.stateful,
@@ -632,13 +639,13 @@ class Pipeline:
         )
         local = self.mesh is None
         if self.homogeneous:
-            boundaries, stats = _homogeneous_boundaries(self, params, state, xs, key_struct, cs)
+            boundaries, stats = bnd.homogeneous(self, params, state, xs, key_struct, cs)
             xs = boundaries[0].cast(xs)
             stages = engine.Homogeneous(
                 cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
             )
         else:
-            boundaries, stats = _heterogeneous_boundaries(self, params, state, xs, key_struct, cs)
+            boundaries, stats = bnd.heterogeneous(self, params, state, xs, key_struct, cs)
             layouts = (None, None)
             if not local:
                 layouts = (params.layouts, state.layouts)
@@ -683,493 +690,3 @@ def _not_differentiable(forward, schedule: str):
         )
 
     return call
-
-
-# --- validation ------------------------------------------------------------------------------
-
-
-def _check_stages(stages, num_stages) -> tuple[bool, tuple[StageFn, ...]]:
-    if callable(stages) and not isinstance(stages, Sequence):
-        if num_stages is None:
-            raise TypeError(
-                "`stages` is a single function, so the pipeline is homogeneous and needs "
-                "`num_stages` (e.g. `pipeline(stage, num_stages=4)`). For different stages pass "
-                "a sequence of functions instead."
-            )
-        count = checks.count(num_stages, "num_stages", what="the number of stages the function makes")
-        return True, (stages,) * count
-    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
-        raise TypeError(
-            "`stages` must be a sequence of stage functions `stage(params, x, key) -> y`, or one "
-            f"such function with `num_stages`; got {type(stages).__name__}."
-        )
-    if len(stages) == 0:
-        raise ValueError(
-            "`stages` is empty; a pipeline needs at least one stage function `stage(params, x, key) -> y`."
-        )
-    for s, stage in enumerate(stages):
-        if not callable(stage):
-            raise TypeError(
-                f"`stages[{s}]` must be a callable `stage(params, x, key) -> y`, but got "
-                f"{type(stage).__name__} {stage!r}."
-            )
-    if num_stages is not None and num_stages != len(stages):
-        raise ValueError(
-            f"`num_stages` is {num_stages} but {len(stages)} stage functions were given; drop "
-            "`num_stages` (it is only needed for a single homogeneous stage function)."
-        )
-    return False, tuple(stages)
-
-
-def _check_chunks(chunks) -> int:
-    return checks.count(chunks, "chunks", what="the number of micro-batches per mini-batch")
-
-
-def _check_schedule(schedule, repeats, num_stages) -> int:
-    """Validates the schedule name and ``repeats``; returns ``repeats`` as an int."""
-    kinds = ", ".join(repr(k) for k in sched.KINDS + sched.TRAINING_KINDS)
-    if not isinstance(schedule, str):
-        raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
-    if schedule not in sched.KINDS + sched.TRAINING_KINDS:
-        raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
-    repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
-    if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
-        raise ValueError(
-            f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
-            f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
-        )
-    if num_stages % repeats:
-        raise ValueError(
-            f"The circular schedule with `repeats={repeats}` needs a number of stages that is a "
-            f"multiple of {repeats} (each device holds {repeats} stages), but the pipeline has "
-            f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
-            "change `repeats`."
-        )
-    return repeats
-
-
-def _check_checkpoint(checkpoint, schedule: str):
-    """The checkpoint mode, ``None`` resolved to the schedule's default: ``"except_last"`` for the
-    forward schedules, ``"always"`` for those that own the backward pass."""
-    if checkpoint is None:
-        return "always" if schedule in sched.TRAINING_KINDS else "except_last"
-    ckpt.check_mode(checkpoint)
-    if checkpoint == "except_last" and schedule in sched.TRAINING_KINDS:
-        raise ValueError(
-            f"`checkpoint='except_last'` means GPipe's drain phase (the last micro-batch on every "
-            f"stage) keeps its activations, but `schedule={schedule!r}` runs no drain phase: every "
-            "stage's backward slots follow its forward slots all along. Choose what its forward "
-            "slots keep for the backward ones: `'always'` (the stage input; the default for this "
-            "schedule), `'never'` (every residual), or a `jax.checkpoint` policy such as "
-            "`jax.checkpoint_policies.dots_saveable` (what it saves)."
-        )
-    return checkpoint
-
-
-def _check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
-    checks.axis_name(axis_name)
-    if mesh is None:
-        return
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
-            f"with `jax.make_mesh(({num_devices},), ({axis_name!r},))`."
-        )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}). "
-            f"Add a stage axis of size {num_devices}, e.g. "
-            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))`, or pass `axis_name=`."
-        )
-    _check_not_manual(mesh, axis_name, "axis_name")
-    size = mesh.shape[axis_name]
-    if size != num_devices and repeats > 1:
-        raise ValueError(
-            f"`mesh` axis {axis_name!r} has size {size}, but the circular pipeline has "
-            f"{num_devices * repeats} stages with `repeats={repeats}`, which need {num_devices} "
-            f"devices ({repeats} stages each). Use `jax.make_mesh(({num_devices},), "
-            f"({axis_name!r},))` or change `repeats`."
-        )
-    if size != num_devices:
-        raise ValueError(
-            f"`mesh` axis {axis_name!r} has size {size}, but the pipeline has {num_devices} stages; "
-            "each device along the stage axis runs one stage, so the sizes must be equal. Use "
-            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))` or change the number of stages "
-            "(or hold several stages per device with `schedule='circular', repeats=...`)."
-        )
-
-
-def _check_not_manual(mesh, name, arg) -> None:
-    if compat.is_manual(mesh, name):
-        shape = tuple(mesh.shape.values())
-        raise ValueError(
-            f"`mesh` axis {name!r} (`{arg}`) has type AxisType.Manual, but the pipeline runs its "
-            "own `shard_map` over its stage and data axes, so they must be Explicit (the default "
-            "of `jax.make_mesh`) or Auto. Build the mesh with `jax.make_mesh("
-            f"{shape}, {tuple(mesh.axis_names)})`, and call the pipeline outside any `shard_map` "
-            "over these axes."
-        )
-
-
-def _check_data_axis(data_axis_name, mesh, axis_name) -> int:
-    """Validates the data axis; returns its size (1 without one)."""
-    if data_axis_name is None:
-        return 1
-    checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
-    if mesh is None:
-        raise ValueError(
-            f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
-            f"Pass e.g. `mesh=jax.make_mesh((2, n), ({data_axis_name!r}, {axis_name!r}))`, or drop "
-            "`data_axis_name`."
-        )
-    if data_axis_name == axis_name:
-        raise ValueError(
-            f"`data_axis_name` and `axis_name` are both {axis_name!r}; the data axis must be another "
-            "axis of the mesh than the stage axis."
-        )
-    if data_axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"`mesh` has no axis named {data_axis_name!r} for `data_axis_name` (its axes are "
-            f"{tuple(mesh.axis_names)}). Add a data axis, e.g. `jax.make_mesh((2, "
-            f"{mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))`, or pass its name."
-        )
-    _check_not_manual(mesh, data_axis_name, "data_axis_name")
-    if compat.is_explicit(mesh, data_axis_name) != compat.is_explicit(mesh, axis_name):
-        raise ValueError(
-            f"The data axis {data_axis_name!r} and the stage axis {axis_name!r} of `mesh` have "
-            "different axis types (one Explicit, one Auto); give both the same type in "
-            "`jax.make_mesh(..., axis_types=...)`."
-        )
-    return mesh.shape[data_axis_name]
-
-
-def _check_params_shape(params, pipe: Pipeline, name: str = "params") -> None:
-    """Static checks on ``params`` (or ``state``, which takes the same forms) that need no tracing."""
-    n = pipe.num_stages
-    if isinstance(params, StageParams):
-        if pipe.homogeneous:
-            raise TypeError(
-                f"`{name}` is a StageParams (packed heterogeneous stages), but this pipeline "
-                f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
-            )
-        if params.num_stages != n:
-            raise ValueError(
-                f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages. Pack "
-                f"one entry per stage with this pipeline's `place` (`apply.place(per_stage_{name})`, "
-                f"a list of {n} pytrees), or unpack the StageParams (`{name}.unpack()`) and fix "
-                "its list of stages."
-            )
-        return
-    if pipe.homogeneous:
-        leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-        major = _is_device_major(pipe, params)
-        lead = (pipe.repeats, pipe.num_devices) if major else (n,)
-        placed = ""
-        if pipe.repeats > 1 and pipe.num_devices > 1:
-            placed = f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
-        for path, leaf in leaves:
-            shape = jnp.shape(leaf)
-            if tuple(shape[: len(lead)]) != lead:
-                raise ValueError(
-                    f"Homogeneous stages take `{name}` stacked on a leading stage axis of size "
-                    f"{n}{placed}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has "
-                    f"shape {shape}. Stack the per-stage values, e.g. "
-                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`; every leaf alike."
-                )
-        return
-    what = "parameter" if name == "params" else name
-    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-        raise TypeError(
-            f"`{name}` must be a sequence with one {what} pytree per stage ({n} stages), but "
-            f"got {type(params).__name__}. Wrap a single stage's {what} in a list."
-        )
-    if len(params) != n:
-        raise ValueError(
-            f"`{name}` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
-            f"pipeline has {n} stages; pass exactly one "
-            f"{what} pytree per stage (use None or {{}} for a stage without any)."
-        )
-
-
-def _is_concrete(a) -> bool:
-    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-
-
-# --- stacked stage layouts ------------------------------------------------------------------------
-# Stacked stages (homogeneous pytrees, StageParams buffers) come stage-major, ``(S, ...)``, or, for
-# the circular schedule on n > 1 devices, device-major as ``place`` lays them out: ``(v, n, ...)``,
-# entry [r, d] = stage r n + d, so that sharding axis 1 gives device d its v stages.
-
-
-def _is_device_major(pipe, tree) -> bool:
-    """Whether stacked stages come as ``(repeats, n, ...)`` (never ambiguous: needs n > 1)."""
-    if pipe.repeats == 1 or pipe.num_devices == 1 or tree is None:
-        return False
-    if isinstance(tree, StageParams):
-        return bool(tree.buffers) and tree.device_major()[0]
-    if not pipe.homogeneous:
-        return False
-    leaves = jax.tree.leaves(tree)
-    return bool(leaves) and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == pipe.repeats
-
-
-def _reshape_stacked(tree, lead, drop):
-    """Every stacked leaf with its ``drop`` leading stage axes reshaped to ``lead``."""
-
-    def fix(a):
-        a = compat.replicate(jnp.asarray(a))  # Explicit sharding refuses reshapes of sharded axes
-        return a.reshape((*lead, *a.shape[drop:]))
-
-    if isinstance(tree, StageParams):
-        return StageParams(tuple(fix(b) for b in tree.buffers), tree.container, tree.layouts)
-    return jax.tree.map(fix, tree)
-
-
-def _device_major(pipe, tree):
-    """Stacked stages as ``(repeats, n, ...)``; other trees (per-stage lists, None) unchanged."""
-    stacked = pipe.homogeneous or isinstance(tree, StageParams)
-    if tree is None or not stacked or _is_device_major(pipe, tree):
-        return tree
-    return _reshape_stacked(tree, (pipe.repeats, pipe.num_devices), 1)
-
-
-def _stage_major(pipe, tree):
-    """Stacked stages as ``(S, ...)``; other trees unchanged."""
-    if not _is_device_major(pipe, tree):
-        return tree
-    return _reshape_stacked(tree, (pipe.num_stages,), 2)
-
-
-def _runner_form(pipe, tree, splits=None):
-    """``params``/``state`` in the one form the engine reads, converted once at the entry.
-
-    Homogeneous stages: leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a
-    circular mesh). Heterogeneous stages: a :class:`StageParams` on a mesh (laid out the same
-    way), a list of per-stage pytrees without one (each virtual device calls its own stages).
-    """
-    if pipe.homogeneous:
-        if pipe.mesh is None:
-            return _stage_major(pipe, tree)
-        return _device_major(pipe, tree) if pipe.repeats > 1 else tree
-    if tree is None:
-        tree = [None] * pipe.num_stages
-    if pipe.mesh is None:
-        return _stage_major(pipe, tree).unpack() if isinstance(tree, StageParams) else list(tree)
-    tree = tree if isinstance(tree, StageParams) else pack_params(tree, splits)
-    return _device_major(pipe, tree) if pipe.repeats > 1 else tree
-
-
-def _full_specs(pipe, params, splits):
-    """The ``PartitionSpec`` of every leaf the engine reads of ``params`` (runner form, on a mesh),
-    stage axis included; ``None`` without ``param_specs``."""
-    return None if splits is None else _leaf_specs(pipe, params, splits)
-
-
-def _leaf_specs(pipe, params, splits):
-    """The ``PartitionSpec`` of every placed leaf of ``params`` (stacked leaves, or a
-    ``StageParams``' buffers, one per slot): the stage axis (see :meth:`Pipeline._stage_lead`),
-    then the leaf's ``splits`` over the other axes (``None``: none)."""
-    lead = pipe._stage_lead()
-    if isinstance(params, StageParams):
-        return params.container.slot_specs(lead)
-    leaves, treedef = jax.tree.flatten(params)
-    per_leaf = splits if splits is not None else ((),) * len(leaves)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            PartitionSpec(*lead, *_split_spec(split, jnp.ndim(a) - len(lead)))
-            for a, split in zip(leaves, per_leaf, strict=True)
-        ],
-    )
-
-
-# --- boundary shapes ---------------------------------------------------------------------------
-
-
-def _struct(tree):
-    return jax.tree.map(lambda a: _shape_struct(a, jnp.shape(a)), tree)
-
-
-def _shape_struct(a, shape):
-    """The type of leaf ``a`` with ``shape``: its dtype and weak type (a Python float parameter
-    keeps a bfloat16 activation bfloat16, as outside the pipeline)."""
-    return jax.ShapeDtypeStruct(shape, jnp.result_type(a), weak_type=is_weak(a))
-
-
-def _micro_struct(xs):
-    return jax.tree.map(lambda a: _shape_struct(a, a.shape[1:]), xs)
-
-
-def _mask_struct(xs, pipe):
-    """The type of the row mask a stateful stage receives, ``bool[b]``; ``None`` when stateless."""
-    if not pipe.stateful:
-        return None
-    return jax.ShapeDtypeStruct(jax.tree.leaves(xs)[0].shape[1:2], jnp.bool_)
-
-
-def _stage_output(
-    s, pipe, p_struct, st_struct, in_struct, key_struct, mask_struct, ctx_struct=None
-) -> tuple[Layout, Layout]:
-    """The layouts of stage ``s``'s output and stats on ``in_struct``, or a clear error."""
-    micro_size = jax.tree.leaves(in_struct)[0].shape[0]
-    stage = pipe.stages[s]
-    args = (p_struct, in_struct, key_struct) + ((st_struct, mask_struct) if pipe.stateful else ())
-    kwargs = {} if ctx_struct is None else {"context": ctx_struct}
-    _check_signature(stage, s, pipe, args, kwargs)
-    try:
-        out = jax.eval_shape(lambda a, kw: stage(*a, **kw), args, kwargs)
-    except Exception as err:
-        raise _stage_error(err, s, in_struct) from err
-    stats = None
-    if pipe.stateful:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(
-                f"Stage {s} returned {out!r}, but the pipeline is stateful, so every stage must "
-                "return a pair `(y, stats)`: the activation for the next stage and a pytree of "
-                "per-micro-batch statistics without the batch axis (None if it has none), e.g. "
-                "`return y, None`."
-            )
-        out, stats = out  # (eval_shape has already rejected leaves that are not arrays)
-    if not jax.tree.leaves(out):
-        raise ValueError(
-            f"Stage {s} returned {out!r}, which holds no arrays. A stage must return the "
-            "activation for the next stage (an array or a pytree of arrays with the micro-batch "
-            "axis first); check for a missing `return`."
-        )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, jax.ShapeDtypeStruct) or not leaf.shape or leaf.shape[0] != micro_size:
-            got = getattr(leaf, "shape", leaf)
-            raise ValueError(
-                f"Stage {s} returned leaf {jax.tree_util.keystr(path) or '<root>'} with shape {got}, "
-                f"but every output leaf must keep the micro-batch axis first (size {micro_size}). "
-                "Stages may change every axis but the leading batch axis."
-            )
-    return Layout.of(out), Layout.of(stats)
-
-
-def _check_signature(stage, s: int, pipe, args, kwargs) -> None:
-    """A stage whose signature cannot take the pipeline's arguments: say how stages are called
-    (``inspect.signature`` binds ``*args``, defaults and ``functools.partial`` as a call would;
-    callables without a signature are left to the call)."""
-    try:
-        signature = inspect.signature(stage)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as err:
-        want = "params, x, key, state, mask" if pipe.stateful else "params, x, key"
-        side = " and the keyword argument `context=` (the call passes `context`)" if kwargs else ""
-        name = getattr(stage, "__qualname__", type(stage).__name__)
-        raise TypeError(
-            f"Stage {s}, `{name}{signature}`, cannot be called with the arguments every stage "
-            f"takes, `({want})`{side}: {err}. A stage that needs no randomness still takes `key` "
-            "and ignores it (`key` is None when the pipeline is called without one), e.g. "
-            "`def stage(params, x, key): ...` or `lambda p, x, key: ...`."
-        ) from None
-
-
-def _stage_error(err: Exception, s: int, in_struct) -> Exception:
-    """What to raise when stage ``s`` fails while its output type is inferred (``eval_shape``).
-
-    A shape or dtype mismatch raised inside JAX (an exact ``TypeError``/``ValueError`` from JAX's
-    own code) becomes pipejax's ``ValueError`` naming the boundary. Anything else -- the user's
-    own exception, a ``KeyError`` from params of the wrong structure, JAX's concretization and
-    unbound-axis errors -- keeps its type, with pipejax's context added as a note, so
-    ``except MyError`` keeps working.
-    """
-    source = "a micro-batch of `x`" if s == 0 else f"the output of stage {s - 1}"
-    seen = f"Stage {s} failed while pipejax inferred its output type on {source}, whose type is "
-    seen += f"{Layout.of(in_struct).describe()} (shapes include the micro-batch axis first)."
-    if isinstance(err, NameError) and "axis name" in str(err):
-        err.add_note(
-            seen + " A stage runs on one device for one micro-batch: it must not call collectives "
-            "over the pipeline's mesh axes (`lax.psum`, `lax.axis_index('stage')`, ...). Use the "
-            "stage index you already know (a stage function per stage, or a parameter), and reduce "
-            "over the batch after the pipeline."
-        )
-        return err
-    if isinstance(err, jax.errors.ConcretizationTypeError | jax.errors.TracerBoolConversionError):
-        err.add_note(
-            seen + " Stages are traced: Python `if`/`while` on a traced value cannot work; use "
-            "`jnp.where`, `lax.cond` or `lax.select`."
-        )
-        return err
-    if type(err) in (TypeError, ValueError) and checks.raised_in_jax(err):
-        where = "`x`" if s == 0 else f"stage {s - 1}"
-        return ValueError(
-            f"Stage {s} could not be applied to {source}, whose type is "
-            f"{Layout.of(in_struct).describe()}: {type(err).__name__}: {err}\n"
-            f"Make stage {s} accept what {where} produces (shapes include the micro-batch axis first)."
-        )
-    err.add_note(seen)
-    return err
-
-
-def _per_stage_structs(tree, n):
-    """The per-stage types of a heterogeneous ``params``/``state`` (list or StageParams)."""
-    if isinstance(tree, StageParams):
-        return [layout.structs() for layout in tree.layouts]
-    if tree is None:
-        return [None] * n
-    return [_struct(t) for t in tree]
-
-
-def _heterogeneous_boundaries(
-    pipe, params, state, xs, key_struct, cs=None
-) -> tuple[list[Layout], list[Layout]]:
-    """Layouts of the values entering stage 0, 1, ..., and leaving the last stage; and of each
-    stage's stats."""
-    in_struct = _micro_struct(xs)
-    p_structs = _per_stage_structs(params, pipe.num_stages)
-    st_structs = _per_stage_structs(state, pipe.num_stages)
-    mask_struct = _mask_struct(xs, pipe)
-    layouts, stats = [Layout.of(in_struct)], []
-    for s in range(pipe.num_stages):
-        out, stat = _stage_output(
-            s, pipe, p_structs[s], st_structs[s], in_struct, key_struct, mask_struct, _micro_struct(cs)
-        )
-        layouts.append(out)
-        stats.append(stat)
-        in_struct = out.structs()
-    return layouts, stats
-
-
-def _homogeneous_boundaries(pipe, params, state, xs, key_struct, cs=None) -> tuple[list[Layout], Layout]:
-    in_struct = _micro_struct(xs)
-    lead = 2 if pipe.mesh is not None and pipe.repeats > 1 else 1  # (v, n, ...) on a circular mesh
-
-    def unstacked(tree):  # one stage's slice of a stacked pytree
-        return jax.tree.map(lambda a: _shape_struct(a, jnp.shape(a)[lead:]), tree)
-
-    def output(in_struct):
-        p, st, mask, c = unstacked(params), unstacked(state), _mask_struct(xs, pipe), _micro_struct(cs)
-        return _stage_output(0, pipe, p, st, in_struct, key_struct, mask, c)
-
-    layout_in = Layout.of(in_struct)
-    layout_out, stats = output(in_struct)
-    if layout_out != layout_in and layout_out.strong() == layout_in.strong():
-        # a weak type gained or lost (weakly typed x such as `jnp.arange(8) / 2` meeting strong
-        # parameters, or `(x > 0) * 1.5`): the activation travels strongly typed between stages
-        # (the caller casts x: `Layout.cast`), like the stacked stages of `lax.scan`
-        layout_in = layout_in.strong()
-        layout_out, stats = output(layout_in.structs())
-        layout_out = layout_out.strong()
-    if layout_out != layout_in:
-        raise ValueError(
-            "Homogeneous stages must return activations of the type they take, so that each "
-            f"stage can feed the next; the stage maps {layout_in.describe()} to "
-            f"{layout_out.describe()}. Use a sequence of stage functions (heterogeneous stages) "
-            "for stages that change the activation type."
-        )
-    return [layout_in] * (pipe.num_stages + 1), stats
-
-
-def _split_spec(split, ndim: int) -> tuple[Any, ...]:
-    """A leaf's ``PartitionSpec`` entries (one per dimension) from its split."""
-    entries: list[Any] = [None] * ndim
-    for dim, axes, _ in split:
-        entries[dim] = axes[0] if len(axes) == 1 else axes
-    while entries and entries[-1] is None:  # P("stage"), not P("stage", None, None)
-        entries.pop()
-    return tuple(entries)

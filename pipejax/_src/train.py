@@ -48,8 +48,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from pipejax._src import boundaries as bnd
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, engine, keys, microbatch
+from pipejax._src import compat, engine, keys, microbatch, options, stage_forms
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout, is_weak
 from pipejax._src.placement import StageParams
@@ -185,9 +186,8 @@ def _check_float_params(params) -> None:
 
 
 def _check_params(pipe, params, name="params"):
-    from pipejax._src.pipeline import _check_params_shape  # the pipeline module imports this one
 
-    _check_params_shape(params, pipe, name=name)
+    options.check_params_shape(params, pipe, name=name)
 
 
 # --- the program -----------------------------------------------------------------------------
@@ -208,7 +208,6 @@ class _Variant(NamedTuple):
 def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     """``(loss, grads, counts int[n, 3], stats)`` of one training step on ``pipe.schedule_name``'s
     table; ``stats`` as the forward call of a stateful pipeline returns them (``None`` otherwise)."""
-    from pipejax._src import pipeline as pl  # the pipeline module imports this one
 
     plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
     check_targets(targets, plan.batch)
@@ -248,14 +247,14 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
         lead = (plan.micro_size,) if pipe.per_example_keys else ()
         key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
     splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
-    runner, to_user = jax.vjp(lambda p: pl._runner_form(pipe, p, splits), params)
-    param_specs = None if pipe.mesh is None else pl._full_specs(pipe, runner, splits)
-    state_r = pl._runner_form(pipe, state) if pipe.stateful else None
+    runner, to_user = jax.vjp(lambda p: stage_forms.runner_form(pipe, p, splits), params)
+    param_specs = None if pipe.mesh is None else stage_forms.full_specs(pipe, runner, splits)
+    state_r = stage_forms.runner_form(pipe, state) if pipe.stateful else None
     if pipe.homogeneous:
-        boundaries, stats_layouts = pl._homogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
+        boundaries, stats_layouts = bnd.homogeneous(pipe, runner, state_r, xs, key_struct, cs)
         xs = boundaries[0].cast(xs)
     else:
-        boundaries, stats_layouts = pl._heterogeneous_boundaries(pipe, runner, state_r, xs, key_struct, cs)
+        boundaries, stats_layouts = bnd.heterogeneous(pipe, runner, state_r, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype, weak_type=a.weak_type),
@@ -289,14 +288,13 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
 def _per_stage_state(pipe, state):
     """A stateful pipeline's ``state`` as the slots read it: stacked stage-major ``(S, ...)``
     (homogeneous), or a list with one pytree per stage."""
-    from pipejax._src import pipeline as pl  # the pipeline module imports this one
 
     if pipe.homogeneous:
-        return pl._stage_major(pipe, state)
+        return stage_forms.stage_major(pipe, state)
     if state is None:
         return [None] * pipe.num_stages
     if isinstance(state, StageParams):
-        return pl._stage_major(pipe, state).unpack()
+        return stage_forms.stage_major(pipe, state).unpack()
     return list(state)
 
 

@@ -1,0 +1,229 @@
+"""The pipeline's options, each checked once, at construction, with a message that names the
+argument, the value received, the rule and the fix; and the static checks of ``params`` and
+``state`` that need no tracing (:func:`check_params_shape`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from pipejax._src import checkpoint as ckpt
+from pipejax._src import checks, compat, stage_forms
+from pipejax._src import schedule as sched
+from pipejax._src.placement import StageParams
+
+PyTree = Any
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def check_stages(stages, num_stages) -> tuple[bool, tuple[Callable[..., Any], ...]]:
+    if callable(stages) and not isinstance(stages, Sequence):
+        if num_stages is None:
+            raise TypeError(
+                "`stages` is a single function, so the pipeline is homogeneous and needs "
+                "`num_stages` (e.g. `pipeline(stage, num_stages=4)`). For different stages pass "
+                "a sequence of functions instead."
+            )
+        count = checks.count(num_stages, "num_stages", what="the number of stages the function makes")
+        return True, (stages,) * count
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise TypeError(
+            "`stages` must be a sequence of stage functions `stage(params, x, key) -> y`, or one "
+            f"such function with `num_stages`; got {type(stages).__name__}."
+        )
+    if len(stages) == 0:
+        raise ValueError(
+            "`stages` is empty; a pipeline needs at least one stage function `stage(params, x, key) -> y`."
+        )
+    for s, stage in enumerate(stages):
+        if not callable(stage):
+            raise TypeError(
+                f"`stages[{s}]` must be a callable `stage(params, x, key) -> y`, but got "
+                f"{type(stage).__name__} {stage!r}."
+            )
+    if num_stages is not None and num_stages != len(stages):
+        raise ValueError(
+            f"`num_stages` is {num_stages} but {len(stages)} stage functions were given; drop "
+            "`num_stages` (it is only needed for a single homogeneous stage function)."
+        )
+    return False, tuple(stages)
+
+
+def check_chunks(chunks) -> int:
+    return checks.count(chunks, "chunks", what="the number of micro-batches per mini-batch")
+
+
+def check_schedule(schedule, repeats, num_stages) -> int:
+    """Validates the schedule name and ``repeats``; returns ``repeats`` as an int."""
+    kinds = ", ".join(repr(k) for k in sched.KINDS + sched.TRAINING_KINDS)
+    if not isinstance(schedule, str):
+        raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
+    if schedule not in sched.KINDS + sched.TRAINING_KINDS:
+        raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
+    repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
+    if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
+        raise ValueError(
+            f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
+            f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
+        )
+    if num_stages % repeats:
+        raise ValueError(
+            f"The circular schedule with `repeats={repeats}` needs a number of stages that is a "
+            f"multiple of {repeats} (each device holds {repeats} stages), but the pipeline has "
+            f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
+            "change `repeats`."
+        )
+    return repeats
+
+
+def check_checkpoint(checkpoint, schedule: str):
+    """The checkpoint mode, ``None`` resolved to the schedule's default: ``"except_last"`` for the
+    forward schedules, ``"always"`` for those that own the backward pass."""
+    if checkpoint is None:
+        return "always" if schedule in sched.TRAINING_KINDS else "except_last"
+    ckpt.check_mode(checkpoint)
+    if checkpoint == "except_last" and schedule in sched.TRAINING_KINDS:
+        raise ValueError(
+            f"`checkpoint='except_last'` means GPipe's drain phase (the last micro-batch on every "
+            f"stage) keeps its activations, but `schedule={schedule!r}` runs no drain phase: every "
+            "stage's backward slots follow its forward slots all along. Choose what its forward "
+            "slots keep for the backward ones: `'always'` (the stage input; the default for this "
+            "schedule), `'never'` (every residual), or a `jax.checkpoint` policy such as "
+            "`jax.checkpoint_policies.dots_saveable` (what it saves)."
+        )
+    return checkpoint
+
+
+def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
+    checks.axis_name(axis_name)
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
+            f"with `jax.make_mesh(({num_devices},), ({axis_name!r},))`."
+        )
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}). "
+            f"Add a stage axis of size {num_devices}, e.g. "
+            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))`, or pass `axis_name=`."
+        )
+    check_not_manual(mesh, axis_name, "axis_name")
+    size = mesh.shape[axis_name]
+    if size != num_devices and repeats > 1:
+        raise ValueError(
+            f"`mesh` axis {axis_name!r} has size {size}, but the circular pipeline has "
+            f"{num_devices * repeats} stages with `repeats={repeats}`, which need {num_devices} "
+            f"devices ({repeats} stages each). Use `jax.make_mesh(({num_devices},), "
+            f"({axis_name!r},))` or change `repeats`."
+        )
+    if size != num_devices:
+        raise ValueError(
+            f"`mesh` axis {axis_name!r} has size {size}, but the pipeline has {num_devices} stages; "
+            "each device along the stage axis runs one stage, so the sizes must be equal. Use "
+            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))` or change the number of stages "
+            "(or hold several stages per device with `schedule='circular', repeats=...`)."
+        )
+
+
+def check_not_manual(mesh, name, arg) -> None:
+    if compat.is_manual(mesh, name):
+        shape = tuple(mesh.shape.values())
+        raise ValueError(
+            f"`mesh` axis {name!r} (`{arg}`) has type AxisType.Manual, but the pipeline runs its "
+            "own `shard_map` over its stage and data axes, so they must be Explicit (the default "
+            "of `jax.make_mesh`) or Auto. Build the mesh with `jax.make_mesh("
+            f"{shape}, {tuple(mesh.axis_names)})`, and call the pipeline outside any `shard_map` "
+            "over these axes."
+        )
+
+
+def check_data_axis(data_axis_name, mesh, axis_name) -> int:
+    """Validates the data axis; returns its size (1 without one)."""
+    if data_axis_name is None:
+        return 1
+    checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
+    if mesh is None:
+        raise ValueError(
+            f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
+            f"Pass e.g. `mesh=jax.make_mesh((2, n), ({data_axis_name!r}, {axis_name!r}))`, or drop "
+            "`data_axis_name`."
+        )
+    if data_axis_name == axis_name:
+        raise ValueError(
+            f"`data_axis_name` and `axis_name` are both {axis_name!r}; the data axis must be another "
+            "axis of the mesh than the stage axis."
+        )
+    if data_axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`mesh` has no axis named {data_axis_name!r} for `data_axis_name` (its axes are "
+            f"{tuple(mesh.axis_names)}). Add a data axis, e.g. `jax.make_mesh((2, "
+            f"{mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))`, or pass its name."
+        )
+    check_not_manual(mesh, data_axis_name, "data_axis_name")
+    if compat.is_explicit(mesh, data_axis_name) != compat.is_explicit(mesh, axis_name):
+        raise ValueError(
+            f"The data axis {data_axis_name!r} and the stage axis {axis_name!r} of `mesh` have "
+            "different axis types (one Explicit, one Auto); give both the same type in "
+            "`jax.make_mesh(..., axis_types=...)`."
+        )
+    return mesh.shape[data_axis_name]
+
+
+def check_params_shape(params, pipe: Any, name: str = "params") -> None:
+    """Static checks on ``params`` (or ``state``, which takes the same forms) that need no tracing."""
+    n = pipe.num_stages
+    if isinstance(params, StageParams):
+        if pipe.homogeneous:
+            raise TypeError(
+                f"`{name}` is a StageParams (packed heterogeneous stages), but this pipeline "
+                f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
+            )
+        if params.num_stages != n:
+            raise ValueError(
+                f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages. Pack "
+                f"one entry per stage with this pipeline's `place` (`apply.place(per_stage_{name})`, "
+                f"a list of {n} pytrees), or unpack the StageParams (`{name}.unpack()`) and fix "
+                "its list of stages."
+            )
+        return
+    if pipe.homogeneous:
+        leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+        major = stage_forms.is_device_major(pipe, params)
+        lead = (pipe.repeats, pipe.num_devices) if major else (n,)
+        placed = ""
+        if pipe.repeats > 1 and pipe.num_devices > 1:
+            placed = f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
+        for path, leaf in leaves:
+            shape = jnp.shape(leaf)
+            if tuple(shape[: len(lead)]) != lead:
+                raise ValueError(
+                    f"Homogeneous stages take `{name}` stacked on a leading stage axis of size "
+                    f"{n}{placed}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has "
+                    f"shape {shape}. Stack the per-stage values, e.g. "
+                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`; every leaf alike."
+                )
+        return
+    what = "parameter" if name == "params" else name
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(
+            f"`{name}` must be a sequence with one {what} pytree per stage ({n} stages), but "
+            f"got {type(params).__name__}. Wrap a single stage's {what} in a list."
+        )
+    if len(params) != n:
+        raise ValueError(
+            f"`{name}` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
+            f"pipeline has {n} stages; pass exactly one "
+            f"{what} pytree per stage (use None or {{}} for a stage without any)."
+        )
+
+
+def is_concrete(a) -> bool:
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
