@@ -102,16 +102,26 @@ def split(x: Any, chunks: int) -> tuple[Any, jax.Array, Plan]:
       ``(m, b, *rest)``; ``mask`` is a ``bool[m, b]`` array, ``True`` on real examples.
     """
     p = plan(batch_size(x), chunks)
+    return cut(x, p), row_mask(p), p
 
-    def cut(leaf):
+
+def cut(x: Any, p: Plan) -> Any:
+    """Cuts ``x`` (whose batch is ``p.batch``) into micro-batches as ``p`` says: leaves ``(m, b,
+    *rest)``, the last micro-batch padded with copies of the last row."""
+
+    def one(leaf):
         leaf = jnp.asarray(leaf)
         if p.padding:
             fill = jnp.repeat(leaf[-1:], p.padding, axis=0)
             leaf = jnp.concatenate([leaf, fill], axis=0)
         return leaf.reshape((p.num_micro, p.micro_size, *leaf.shape[1:]))
 
-    mask = (jnp.arange(p.num_micro * p.micro_size) < p.batch).reshape(p.num_micro, p.micro_size)
-    return jax.tree.map(cut, x), mask, p
+    return jax.tree.map(one, x)
+
+
+def row_mask(p: Plan) -> jax.Array:
+    """``bool[m, b]``: ``True`` on the real examples of the micro-batches, ``False`` on padding."""
+    return (jnp.arange(p.num_micro * p.micro_size) < p.batch).reshape(p.num_micro, p.micro_size)
 
 
 def merge(ys: Any, p: Plan) -> Any:

@@ -50,7 +50,7 @@ and a collective that not every device reaches deadlocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -550,11 +550,13 @@ class Pipeline:
 
         Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedule`).
         """
-        return sched.circular(self.num_devices, self._micro_per_shard(batch), self.repeats)
+        return sched.circular(
+            self.num_devices, self._micro_per_shard(microbatch.plan(batch, self.chunks)), self.repeats
+        )
 
-    def _micro_per_shard(self, batch: int) -> int:
+    def _micro_per_shard(self, plan: microbatch.Plan) -> int:
         """Micro-batches each data shard runs; raises unless the data axis divides their number."""
-        plan = microbatch.plan(batch, self.chunks)
+        batch = plan.batch
         if plan.num_micro % self.data_size:
             raise ValueError(
                 f"The batch of {batch} examples with `chunks={self.chunks}` is cut into "
@@ -601,31 +603,40 @@ class Pipeline:
 
     # -- traced -----------------------------------------------------------------------------
 
-    def _apply(self, params, x, key, state, context=None):
-        plan = microbatch.plan(microbatch.batch_size(x), self.chunks)
+    def _cut(self, x, key, context=None, targets=None, *, stream=True) -> Cut:
+        """The per-call plan (:class:`Cut`), computed once per call or training step: the batch
+        cut into micro-batches, with ``context`` and ``targets`` cut alike.
+
+        A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
+        micro-batches over the data axis, or (``stream``, the forward call) over the stage axis,
+        which streams it to stage 0; anything else is replicated first.
+        """
+        p = microbatch.plan(microbatch.batch_size(x), self.chunks)
         if context is not None:
-            microbatch.check_side_batch(context, plan.batch)
-        num_micro = self._micro_per_shard(plan.batch)
-        # A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
-        # micro-batches over the data axis, or over the stage axis (which streams it to stage 0).
-        keep = None
-        if self.data_axis_name and not plan.padding:
-            keep = PartitionSpec(self.data_axis_name)
-        elif self.mesh is not None and not self.data_axis_name and not plan.padding:
+            microbatch.check_side_batch(context, p.batch)
+        num_micro = self._micro_per_shard(p)
+        data = PartitionSpec(self.data_axis_name) if self.data_axis_name and not p.padding else None
+        keep = data if stream else None
+        if stream and self.mesh is not None and not self.data_axis_name and not p.padding:
             keep = PartitionSpec(self.axis_name) if num_micro % self.num_devices == 0 else None
-        x = compat.replicate(x, keep=keep)
-        xs, mask, plan = microbatch.split(x, self.chunks)
-        if not self.stateful:
-            mask = None  # stateless stages take no mask
-        cs = None
-        if context is not None:  # replicated: every stage reads its micro-batch's rows
-            data = PartitionSpec(self.data_axis_name) if self.data_axis_name and not plan.padding else None
-            cs = microbatch.split(compat.replicate(context, keep=data), self.chunks)[0]
-        schedule = sched.circular(self.num_devices, num_micro, self.repeats)
+        xs = microbatch.cut(compat.replicate(x, keep=keep), p)
+        cs = (
+            None
+            if context is None
+            else microbatch.cut(compat.replicate(context, keep=data if stream else None), p)
+        )
+        ts = None if targets is None else microbatch.cut(compat.replicate(targets), p)
         key_struct = None
         if key is not None:
-            lead = (plan.micro_size,) if self.per_example_keys else ()
+            lead = (p.micro_size,) if self.per_example_keys else ()
             key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
+        return Cut(p, num_micro, xs, microbatch.row_mask(p), cs, ts, key_struct)
+
+    def _apply(self, params, x, key, state, context=None):
+        call = self._cut(x, key, context)
+        plan, xs, cs, key_struct = call.plan, call.xs, call.cs, call.key_struct
+        mask = call.mask if self.stateful else None  # stateless stages take no mask
+        schedule = sched.circular(self.num_devices, call.num_micro, self.repeats)
         splits = self._splits(params)
         params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
         param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
@@ -666,6 +677,19 @@ class Pipeline:
             ys = compat.replicate(ys)
         y = microbatch.merge(ys, plan)
         return (y, stats) if self.stateful else y
+
+
+class Cut(NamedTuple):
+    """The per-call plan: what one forward call or training step runs (all but the arrays
+    static)."""
+
+    plan: microbatch.Plan  # how the mini-batch is cut
+    num_micro: int  # micro-batches each data shard runs
+    xs: Any  # x cut into micro-batches: leaves (m, b, ...)
+    mask: jax.Array  # bool[m, b]: the real rows (False: padding of an uneven last micro-batch)
+    cs: Any  # context cut alike, or None
+    ts: Any  # targets cut alike (training steps), or None
+    key_struct: Any  # the type of the key a stage receives, or None without a key
 
 
 def _not_differentiable(forward, schedule: str):

@@ -209,15 +209,19 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     """``(loss, grads, counts int[n, 3], stats)`` of one training step on ``pipe.schedule_name``'s
     table; ``stats`` as the forward call of a stateful pipeline returns them (``None`` otherwise)."""
 
-    plan = microbatch.plan(microbatch.batch_size(x), pipe.chunks)
-    check_targets(targets, plan.batch)
-    xs, mask, plan = microbatch.split(compat.replicate(x), pipe.chunks)
-    ts = microbatch.split(compat.replicate(targets), pipe.chunks)[0]
-    cs = None
-    if context is not None:  # side inputs: each slot's stage reads its micro-batch's rows
-        microbatch.check_side_batch(context, plan.batch)
-        cs = microbatch.split(compat.replicate(context), pipe.chunks)[0]
-    num_micro = pipe._micro_per_shard(plan.batch)  # per data shard; raises unless p divides m
+    check_targets(targets, microbatch.batch_size(x))
+    # the per-call plan, once: side inputs and targets are cut as x (each slot's stage reads its
+    # micro-batch's rows); num_micro per data shard
+    call = pipe._cut(x, key, context, targets, stream=False)
+    plan, num_micro, xs, mask, ts, cs, key_struct = (
+        call.plan,
+        call.num_micro,
+        call.xs,
+        call.mask,
+        call.ts,
+        call.cs,
+        call.key_struct,
+    )
     name = pipe.schedule_name
     if name == "interleaved-1f1b" and pipe.mesh is None:
         name = "1f1b"  # virtual devices: one per stage, no ring to share (the same keys and sums)
@@ -242,10 +246,6 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
             f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
         )
     table = sched.training(name, pipe.num_stages, num_micro, pipe.repeats if pipe.mesh is not None else 1)
-    key_struct = None
-    if key is not None:
-        lead = (plan.micro_size,) if pipe.per_example_keys else ()
-        key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
     splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
     runner, to_user = jax.vjp(lambda p: stage_forms.runner_form(pipe, p, splits), params)
     param_specs = None if pipe.mesh is None else stage_forms.full_specs(pipe, runner, splits)
