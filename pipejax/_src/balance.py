@@ -70,11 +70,7 @@ class Partition(NamedTuple):
           TypeError, ValueError: unless ``layer_params`` is a sequence with one entry per layer.
         """
         n = self.offsets[-1]
-        if isinstance(layer_params, (str, bytes)) or not isinstance(layer_params, Sequence):
-            raise TypeError(
-                f"`layer_params` must be a sequence with one parameter pytree per layer ({n}), "
-                f"but got {type(layer_params).__name__}."
-            )
+        checks.sequence(layer_params, "layer_params", f"one parameter pytree per layer ({n})")
         if len(layer_params) != n:
             raise ValueError(
                 f"`layer_params` has {len(layer_params)} entries, but the partition has {n} layers "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -208,3 +209,22 @@ def raised_in_jax(err: BaseException) -> bool:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
     return "/jax/" in filename or "/jaxlib/" in filename
+
+
+def sequence(value: Any, name: str, what: str, fix: str = "") -> Any:
+    """``value`` if it is a sequence (a list or tuple, not a str), else a ``TypeError``:
+    ```name` must be a sequence with {what}, but got dict.`` and the ``fix``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"`{name}` must be a sequence with {what}, but got {type(value).__name__}.{fix}")
+    return value
+
+
+def mesh_axis(mesh: Any, axis: str, arg: str, example: str) -> None:
+    """``axis`` (the value of argument ``arg``) must name an axis of ``mesh``; ``example`` is a
+    ``jax.make_mesh(...)`` call that has it."""
+    if axis not in mesh.axis_names:
+        via = "" if arg == "axis_name" else f" for `{arg}`"
+        raise ValueError(
+            f"`mesh` has no axis named {axis!r}{via} (its axes are {tuple(mesh.axis_names)}). Add it, "
+            f"e.g. `{example}`, or pass `{arg}=`."
+        )

@@ -109,12 +109,7 @@ def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
             f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
             f"with `jax.make_mesh(({num_devices},), ({axis_name!r},))`."
         )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"`mesh` has no axis named {axis_name!r} (its axes are {tuple(mesh.axis_names)}). "
-            f"Add a stage axis of size {num_devices}, e.g. "
-            f"`jax.make_mesh(({num_devices},), ({axis_name!r},))`, or pass `axis_name=`."
-        )
+    checks.mesh_axis(mesh, axis_name, "axis_name", f"jax.make_mesh(({num_devices},), ({axis_name!r},))")
     check_not_manual(mesh, axis_name, "axis_name")
     size = mesh.shape[axis_name]
     if size != num_devices and repeats > 1:
@@ -161,12 +156,8 @@ def check_data_axis(data_axis_name, mesh, axis_name) -> int:
             f"`data_axis_name` and `axis_name` are both {axis_name!r}; the data axis must be another "
             "axis of the mesh than the stage axis."
         )
-    if data_axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"`mesh` has no axis named {data_axis_name!r} for `data_axis_name` (its axes are "
-            f"{tuple(mesh.axis_names)}). Add a data axis, e.g. `jax.make_mesh((2, "
-            f"{mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))`, or pass its name."
-        )
+    example = f"jax.make_mesh((2, {mesh.shape[axis_name]}), ({data_axis_name!r}, {axis_name!r}))"
+    checks.mesh_axis(mesh, data_axis_name, "data_axis_name", example)
     check_not_manual(mesh, data_axis_name, "data_axis_name")
     if compat.is_explicit(mesh, data_axis_name) != compat.is_explicit(mesh, axis_name):
         raise ValueError(
@@ -212,11 +203,9 @@ def check_params_shape(params, pipe: Any, name: str = "params") -> None:
                 )
         return
     what = "parameter" if name == "params" else name
-    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-        raise TypeError(
-            f"`{name}` must be a sequence with one {what} pytree per stage ({n} stages), but "
-            f"got {type(params).__name__}. Wrap a single stage's {what} in a list."
-        )
+    checks.sequence(
+        params, name, f"one {what} pytree per stage ({n} stages)", f" Wrap a single stage's {what} in a list."
+    )
     if len(params) != n:
         raise ValueError(
             f"`{name}` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
