@@ -241,7 +241,8 @@ class LinenPipeline(nn.Module):
           >>> pipe = LinenPipeline(layers, balance=[2, 1], chunks=3, schedule="1f1b")
           >>> variables = pipe.init(jax.random.key(0), x)
           >>> loss, grads = jax.jit(pipe.value_and_grad(sq))(variables, x, t)
-          >>> direct = lambda p: sq(pipe.apply({"params": p}, x), t).mean()
+          >>> gpipe = pipe.clone(pipeline_options={**pipe.pipeline_options, "schedule": "gpipe"})
+          >>> direct = lambda p: sq(gpipe.apply({"params": p}, x), t).mean()
           >>> loss_ref, grads_ref = jax.value_and_grad(direct)(variables["params"])
           >>> bool(jnp.allclose(loss, loss_ref))
           True
