@@ -40,6 +40,10 @@ def run_quick(script: str, *args: str) -> str:
         ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "float32", "float64")),
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
         ("schedules.py", ("Memory: compiled temp bytes", "Slots:", "Compile time", "Predicted step time")),
+        (
+            "maxtext_style.py",
+            ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),
+        ),
     ],
 )
 def test_benchmark_quick(script, headings):
