@@ -13,7 +13,7 @@ import pytest
 
 import pipejax as pj
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import keys
+from pipejax._src import checks, keys
 from pipejax._src.layout import Container, Layout
 from pipejax._src.placement import pack as pack_params
 from tests import models
@@ -232,7 +232,7 @@ def test_key_for_is_two_fold_ins_for_raw_and_typed_keys():
 
 @pytest.mark.parametrize("key", [None, jax.random.key(0), jax.random.PRNGKey(0)])
 def test_check_key_accepts(key):
-    keys.check_key(key)
+    checks.check_key(key)
 
 
 def test_repr_names_the_configuration():

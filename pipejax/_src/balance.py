@@ -28,7 +28,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from pipejax._src import checks
-from pipejax._src.keys import check_key, layer_key
+from pipejax._src.keys import layer_key
 from pipejax._src.placement import StageParams
 
 PyTree = Any
@@ -618,7 +618,7 @@ def layer_costs(
     _check_count(repeats, "repeats", 1)
     if not isinstance(backward, bool):
         raise TypeError(f"`backward` must be a bool, but got {backward!r}.")
-    check_key(key)
+    checks.check_key(key)
 
     cache: dict[Any, Any] = {}
     costs = []

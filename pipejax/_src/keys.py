@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src import checks
-from pipejax._src.checks import check_key as check_key  # the one key check, kept here for its callers
 
 
 def check_index(value: Any, name: str, where: str) -> None:
@@ -47,7 +46,7 @@ def key_for(key: jax.Array | None, microbatch: Any, stage: Any) -> jax.Array | N
       TypeError: ``key`` is not one PRNG key, or an index is not an integer.
       ValueError: a negative index (indices count from 0).
     """
-    check_key(key)
+    checks.check_key(key)
     check_index(microbatch, "microbatch", "stage_key")
     check_index(stage, "stage", "stage_key")
     if key is None:

@@ -58,9 +58,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from pipejax._src import boundaries as bnd
 from pipejax._src import (
+    checks,
     compat,
     engine,
-    keys,
     microbatch,
     options,
     placement,
@@ -346,7 +346,7 @@ class Pipeline:
         the keyword argument ``context=`` holding its micro-batch's slice, e.g.
         ``stage(params, x, key, context=c)``. ``None`` (the default) passes no keyword.
         """
-        keys.check_key(key)
+        checks.check_key(key)
         options.check_params_shape(params, self)
         self._check_batch(x, context)
         if (

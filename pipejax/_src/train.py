@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec
 
 from pipejax._src import boundaries as bnd
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, engine, keys, microbatch, options, stage_forms
+from pipejax._src import checks, compat, engine, microbatch, options, stage_forms
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout, is_weak
 from pipejax._src.placement import StageParams
@@ -69,7 +69,6 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
     owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
 
     def traced(params, x, targets, key, context, state):
-        check_targets(targets, microbatch.batch_size(x))
         if owns_backward:
             loss, grads, _, stats = _run(pipe, loss_fn, params, x, targets, key, context, state)
             return ((loss, stats), grads) if pipe.stateful else (loss, grads)
@@ -88,7 +87,7 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
     jitted = jax.jit(traced)
 
     def f(params, x, targets, key=None, *, state=None, context=None):
-        keys.check_key(key)
+        checks.check_key(key)
         _check_params(pipe, params)
         _check_float_params(params)
         pipe._check_batch(x, context, targets)
@@ -115,6 +114,7 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
     ``p``. For tests and benchmarks."""
     _check_params(pipe, params)
+    pipe._check_batch(x, None, targets)
     counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)  # stateless
     return np.asarray(counts)
 
@@ -186,7 +186,6 @@ def _check_float_params(params) -> None:
 
 
 def _check_params(pipe, params, name="params"):
-
     options.check_params_shape(params, pipe, name=name)
 
 
@@ -208,8 +207,6 @@ class _Variant(NamedTuple):
 def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     """``(loss, grads, counts int[n, 3], stats)`` of one training step on ``pipe.schedule_name``'s
     table; ``stats`` as the forward call of a stateful pipeline returns them (``None`` otherwise)."""
-
-    check_targets(targets, microbatch.batch_size(x))
     # the per-call plan, once: side inputs and targets are cut as x (each slot's stage reads its
     # micro-batch's rows); num_micro per data shard
     call = pipe._cut(x, key, context, targets, stream=False)
