@@ -69,10 +69,11 @@ def stage_mesh(n: int):
 def bench_bubble(cfg) -> None:
     section("1. Bubble: stage executions per device, counted")
     print(
-        "A homogeneous stage `y = x * w` calls `jax.debug.callback(record, p['idx'], x[0, 0])`: its\n"
-        "stage index (a sharded parameter, so only device s holds s) and the id of the micro-batch it\n"
-        "works on (the input rows carry their micro-batch index). The callback runs only when the\n"
-        "stage really executes, so bubble ticks that skip the stage are not counted. Mesh of n\n"
+        "Stage s, `y = x * w` (one function per stage: heterogeneous stages, whose bubble ticks skip\n"
+        "the stage; homogeneous stages on a mesh compute a bubble on a micro-batch of x instead and\n"
+        "discard it), calls `jax.debug.callback(record, x[0, 0])` with its index s and the id of the\n"
+        "micro-batch it works on (the input rows carry their micro-batch index). The callback runs\n"
+        "only when the stage really executes, so bubble ticks that skip it are not counted. Mesh of n\n"
         "devices. T = ticks of the schedule (`apply.schedule(B).num_ticks`). 'fwd exec' is the\n"
         "count per device in one forward call; 'repeats' are executions on a micro-batch the device\n"
         "had already processed (a bubble tick that runs the stage anyway; its output is\n"
@@ -86,15 +87,21 @@ def bench_bubble(cfg) -> None:
     def record(s, i):
         log.append((int(s), int(i)))
 
-    def stage(p, x, key):
-        jax.debug.callback(record, p["idx"], x[0, 0])
-        return x * p["w"]
+    def stages(num):
+        def make(s):
+            def stage(p, x, key):
+                jax.debug.callback(lambda i: record(s, i), x[0, 0])
+                return x * p["w"]
+
+            return stage
+
+        return [make(s) for s in range(num)], [{"w": jnp.ones((), jnp.float32)} for _ in range(num)]
 
     def run(apply, params, x, grad):
         log.clear()
         if grad:
-            f = jax.jit(jax.grad(lambda w: apply({"idx": params["idx"], "w": w}, x).sum()))
-            jax.block_until_ready(f(params["w"]))
+            f = jax.jit(jax.grad(lambda p: apply(p, x).sum()))
+            jax.block_until_ready(f(params))
         else:
             jax.block_until_ready(apply(params, x))
         jax.effects_barrier()
@@ -108,8 +115,8 @@ def bench_bubble(cfg) -> None:
             x = jnp.repeat(jnp.arange(m, dtype=jnp.float32), b)[:, None] * jnp.ones((1, 3), jnp.float32)
             ideal = (n - 1) / (m + n - 1)
             for mode in MODES:
-                apply = pj.pipeline(stage, num_stages=n, chunks=m, checkpoint=mode, mesh=mesh)
-                raw = {"idx": jnp.arange(n, dtype=jnp.int32), "w": jnp.ones((n,), jnp.float32)}
+                fns, raw = stages(n)
+                apply = pj.pipeline(fns, chunks=m, checkpoint=mode, mesh=mesh)
                 params = apply.place(raw)
                 ticks = apply.schedule(x.shape[0]).num_ticks
                 fwd = run(apply, params, x, grad=False)
@@ -122,7 +129,7 @@ def bench_bubble(cfg) -> None:
                 if set(pairs) != {(s, i) for s in range(n) for i in range(m)}:
                     problems.append(f"n={n} m={m} {mode}: (stage, micro-batch) pairs run {sorted(pairs)}")
                 grad = collections.Counter(s for s, _ in run(apply, params, x, grad=True))
-                local = pj.pipeline(stage, num_stages=n, chunks=m, checkpoint=mode, mesh=None)
+                local = pj.pipeline(fns, chunks=m, checkpoint=mode, mesh=None)
                 local_total = len(run(local, raw, x, grad=False))
                 idle = 1 - np.mean(execs) / ticks
                 useful_idle = 1 - np.mean([distinct[s] for s in range(n)]) / ticks
@@ -170,10 +177,10 @@ def bench_bubble(cfg) -> None:
             print("  " + p)
     else:
         print("\nEvery (stage, micro-batch) pair ran at least once, and on the device holding that stage.")
-    bench_bubble_circular(cfg, stage, run)
+    bench_bubble_circular(cfg, stages, run)
 
 
-def bench_bubble_circular(cfg, stage, run) -> None:
+def bench_bubble_circular(cfg, stages, run) -> None:
     """GPipe against the circular schedule on the same n devices, counted as above."""
     print(
         "\nCircular schedule (`schedule='circular', repeats=v`): the same model cut into S = v*n\n"
@@ -192,8 +199,8 @@ def bench_bubble_circular(cfg, stage, run) -> None:
             ("gpipe", n, {}, v),
             ("circular", v * n, {"schedule": "circular", "repeats": v}, 1),
         ):
-            apply = pj.pipeline(stage, num_stages=num_stages, chunks=m, checkpoint="always", mesh=mesh, **kw)
-            raw = {"idx": jnp.arange(num_stages, dtype=jnp.int32), "w": jnp.ones((num_stages,), jnp.float32)}
+            fns, raw = stages(num_stages)
+            apply = pj.pipeline(fns, chunks=m, checkpoint="always", mesh=mesh, **kw)
             schedule = apply.schedule(x.shape[0])
             log = run(apply, apply.place(raw), x, grad=False)
             per_dev = collections.Counter(s % n for s, _ in log)

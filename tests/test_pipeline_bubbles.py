@@ -140,8 +140,11 @@ def test_plain_forward_is_finite_with_a_single_example(placement):
 @pytest.mark.parametrize("layout", ["heterogeneous", "homogeneous"])
 @pytest.mark.parametrize("placement", ["none", "explicit"])
 def test_no_stage_execution_is_wasted(layout, checkpoint, placement):
-    """A forward call runs each (stage, micro-batch) pair exactly once: no bubble tick and no
-    discarded re-execution computes a stage (counted with a callback inside the stage)."""
+    """A forward call runs each (stage, micro-batch) pair exactly once: no discarded
+    re-execution computes a stage (counted with a callback inside the stage). Bubble ticks skip
+    the stage, except homogeneous stages on a mesh: there a bubble runs the stage on a micro-batch
+    of ``x`` (which the one stage function is written for) and discards it, which keeps no
+    guard's residuals (see docs/pipeline.md, bubble safety)."""
     n, m = 3, 4
     log: list[tuple[int, int]] = []
 
@@ -162,4 +165,9 @@ def test_no_stage_execution_is_wasted(layout, checkpoint, placement):
     x = jnp.repeat(jnp.arange(m, dtype=jnp.float64), 2)[:, None] * jnp.ones((1, 2))  # rows carry ids
     jax.block_until_ready(apply(apply.place(params), x))
     jax.effects_barrier()
-    assert sorted(log) == sorted((s, i) for s in range(n) for i in range(m))
+    pairs = sorted((s, i) for s in range(n) for i in range(m))
+    if layout == "homogeneous" and placement != "none":
+        bubbles = n * apply.schedule(x.shape[0]).num_ticks - n * m
+        assert len(log) == n * m + bubbles and set(log) == set(pairs)
+        return
+    assert sorted(log) == pairs

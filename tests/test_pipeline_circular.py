@@ -217,7 +217,9 @@ def test_bitwise_across_modes_and_meshes_and_gpipe_forward_with_dropout():
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 4), (4, 2)])
 def test_bubble_counted_in_the_stage(n, m):
-    """Each stage records (its index, the micro-batch id its rows carry) when it really executes."""
+    """Each stage records (its index, the micro-batch id its rows carry) when it really executes.
+    (Heterogeneous stages: their bubbles skip the stage; a homogeneous stage on a mesh computes
+    its bubbles on a micro-batch of ``x`` and discards them, see docs/pipeline.md.)"""
     v = 2
     log: list[tuple[int, int]] = []
 
@@ -226,10 +228,10 @@ def test_bubble_counted_in_the_stage(n, m):
         return x * p["w"]
 
     apply = pj.pipeline(
-        stage, num_stages=v * n, chunks=m, schedule="circular", repeats=v, checkpoint="always",
+        [stage] * (v * n), chunks=m, schedule="circular", repeats=v, checkpoint="always",
         mesh=models.make_mesh("explicit", n),
     )
-    params = apply.place({"idx": jnp.arange(v * n), "w": jnp.ones(v * n)})
+    params = apply.place([{"idx": jnp.asarray(s), "w": jnp.asarray(1.0)} for s in range(v * n)])
     x = jnp.repeat(jnp.arange(m, dtype=jnp.float64), 2)[:, None] * jnp.ones((1, 3))  # rows carry ids
     jax.block_until_ready(apply(params, x))
     jax.effects_barrier()

@@ -105,15 +105,16 @@ class Phase(NamedTuple):
     start: int
     stop: int
     remat: Remat  # how each stage computation (bubble guard included) is wrapped
-    guard: bool = True  # whether a tick of the phase may be a bubble (then ``lax.cond`` guards it)
+    guard: bool = True  # whether a tick of the phase may be a bubble (then the stage kind guards it)
 
 
 def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     """Splits the schedule's ticks into the scans that run them: one, or two for ``"except_last"``.
 
-    Every tick guards its stage with ``lax.cond`` (a bubble runs nothing), and every mode wraps
-    that guarded computation in ``jax.checkpoint``; the modes differ only in the policy, i.e. in
-    what the backward pass may reuse instead of recomputing:
+    Every tick's stage computation is guarded against bubbles as the stage kind does it (a
+    switch branch for heterogeneous stages; a micro-batch of ``x`` as a homogeneous stage's
+    input), and every mode wraps it in ``jax.checkpoint``; the modes differ only in the policy,
+    i.e. in what the backward pass may reuse instead of recomputing:
 
     * ``"always"``: nothing; a device keeps the inputs of its stage, one per tick.
     * ``"never"``: everything but values that only move parameters around. Reverse-mode

@@ -18,9 +18,11 @@ Everything that differs between pipelines is a small object the loop is given:
 A tick of a device (:func:`device_tick`): read the micro-batch ``i`` and stage ``s`` the table
 gives it; take its input (a micro-batch of ``x`` for stage 0, the activation the previous device
 sent, or, for a later round of the circular schedule on device 0, the activation that waited in
-the "loop" buffer); run the stage unless ``i < 0`` (a bubble: ``lax.cond`` skips it, so a stage
-never sees a value it was not written for and no ``nan`` reaches a gradient); write the last
-stage's output and the stage's stats into their accumulators; send the output on.
+the "loop" buffer); run the stage; write the last stage's output and the stage's stats into
+their accumulators; send the output on. On a bubble (``i < 0``) a stage never sees a value it
+was not written for, so no ``nan`` reaches a gradient: heterogeneous stages skip it (one more
+switch branch), and a homogeneous stage computes on a micro-batch of ``x`` (its function is
+stage 0's) and the result goes nowhere but to other bubbles (see :class:`Homogeneous`).
 
 Each checkpoint mode is one wrapper around the device's stage computation, and every mode but
 ``"except_last"`` is a single scan over all ticks (see :func:`pipejax._src.checkpoint.phases`),
@@ -61,6 +63,10 @@ class Config(NamedTuple):
     checkpoint: Any
     axis_name: str
     data_axis_name: str | None
+    # the shard_map is manual over the stage (and data) axes only (``param_specs``): the mesh's
+    # other axes are XLA's to place, and micro-batches of the inputs are read pinned replicated
+    # over them (see :func:`read`)
+    inner_axes: bool = False
 
 
 class Inputs(NamedTuple):
@@ -81,6 +87,21 @@ class Inputs(NamedTuple):
 def take(xs, i):
     """Micro-batch ``i`` (a traced index) of the split batch."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+
+
+def read(cfg: Config, xs, i):
+    """Micro-batch ``i`` of a batch input (``x``, targets, row masks, ``context=``).
+
+    With axes left to XLA inside the stages (``cfg.inner_axes``) the micro-batch is pinned
+    replicated over them. Without the pin, sharding propagation shards the whole ``(m, b, ...)``
+    batch the way a stage's first matmul reads it (e.g. its features over a "model" axis) and
+    keeps that copy as a temporary: one micro-batch of memory per micro-batch, which is what a
+    1F1B device must not grow with. Pinned, a micro-batch is resharded when it is read.
+    """
+    x = take(xs, i)
+    if not cfg.inner_axes:
+        return x
+    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), x)
 
 
 def clip(i, num_micro):
@@ -167,6 +188,8 @@ class Heterogeneous:
             self.pbox = Container.for_layouts(param_layouts)
             self.sbox = Container.for_layouts(state_layouts)
 
+    computes_bubbles = False  # a bubble is one more branch of the stage switch
+
     def packed(self, d) -> bool:
         """Whether device ``d``'s messages travel in containers (on a mesh, where every device
         sends one type)."""
@@ -218,7 +241,7 @@ class Heterogeneous:
                     if t == 0 and fresh is not None:  # the micro-batch of x, as data
                         x_in = jax.tree.map(_read_as, x_in, fresh)
                     x = self.box.unpack(x_in, self.boundaries[t])
-                    y, stats = call(p, x, k, st, take(mask, ic))
+                    y, stats = call(p, x, k, st, read(self.cfg, mask, ic))
                     return vary((self.box.pack(y), self.statbox.pack(stats)))
 
                 return f
@@ -277,14 +300,16 @@ class Homogeneous:
     def output(self, d, message):
         return message
 
+    # On a mesh a bubble tick runs the stage on a micro-batch of x, delivered by the devices as
+    # its input (`device_tick`'s ``safe``), and its output goes only to other bubbles: no guard.
+    # A `lax.cond` guard made XLA carry the recomputed stage's intermediates out of the branch,
+    # ~370 KiB more per device on benchmarks/maxtext_style.py (1,059.6 -> 689.6 KiB at m=4).
+    computes_bubbles = True
+
     def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
-        """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0); ``guard``
-        as for :meth:`Heterogeneous.compute`, with a ``lax.cond``. (``fresh`` is unused: one
-        stage function reads both ``x`` and the activations.)"""
-        if guard is not None:
-            working, prev = guard
-            run = lambda: self.compute(d, params, state, x_in, xs, mask, ic, s, key_for, vary, fresh=fresh)
-            return lax.cond(working, run, lambda: prev)
+        """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0). ``guard``
+        is not needed (see :attr:`computes_bubbles`), and ``fresh`` is unused: one stage
+        function reads both ``x`` and the activations."""
         x = x_in  # on a mesh the devices deliver stage 0's micro-batch as the message
         if self.local:
             x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)
@@ -294,7 +319,7 @@ class Homogeneous:
             )
         else:
             p, st = _row((params, state), s // self.D, self.v)
-        return vary(self.call(p, x, key_for(s), st, take(mask, ic)))
+        return vary(self.call(p, x, key_for(s), st, read(self.cfg, mask, ic)))
 
     def stats_rows(self, stats_by_device):
         """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""
@@ -342,16 +367,20 @@ class Carry(NamedTuple):
 
     inbox: Any  # the message the previous device sent at the last tick
     prev: Any  # this device's (message, stats) at the last tick (returned again on a bubble)
-    acc: Any  # the last stage's outputs, (m, ...): written on the last device only
+    acc: Any  # the last stage's outputs, (m, ...): written on the last device only (None: the
+    # outputs leave through MeshDevices' drain queue instead)
     stats: Any  # this device's stats, (v, m, ...)
     loop: Any  # circular schedule: activations waiting for their next round (device 0)
 
 
-def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None, fresh=None):
+def device_tick(
+    ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None, fresh=None, safe=None
+):
     """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
     without the inbox (the devices object delivers the message) and its (message, stats).
     ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``).
-    ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh)."""
+    ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh).
+    ``safe``: what a bubble reads, for stages that compute their bubbles (a micro-batch of x)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
     micro, stage, back_i, back_s, _ = tick_rows
     i, s = micro[d], (stage[d] if static_stage is None else static_stage)
@@ -365,8 +394,10 @@ def device_tick(ctx, d, params, state, carry: Carry, tick_rows, step, static_sta
         inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
     if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
         inbox = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), fresh, inbox)
+    if safe is not None:  # a bubble computes on a micro-batch of x (see Homogeneous.compute)
+        inbox = jax.tree.map(lambda a, b: jnp.where(i < 0, a, b), safe, inbox)
     out = step(d, params, state, inbox, carry.prev, i, s, fresh)
-    if _may_be(d, D - 1):
+    if acc is not None and _may_be(d, D - 1):
         acc = write(acc, ctx.stages.output(d, out[0]), 0, clip(i, m), (i >= 0) & (s == S - 1))
     stats = write(carry.stats, out[1], s // D, clip(i, m), i >= 0)
     return Carry(None, out, acc, stats, loop), out
@@ -517,14 +548,21 @@ class MeshDevices:
         def body(params, state, xs, mask, key):
             return self._body(ctx, schedule, phases, Inputs(params, state, xs, mask, key))
 
+        drains = self.finished(ctx, schedule) is not None
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(param_in, stage_spec, xs_spec, batch_spec, None if key is None else rep),
-            out_specs=(batch_spec, stats_spec),
+            out_specs=(PartitionSpec(axis) if drains else batch_spec, stats_spec),
             axis_names=manual,
         )
         acc, stats = fn(params, state, xs, mask, key)
+        if drains:  # the outputs, split over the stage axis (ceil(m / D) per device, padded)
+            if compat.is_explicit(self.mesh, axis):
+                # an Explicit type is what the user sees (and it refuses reshapes across the
+                # stage axis): replicated, as the stages composed would give it
+                acc = compat.replicate(acc)
+            acc = jax.tree.map(lambda a: a[: ctx.m], acc)
         return acc, ctx.stages.stats_rows(
             stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
         )
@@ -630,33 +668,89 @@ class MeshDevices:
             step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
             def body(c, tick_rows):
-                c, queue = c
+                c, queue, drain = c
                 j = tick_rows[4] % k
-                fresh = stages.input_message(take(queue, j))
-                carry, out = device_tick(ctx, d, inputs.params, inputs.state, c, tick_rows, step, fresh=fresh)
+                fresh = stages.input_message(read(cfg, queue, j))
+                carry, out = device_tick(
+                    ctx, d, inputs.params, inputs.state, c, tick_rows, step, fresh=fresh, safe=safe
+                )
                 if streams:  # hand slot j on towards device 0
                     moved = lax.ppermute(take(queue, j), axis, [(e, e - 1) for e in range(1, D)])
                     queue = jax.tree.map(
                         lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
                     )
-                return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue), None
+                if drain is not None:  # the last stage's output joins the drain queue
+                    done = jnp.asarray(finished)[tick_rows[4]]
+                    drain = self._drain(drain, stages.output(d, out[0]), done, d, D)
+                return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
 
         streams = self.streams(ctx)
+        # a bubble's input (homogeneous stages): loop-invariant, so no per-tick residual
+        safe = stages.input_message(take(inputs.xs, 0)) if stages.computes_bubbles else None
         queue = inputs.xs  # (k, b, ...) of this device; all m micro-batches when not streamed
         k = jax.tree.leaves(queue)[0].shape[0] if streams else 1
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
         loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
-        init = Carry(
-            message, (message, stat), _lead(stages.acc_zeros(m)), stages.message_zeros(0, (ctx.v, m))[1], loop
+        finished = self.finished(ctx, schedule)
+        drain, acc = None, _lead(stages.acc_zeros(m))
+        if finished is not None:  # ceil(m / D) output slots per device instead of m
+            drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
+        init = Carry(message, (message, stat), acc, stages.message_zeros(0, (ctx.v, m))[1], loop)
+        carry, queue, drain = _scan(
+            schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs
         )
-        carry, _ = _scan(schedule, phases, (compat.to_varying(init, axes), queue), tick, inputs)
+        stats = _gather_stages(carry.stats, d, D, axis)
+        if drain is not None:
+            slots = jax.tree.leaves(drain)[0].shape[0]
+            for i in range(m, slots * D):  # padding entries, so every output reaches its device
+                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), i, d, D)
+            return drain, stats
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
-        return lax.psum(_unlead(carry.acc), axis), _gather_stages(carry.stats, d, D, axis)
+        return lax.psum(_unlead(carry.acc), axis), stats
+
+    def finished(self, ctx, schedule):
+        """``int[T]``: the micro-batch the last stage finishes at each tick (-1: none), when the
+        outputs leave through the drain queue (:meth:`_drain`); ``None`` when they are summed
+        into a replicated accumulator instead (a data axis; one device; a table whose last
+        stage does not finish its micro-batches in order)."""
+        if self.cfg.data_axis_name is not None or ctx.D == 1:
+            return None
+        micro, stage = schedule.table[:, -1], schedule.stages()[:, -1]
+        done = np.where((micro >= 0) & (stage == ctx.S - 1), micro, -1).astype(np.int32)
+        order = done[done >= 0]
+        if not np.array_equal(order, np.arange(ctx.m)):
+            return None
+        return done
+
+    def _drain(self, queue, y, i, d, D):
+        """Puts output ``y`` of micro-batch ``i`` (-1: none) into the drain queue.
+
+        A device holds ``k = ceil(m / D)`` output slots. When the last device finishes micro-batch
+        ``i``, every device takes slot ``i mod k`` from the device after it (one ``ppermute`` of one
+        micro-batch) and the last device puts ``y`` there. An output is pushed one device on by
+        each later output of the same slot, and ``D - 1 - i // k`` of them follow it (counting the
+        padding entries up to ``k D``), so output ``i`` ends in slot ``i mod k`` of device
+        ``i // k``: the queue is the outputs split over the stage axis, in order. The transpose
+        sends cotangents back the same way; values are moved, never added, so they are bitwise
+        the last stage's.
+        """
+        k = jax.tree.leaves(queue)[0].shape[0]
+        valid = jnp.asarray(i) >= 0
+        j = jnp.maximum(jnp.asarray(i, jnp.int32), 0) % k
+        slot = take(queue, j)
+        moved = lax.ppermute(slot, self.cfg.axis_name, [(e, e - 1) for e in range(1, D)])
+        last = d == D - 1
+
+        def one(a, old, new, y):
+            put = jnp.where(valid, jnp.where(last, y, new), old)
+            return lax.dynamic_update_index_in_dim(a, put, j, 0)
+
+        return jax.tree.map(one, queue, slot, moved, y)
 
 
 def _is_spec(x) -> bool:

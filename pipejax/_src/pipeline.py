@@ -647,6 +647,7 @@ class Pipeline:
             self.checkpoint,
             self.axis_name,
             self.data_axis_name,
+            inner_axes=param_specs is not None,
         )
         local = self.mesh is None
         if self.homogeneous:

@@ -261,7 +261,13 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
     )
     cfg = engine.Config(
-        pipe.stages, pipe.stateful, pipe.per_example_keys, pipe.checkpoint, pipe.axis_name, None
+        pipe.stages,
+        pipe.stateful,
+        pipe.per_example_keys,
+        pipe.checkpoint,
+        pipe.axis_name,
+        None,
+        inner_axes=param_specs is not None,
     )
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
     prog.param_specs = param_specs
@@ -353,8 +359,9 @@ class _Program:
         rows or None, s)``, what the stage reads besides its parameters and input (:meth:`_stage`)."""
         ic = engine.clip(i, self.m)
         key = engine.stage_keys(self.cfg, self.key, self.offset + ic, s, self.plan.micro_size)
-        rows = None if self.cs is None else engine.take(self.cs, ic)
-        return (key, rows, jnp.asarray(s, jnp.int32)), engine.take(self.ts, ic), engine.take(self.mask, ic)
+        read = lambda tree: engine.read(self.cfg, tree, ic)
+        rows = None if self.cs is None else read(self.cs)
+        return (key, rows, jnp.asarray(s, jnp.int32)), read(self.ts), read(self.mask)
 
     def _stage(self, v: _Variant, p, x, k, mask):
         """``(y, stats)``: the stage function of ``v`` on ``x`` (with its micro-batch's
@@ -720,7 +727,7 @@ class _Program:
                 fin, bin_, stash, gstash, grad, loss, counts, stats = c
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
                 # F
-                fresh = pack(engine.take(xs, engine.clip(f, self.m)))  # stage 0 reads x
+                fresh = pack(engine.read(self.cfg, xs, engine.clip(f, self.m)))  # stage 0 reads x
                 x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, fin)
 
                 def f_branch(v):
