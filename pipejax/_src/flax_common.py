@@ -91,8 +91,8 @@ def pipeline_option_names() -> tuple[str, ...]:
     return tuple(name for name in inspect.signature(pipeline).parameters if name not in _OWN)
 
 
-def check_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
-    """``options`` as a dict, after checking that each names an option of :func:`pipejax.pipeline`.
+def check_options(options: Mapping[str, Any], owner: str) -> Options:
+    """``options`` as :class:`Options`, after checking that each names an option of :func:`pipejax.pipeline`.
 
     Raises:
       TypeError: for an argument that is not an option of ``pj.pipeline``, or one the adapter sets.
@@ -105,7 +105,49 @@ def check_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
                 f"{owner} got the unknown argument `{name}`. Besides its own arguments it takes the "
                 f"options of pj.pipeline: {', '.join(pipeline_option_names())}."
             )
-    return dict(options)
+    return Options(options)
+
+
+class Options(Mapping[str, Any]):
+    """An adapter's options of :func:`pipejax.pipeline`: a read-only mapping equal by value.
+
+    NNX keeps it in the module's graph definition, and ``nnx.jit`` keys its cache on that, so two
+    identically built modules must give equal options with equal hashes (a ``dict`` has no hash).
+    The value is the options' pytree structure and leaves: meshes and ``PartitionSpec`` objects
+    compare by value, a checkpoint policy (a callable) by identity. Hashing raises ``TypeError``
+    for an unhashable leaf, as for a tuple holding one.
+    """
+
+    def __init__(self, options: Mapping[str, Any]):
+        self._options = dict(options)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._options[name]
+
+    def __iter__(self):
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def __repr__(self) -> str:
+        return repr(self._options)
+
+    def _value(self) -> tuple[Any, ...]:
+        leaves, treedef = jax.tree.flatten(self._options, is_leaf=_is_spec)
+        return treedef, tuple(leaves)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Options):
+            return self._value() == other._value()
+        return super().__eq__(other)  # against a plain dict: the same items
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int | None) -> tuple[int, ...]:
@@ -146,6 +188,9 @@ def _no_layer(params, x, key):  # a placeholder layer: partition() checks `balan
 class Stack:
     """Layers cut into stages, and the pipelines that run them (see the module docstring).
 
+    Equal (and of equal hash) when built from equal arguments, so identically built adapters have
+    equal NNX graph definitions and share :func:`program`'s cached pipelines.
+
     Args:
       num_layers: the number of layers.
       balance, num_stages: how to cut them (exactly one; see :func:`stage_sizes`).
@@ -185,6 +230,18 @@ class Stack:
                 "per-example keys run each layer row by row, and BatchNorm needs the whole "
                 "micro-batch. Drop one of the two."
             )
+
+    def _value(self) -> tuple[Any, ...]:
+        return self.sizes, self.options, self.deferred, self.unbiased, self.owner
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stack) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def __repr__(self) -> str:
+        return f"Stack(sizes={self.sizes}, options={self.options!r}, deferred_batch_norm={self.deferred})"
 
     @property
     def num_layers(self) -> int:
