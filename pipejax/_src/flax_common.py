@@ -47,6 +47,7 @@ of all micro-batches merged (:func:`pipejax.batch_norm_update`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -73,7 +74,11 @@ _OWN = {
 
 
 class RunLayer(Protocol):
-    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs."""
+    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs.
+
+    It compares and hashes by value (a frozen dataclass of static configuration, no arrays): it is
+    part of the key under which :func:`program` caches the pipeline that runs it.
+    """
 
     def __call__(
         self,
@@ -303,12 +308,24 @@ class Stack:
     ) -> Pipeline:
         """The pipeline whose stage ``s`` runs layers ``firsts[s]...`` with :func:`pipejax.partition`.
 
+        Built once per configuration and shared (:func:`program`), so its ``jax.jit`` compiles
+        once, not at every call of the adapter.
+
         Args:
           run_layer: layer ``l`` as a pure function (see :class:`RunLayer`).
           kwargs_per_layer: the keyword arguments of each layer's call (``None``: none).
           context_per_layer: the names of the side inputs each layer receives as keyword arguments
             (``None``: none). Call the pipeline with ``context=`` a dict holding them all.
         """
+        return program(self, run_layer, kwargs_per_layer, context_per_layer)
+
+    def build(
+        self,
+        run_layer: RunLayer,
+        kwargs_per_layer: Sequence[Mapping[str, Any]] | None,
+        context_per_layer: Sequence[Sequence[str]] | None,
+    ) -> Pipeline:
+        """A new pipeline (and a new ``jax.jit``) as :meth:`pipeline` describes it; see :func:`program`."""
         if kwargs_per_layer is None:
             kwargs_per_layer = [{}] * self.num_layers
         if context_per_layer is None:
@@ -361,14 +378,14 @@ class Stack:
         Both give each layer the keys and side inputs of the forward call.
 
         The adapters run :meth:`check_trainable` once, when ``value_and_grad(loss_fn)`` is called,
-        before building any step (the Linen step builds one per flag set, the NNX step one per call).
+        before building any step. The step is built once per configuration and ``loss_fn`` (by
+        identity) and shared (:func:`program`).
 
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
         """
-        engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
-        step = engine.value_and_grad(loss_fn)
+        step = program(self, run_layer, kwargs_per_layer, context_per_layer, loss_fn)
 
         def f(params, x, targets, key, context=None):
             side = {} if context_per_layer is None else {"context": dict(context)}
@@ -389,6 +406,64 @@ class Stack:
         records = [r for stage in stats for r in stage]
         new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
+
+
+# --- the programs both adapters run, built once ------------------------------------------------
+
+PROGRAM_CACHE_SIZE = 64  # configurations kept; the least recently used is dropped beyond this
+
+
+def program(
+    stack: Stack,
+    run_layer: RunLayer,
+    kwargs_per_layer: Sequence[Mapping[str, Any]] | None,
+    context_per_layer: Sequence[Sequence[str]] | None,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+) -> Any:
+    """The pipeline :meth:`Stack.build` makes (with ``loss_fn``: its ``value_and_grad`` step),
+    built once per configuration and shared by every call of both adapters.
+
+    A new :class:`~pipejax.Pipeline` has a new ``jax.jit``, which traces and compiles again; an
+    adapter that built one per call would compile at every eager call (an evaluation loop: a
+    compile per batch) and after every rebuild of the model. So the programs are cached here, the
+    one cache of the Flax adapters, keyed on everything that changes the program: the ``stack``
+    (stage sizes, every pipeline option, the mesh among them, the BatchNorm flags), the layers as
+    pure functions (``run_layer``, which compares by value: Linen's unbound layer modules, NNX's
+    graph definitions and call defaults), each layer's keyword arguments, the side inputs' names
+    and ``loss_fn`` (by identity). Shapes, dtypes and shardings of the arguments are ``jax.jit``'s
+    own cache's business.
+
+    It is a ``functools.lru_cache`` of ``PROGRAM_CACHE_SIZE`` entries, not a weak dictionary: no
+    adapter keeps what it was given (a Linen module is rebuilt at every ``apply``), so weak entries
+    would die after each call. An entry holds configuration and compiled executables, no arrays of
+    the model: the mesh, unbound Linen layers, NNX graph definitions, ``loss_fn`` (and whatever it
+    closes over). A configuration with an unhashable part (a flag that is a list, a Linen layer
+    with an unhashable attribute) is built for its call only, as it was before there was a cache.
+    """
+    kwargs = None
+    if kwargs_per_layer is not None:
+        kwargs = tuple(tuple(sorted(kw.items())) for kw in kwargs_per_layer)
+    context = None if context_per_layer is None else tuple(tuple(names) for names in context_per_layer)
+    return _lookup(stack, run_layer, kwargs, context, loss_fn)
+
+
+def _lookup(*key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:  # an unhashable configuration: built for this call only
+        return _build(*key)
+    return _cached(*key)
+
+
+def _build(stack: Stack, run_layer: RunLayer, kwargs: Any, context: Any, loss_fn: Any) -> Any:
+    if loss_fn is not None:
+        return _lookup(stack, run_layer, kwargs, context, None).value_and_grad(loss_fn)
+    return stack.build(run_layer, None if kwargs is None else [dict(kw) for kw in kwargs], context)
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _cached(*key: Any) -> Any:
+    return _build(*key)
 
 
 def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
