@@ -19,6 +19,11 @@ every pipeline option the adapter was given (``chunks``, ``checkpoint``, ``mesh`
 pipeline's own validation checks them and an option added to ``pj.pipeline`` reaches the adapters
 without being declared again.
 
+The pipelines (and their ``jax.jit``, and ``value_and_grad`` steps) are built once per
+configuration and cached, for both adapters, by :func:`program`: so an eager call compiles on its
+first call only, and :class:`Stack` (with its :class:`Options`) compares by value, so identically
+built modules have equal NNX graph definitions and share the compiled programs.
+
 A layer's keyword arguments (``kwargs``) come from two places: the Python flags of the call
 (``deterministic=True``), fixed per layer (:meth:`Stack.pipeline`'s ``kwargs_per_layer``), and the
 side inputs (``context={"decoder_mask": mask}``), batch-shaped arrays that :func:`pipejax.pipeline`
