@@ -164,3 +164,134 @@ def test_nnx_modules_built_outside_the_mesh_compile_once():
 
     model.train()
     assert counter().per_call(lambda i: step(model, optimizer), 3)[1:] == [0, 0]
+
+
+# --- rebuilding and eager calls: the adapters' programs are built once (flax_common.program) --------
+
+
+def counted(fn, calls):
+    """(compiles per call, results) of ``fn()`` called ``calls`` times, each waited for."""
+    out = []
+    counts = counter().per_call(lambda i: out.append(jax.block_until_ready(fn())), calls)
+    return counts, out
+
+
+def blocks(rngs):
+    return [NBlock(rngs) for _ in range(3)]
+
+
+def nnx_pipe(mesh=None, **options):
+    rngs = nnx.Rngs(0)
+    return NNXPipeline(blocks(rngs), balance=[2, 1], chunks=2, mesh=mesh, rngs=rngs, **options)
+
+
+def test_identically_built_nnx_pipelines_have_equal_hashable_graphdefs():
+    mesh = jax.make_mesh((2,), ("stage",))
+    a, b = nnx_pipe(mesh), nnx_pipe(mesh)
+    assert nnx.graphdef(a) == nnx.graphdef(b)
+    assert hash(nnx.graphdef(a)) == hash(nnx.graphdef(b))
+    assert a.pipeline_options == {"chunks": 2, "mesh": mesh}  # still compares with a dict
+    assert nnx.graphdef(a) != nnx.graphdef(nnx_pipe(mesh, checkpoint="always"))
+
+
+def test_rebuilt_and_restored_nnx_pipelines_do_not_recompile_the_train_step():
+    """A checkpoint restore (nnx.split/merge, or new modules updated with saved state) and an
+    evaluation model built anew hit nnx.jit's cache: 0 more compiles, the same results."""
+    mesh = jax.make_mesh((2,), ("stage",))
+    x = jnp.linspace(-1, 1, 5 * D, dtype=jnp.float32).reshape(5, D)
+    key = jax.random.key(3)
+
+    @nnx.jit
+    def step(model):
+        return nnx.value_and_grad(lambda m: jnp.mean(m(x, rngs=key) ** 2))(model)
+
+    model = nnx_pipe(mesh)
+    model.train()
+    counts, [_, (loss, grads)] = counted(lambda: step(model), 2)
+    assert counts[1:] == [0]
+    graphdef, state = nnx.split(model)
+    restored = nnx.merge(graphdef, state)
+    rebuilt = nnx_pipe(mesh)
+    nnx.update(rebuilt, state)  # as a checkpoint restore into a new model does
+    rebuilt.train()
+    for other in (restored, rebuilt):
+        counts, [(loss2, grads2), _] = counted(lambda m=other: step(m), 2)
+        assert counts == [0, 0]
+        assert jnp.array_equal(loss2, loss)
+        assert all(map(jnp.array_equal, jax.tree.leaves(grads2), jax.tree.leaves(grads)))
+
+
+def test_nnx_eager_calls_compile_once():
+    """A forward call, an nnx.value_and_grad step and the module's value_and_grad step, eagerly:
+    each compiles on its first call only, also for a model built anew (an evaluation model)."""
+    x = jnp.linspace(-1, 1, 5 * D, dtype=jnp.float32).reshape(5, D)
+    t = jnp.zeros((5, D), jnp.float32)
+    key = jax.random.key(3)
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    model = nnx_pipe()
+    model.train()
+    counts, ys = counted(lambda: model(x, rngs=key), 3)
+    assert counts[1:] == [0, 0]
+    assert jnp.array_equal(ys[0], ys[2])
+    assert jnp.array_equal(nnx.jit(lambda m: m(x, rngs=key))(model), ys[0])  # as under jit
+
+    counts, [(loss, _), *_] = counted(
+        lambda: nnx.value_and_grad(lambda m: sq(m(x, rngs=key), t).mean())(model), 3
+    )
+    assert counts[1:] == [0, 0]
+
+    step = model.value_and_grad(sq)
+    counts, losses = counted(lambda: step(x, t, rngs=key), 3)
+    assert counts[1:] == [0, 0]
+    assert jnp.array_equal(losses[0][0], losses[2][0])
+    assert jnp.allclose(losses[0][0], loss, rtol=1e-6)  # float32, by another program (sum order)
+
+    evaluation = nnx_pipe()  # built anew: the programs of the first are reused
+    nnx.update(evaluation, nnx.state(model))
+    evaluation.train()
+    counts, out = counted(lambda: evaluation(x, rngs=key), 2)
+    assert counts == [0, 0]
+    assert jnp.array_equal(out[0], ys[0])
+
+
+def test_linen_eager_calls_compile_once():
+    x = jnp.linspace(-1, 1, 5 * D, dtype=jnp.float32).reshape(5, D)
+    t = jnp.zeros((5, D), jnp.float32)
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    pipe = LinenPipeline([Block() for _ in range(3)], balance=[2, 1], chunks=2)
+    variables = pipe.init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(3)}
+    counts, ys = counted(lambda: pipe.apply(variables, x, rngs=rngs, deterministic=False), 3)
+    assert counts[1:] == [0, 0]
+    assert jnp.array_equal(ys[0], ys[2])
+    again = LinenPipeline([Block() for _ in range(3)], balance=[2, 1], chunks=2)  # rebuilt: no compile
+    counts, out = counted(lambda: again.apply(variables, x, rngs=rngs, deterministic=False), 1)
+    assert counts == [0]
+    assert jnp.array_equal(out[0], ys[0])
+
+    step = pipe.value_and_grad(sq)
+    counts, out = counted(lambda: step(variables, x, t, rngs=rngs, deterministic=False), 3)
+    assert counts[1:] == [0, 0]
+    loss = sq(ys[0], t).mean()
+    assert jnp.allclose(out[2][0], loss, rtol=1e-6)  # float32, by another program (sum order)
+
+
+def test_programs_are_cached_by_configuration():
+    """Equal configurations share one pipeline; a different option, mesh or flag builds another,
+    and an unhashable flag builds one for its call only (as before there was a cache)."""
+    from pipejax._src import flax_common
+
+    mesh = jax.make_mesh((2,), ("stage",))
+    a, b = nnx_pipe(mesh), nnx_pipe(mesh)
+    run = lambda m, det=None: m._run_layer(det, None)
+    assert a._stack.pipeline(run(a)) is b._stack.pipeline(run(b))
+    others = [
+        nnx_pipe(mesh)._stack.pipeline(run(a, det=True)),
+        nnx_pipe(mesh, checkpoint="always")._stack.pipeline(run(a)),
+        nnx_pipe(jax.make_mesh((2,), ("stage",), devices=jax.devices()[2:]))._stack.pipeline(run(a)),
+        a._stack.pipeline(run(a), [{"flag": 1}] * 3),
+    ]
+    assert len({id(p) for p in [a._stack.pipeline(run(a)), *others]}) == 5
+    unhashable = [{"flag": [1]}] * 3
+    assert a._stack.pipeline(run(a), unhashable) is not a._stack.pipeline(run(a), unhashable)
+    assert flax_common._cached.cache_info().maxsize == flax_common.PROGRAM_CACHE_SIZE

@@ -19,6 +19,11 @@ every pipeline option the adapter was given (``chunks``, ``checkpoint``, ``mesh`
 pipeline's own validation checks them and an option added to ``pj.pipeline`` reaches the adapters
 without being declared again.
 
+The pipelines (and their ``jax.jit``, and ``value_and_grad`` steps) are built once per
+configuration and cached, for both adapters, by :func:`program`: so an eager call compiles on its
+first call only, and :class:`Stack` (with its :class:`Options`) compares by value, so identically
+built modules have equal NNX graph definitions and share the compiled programs.
+
 A layer's keyword arguments (``kwargs``) come from two places: the Python flags of the call
 (``deterministic=True``), fixed per layer (:meth:`Stack.pipeline`'s ``kwargs_per_layer``), and the
 side inputs (``context={"decoder_mask": mask}``), batch-shaped arrays that :func:`pipejax.pipeline`
@@ -47,6 +52,7 @@ of all micro-batches merged (:func:`pipejax.batch_norm_update`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -73,7 +79,11 @@ _OWN = {
 
 
 class RunLayer(Protocol):
-    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs."""
+    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs.
+
+    It compares and hashes by value (a frozen dataclass of static configuration, no arrays): it is
+    part of the key under which :func:`program` caches the pipeline that runs it.
+    """
 
     def __call__(
         self,
@@ -91,8 +101,8 @@ def pipeline_option_names() -> tuple[str, ...]:
     return tuple(name for name in inspect.signature(pipeline).parameters if name not in _OWN)
 
 
-def check_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
-    """``options`` as a dict, after checking that each names an option of :func:`pipejax.pipeline`.
+def check_options(options: Mapping[str, Any], owner: str) -> Options:
+    """``options`` as :class:`Options`, after checking that each names an option of :func:`pipejax.pipeline`.
 
     Raises:
       TypeError: for an argument that is not an option of ``pj.pipeline``, or one the adapter sets.
@@ -105,7 +115,49 @@ def check_options(options: Mapping[str, Any], owner: str) -> dict[str, Any]:
                 f"{owner} got the unknown argument `{name}`. Besides its own arguments it takes the "
                 f"options of pj.pipeline: {', '.join(pipeline_option_names())}."
             )
-    return dict(options)
+    return Options(options)
+
+
+class Options(Mapping[str, Any]):
+    """An adapter's options of :func:`pipejax.pipeline`: a read-only mapping equal by value.
+
+    NNX keeps it in the module's graph definition, and ``nnx.jit`` keys its cache on that, so two
+    identically built modules must give equal options with equal hashes (a ``dict`` has no hash).
+    The value is the options' pytree structure and leaves: meshes and ``PartitionSpec`` objects
+    compare by value, a checkpoint policy (a callable) by identity. Hashing raises ``TypeError``
+    for an unhashable leaf, as for a tuple holding one.
+    """
+
+    def __init__(self, options: Mapping[str, Any]):
+        self._options = dict(options)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._options[name]
+
+    def __iter__(self):
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def __repr__(self) -> str:
+        return repr(self._options)
+
+    def _value(self) -> tuple[Any, ...]:
+        leaves, treedef = jax.tree.flatten(self._options, is_leaf=_is_spec)
+        return treedef, tuple(leaves)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Options):
+            return self._value() == other._value()
+        return super().__eq__(other)  # against a plain dict: the same items
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int | None) -> tuple[int, ...]:
@@ -146,6 +198,9 @@ def _no_layer(params, x, key):  # a placeholder layer: partition() checks `balan
 class Stack:
     """Layers cut into stages, and the pipelines that run them (see the module docstring).
 
+    Equal (and of equal hash) when built from equal arguments, so identically built adapters have
+    equal NNX graph definitions and share :func:`program`'s cached pipelines.
+
     Args:
       num_layers: the number of layers.
       balance, num_stages: how to cut them (exactly one; see :func:`stage_sizes`).
@@ -185,6 +240,18 @@ class Stack:
                 "per-example keys run each layer row by row, and BatchNorm needs the whole "
                 "micro-batch. Drop one of the two."
             )
+
+    def _value(self) -> tuple[Any, ...]:
+        return self.sizes, self.options, self.deferred, self.unbiased, self.owner
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stack) and self._value() == other._value()
+
+    def __hash__(self) -> int:
+        return hash(self._value())
+
+    def __repr__(self) -> str:
+        return f"Stack(sizes={self.sizes}, options={self.options!r}, deferred_batch_norm={self.deferred})"
 
     @property
     def num_layers(self) -> int:
@@ -246,12 +313,24 @@ class Stack:
     ) -> Pipeline:
         """The pipeline whose stage ``s`` runs layers ``firsts[s]...`` with :func:`pipejax.partition`.
 
+        Built once per configuration and shared (:func:`program`), so its ``jax.jit`` compiles
+        once, not at every call of the adapter.
+
         Args:
           run_layer: layer ``l`` as a pure function (see :class:`RunLayer`).
           kwargs_per_layer: the keyword arguments of each layer's call (``None``: none).
           context_per_layer: the names of the side inputs each layer receives as keyword arguments
             (``None``: none). Call the pipeline with ``context=`` a dict holding them all.
         """
+        return program(self, run_layer, kwargs_per_layer, context_per_layer)
+
+    def build(
+        self,
+        run_layer: RunLayer,
+        kwargs_per_layer: Sequence[Mapping[str, Any]] | None,
+        context_per_layer: Sequence[Sequence[str]] | None,
+    ) -> Pipeline:
+        """A new pipeline (and a new ``jax.jit``) as :meth:`pipeline` describes it; see :func:`program`."""
         if kwargs_per_layer is None:
             kwargs_per_layer = [{}] * self.num_layers
         if context_per_layer is None:
@@ -304,14 +383,14 @@ class Stack:
         Both give each layer the keys and side inputs of the forward call.
 
         The adapters run :meth:`check_trainable` once, when ``value_and_grad(loss_fn)`` is called,
-        before building any step (the Linen step builds one per flag set, the NNX step one per call).
+        before building any step. The step is built once per configuration and ``loss_fn`` (by
+        identity) and shared (:func:`program`).
 
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
         """
-        engine = self.pipeline(run_layer, kwargs_per_layer, context_per_layer)
-        step = engine.value_and_grad(loss_fn)
+        step = program(self, run_layer, kwargs_per_layer, context_per_layer, loss_fn)
 
         def f(params, x, targets, key, context=None):
             side = {} if context_per_layer is None else {"context": dict(context)}
@@ -332,6 +411,64 @@ class Stack:
         records = [r for stage in stats for r in stage]
         new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
+
+
+# --- the programs both adapters run, built once ------------------------------------------------
+
+PROGRAM_CACHE_SIZE = 64  # configurations kept; the least recently used is dropped beyond this
+
+
+def program(
+    stack: Stack,
+    run_layer: RunLayer,
+    kwargs_per_layer: Sequence[Mapping[str, Any]] | None,
+    context_per_layer: Sequence[Sequence[str]] | None,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+) -> Any:
+    """The pipeline :meth:`Stack.build` makes (with ``loss_fn``: its ``value_and_grad`` step),
+    built once per configuration and shared by every call of both adapters.
+
+    A new :class:`~pipejax.Pipeline` has a new ``jax.jit``, which traces and compiles again; an
+    adapter that built one per call would compile at every eager call (an evaluation loop: a
+    compile per batch) and after every rebuild of the model. So the programs are cached here, the
+    one cache of the Flax adapters, keyed on everything that changes the program: the ``stack``
+    (stage sizes, every pipeline option, the mesh among them, the BatchNorm flags), the layers as
+    pure functions (``run_layer``, which compares by value: Linen's unbound layer modules, NNX's
+    graph definitions and call defaults), each layer's keyword arguments, the side inputs' names
+    and ``loss_fn`` (by identity). Shapes, dtypes and shardings of the arguments are ``jax.jit``'s
+    own cache's business.
+
+    It is a ``functools.lru_cache`` of ``PROGRAM_CACHE_SIZE`` entries, not a weak dictionary: no
+    adapter keeps what it was given (a Linen module is rebuilt at every ``apply``), so weak entries
+    would die after each call. An entry holds configuration and compiled executables, no arrays of
+    the model: the mesh, unbound Linen layers, NNX graph definitions, ``loss_fn`` (and whatever it
+    closes over). A configuration with an unhashable part (a flag that is a list, a Linen layer
+    with an unhashable attribute) is built for its call only, as it was before there was a cache.
+    """
+    kwargs = None
+    if kwargs_per_layer is not None:
+        kwargs = tuple(tuple(sorted(kw.items())) for kw in kwargs_per_layer)
+    context = None if context_per_layer is None else tuple(tuple(names) for names in context_per_layer)
+    return _lookup(stack, run_layer, kwargs, context, loss_fn)
+
+
+def _lookup(*key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:  # an unhashable configuration: built for this call only
+        return _build(*key)
+    return _cached(*key)
+
+
+def _build(stack: Stack, run_layer: RunLayer, kwargs: Any, context: Any, loss_fn: Any) -> Any:
+    if loss_fn is not None:
+        return _lookup(stack, run_layer, kwargs, context, None).value_and_grad(loss_fn)
+    return stack.build(run_layer, None if kwargs is None else [dict(kw) for kw in kwargs], context)
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _cached(*key: Any) -> Any:
+    return _build(*key)
 
 
 def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:

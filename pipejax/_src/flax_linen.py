@@ -174,8 +174,8 @@ class LinenPipeline(nn.Module):
         # compare shapes; the pipeline checks the parameters against its stages itself.
         params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
-        run = _run_layer(self._layers(), self.rng_collection, stack.deferred)
-        engine = stack.pipeline(run, kwargs, names)
+        run = _LinenLayers(tuple(self._layers()), self.rng_collection, stack.deferred)
+        engine = stack.pipeline(run, kwargs, names)  # built once per configuration
         if not stack.deferred:
             if self.has_variable("batch_stats", "stages"):
                 raise ValueError(
@@ -252,8 +252,7 @@ class LinenPipeline(nn.Module):
         stack = self._stack()
         stack.check_trainable(loss_fn)
         calls = [type(layer).__call__ for layer in self.layers]
-        run = _run_layer(self._layers(), self.rng_collection, stack.deferred)
-        built: dict[Any, Any] = {}  # per (flags, side input names): the step's program
+        run = _LinenLayers(tuple(self._layers()), self.rng_collection, stack.deferred)
 
         def step(variables, x, targets, *, rngs=None, context=None, **flags):
             kwargs = common.route_kwargs(calls, flags)
@@ -265,16 +264,7 @@ class LinenPipeline(nn.Module):
                     )
                 )
             packed = _stage_params_of(variables)
-            sig = (tuple(sorted(flags.items())), None if names is None else tuple(map(tuple, names)))
-            try:
-                hash(sig)
-            except TypeError:  # an unhashable flag: build the program for this call only
-                sig = None
-            f = built.get(sig) if sig is not None else None
-            if f is None:
-                f = stack.value_and_grad(run, loss_fn, kwargs, names)
-                if sig is not None:
-                    built[sig] = f
+            f = stack.value_and_grad(run, loss_fn, kwargs, names)  # built once per configuration
             loss, grads = f(packed, x, targets, self._call_key(variables, rngs), context)
             box = variables["params"]["stages"]
             if isinstance(box, nn.meta.AxisMetadata):
@@ -526,17 +516,27 @@ def _named(per_layer: Sequence[Any]) -> dict[str, Any]:
     return {f"layers_{index}": t for index, t in enumerate(per_layer) if jax.tree.leaves(t)}
 
 
-def _run_layer(layers: Sequence[nn.Module], rng_collection: str, deferred: bool) -> common.RunLayer:
-    """Layer ``index`` as a pure function: ``layer.apply`` with its key as the ``rng_collection`` rng."""
+@dataclasses.dataclass(frozen=True)
+class _LinenLayers:
+    """Layer ``index`` as a pure function: ``layer.apply`` with its key as the ``rng_collection`` rng.
 
-    def run(index, variables, x, key, mask, kwargs):
-        rngs = {} if key is None else {rng_collection: key}
+    A :class:`~pipejax._src.flax_common.RunLayer` equal by value (equal unbound layers, as Linen
+    modules compare by their attributes), so equal modules share one cached pipeline.
+    """
+
+    layers: tuple[nn.Module, ...]  # unbound copies (``LinenPipeline._layers``)
+    rng_collection: str
+    deferred: bool
+
+    def __call__(self, index, variables, x, key, mask, kwargs):
+        layers = self.layers
+        rngs = {} if key is None else {self.rng_collection: key}
         if not jax.tree.leaves(variables.get("batch_stats")):
             variables = {"params": variables["params"]}
         variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
         records: dict[tuple[str, ...], common.SownMoments] = {}
         try:
-            with nn.intercept_methods(_batch_norm_interceptor(mask, deferred, index, records)):
+            with nn.intercept_methods(_batch_norm_interceptor(mask, self.deferred, index, records)):
                 y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
         except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeParamNotFoundError) as err:
             err.add_note(
@@ -547,8 +547,6 @@ def _run_layer(layers: Sequence[nn.Module], rng_collection: str, deferred: bool)
             )
             raise
         return y, records
-
-    return run
 
 
 def _unboxed(tree: Any) -> Any:

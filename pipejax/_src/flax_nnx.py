@@ -26,6 +26,7 @@ updates ``packed_batch_stats`` once from the moments of all micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import types
@@ -230,7 +231,7 @@ class NNXPipeline(nnx.Module):
         side = {} if names is None else {"context": dict(context)}
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
-        engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)
+        engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)  # built once per configuration
         if not stack.deferred:
             return engine(self.stage_params(), x, self._key(rngs), **side)
         state = self.stage_batch_stats()
@@ -301,7 +302,8 @@ class NNXPipeline(nnx.Module):
             kwargs = common.route_kwargs(self.calls, flags)
             names = common.route_context(self.calls, context, flags)
             det = self.deterministic if deterministic is None else deterministic
-            f = stack.value_and_grad(self._run_layer(det, self.use_running_average), loss_fn, kwargs, names)
+            run = self._run_layer(det, self.use_running_average)
+            f = stack.value_and_grad(run, loss_fn, kwargs, names)  # built once per configuration
             loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
             like = nnx.state(self, nnx.Param)
             return loss, jax.tree.unflatten(jax.tree.structure(like), list(grads.buffers))
@@ -409,37 +411,58 @@ class NNXPipeline(nnx.Module):
             )
         return self.rngs()
 
-    def _run_layer(self, det: bool | None, ura: bool | None) -> common.RunLayer:
+    def _run_layer(self, det: bool | None, ura: bool | None) -> _NNXLayers:
         """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key."""
-        deferred = self._stack.deferred
-        graphdefs, layer_state, stream_names = self.graphdefs, self.layer_state, self.stream_names
+        rest = []
+        for state in self.layer_state:
+            leaves, treedef = jax.tree.flatten(state)
+            rest.append((treedef, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves)))
+        return _NNXLayers(self.graphdefs, tuple(rest), self.stream_names, det, ura, self._stack.deferred)
 
-        def run(index, variables, x, key, mask, kwargs):
-            # Fresh Variables for the rest: the stored ones belong to the module, outside this trace.
-            states = [variables["params"]]
-            if "batch_stats" in variables:
-                states.append(variables["batch_stats"])
-            layer = nnx.merge(graphdefs[index], *states, jax.tree.map(lambda a: a, layer_state[index]))
-            if det is not None:
-                layer.set_attributes(deterministic=det, raise_if_not_found=False)
-            if ura is not None:
-                layer.set_attributes(use_running_average=ura, raise_if_not_found=False)
-            if stream_names[index] and key is not None:
-                nnx.reseed(layer, **{name: key for name in stream_names[index]})
-            records: dict[tuple[str, ...], common.SownMoments] = {}
-            for path, module in nnx.iter_graph(layer):
-                if isinstance(module, nnx.BatchNorm):
-                    path = tuple(str(p) for p in path)
-                    where = (
-                        f"Layer {index}'s {type(module).__name__} (at {'/'.join(path) or 'the layer itself'})"
-                    )
-                    if not deferred:
-                        raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
-                    object.__setattr__(module, "__class__", _deferred_class(type(module)))
-                    object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
-            return layer(x, **kwargs), records
 
-        return run
+@dataclasses.dataclass(frozen=True)
+class _NNXLayers:
+    """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key.
+
+    A :class:`~pipejax._src.flax_common.RunLayer` equal by value (graph definitions, call defaults,
+    and the structure, shapes and dtypes of the layers' rng state), so identically built
+    pipelines share one cached pipeline. It holds no arrays: a layer's rng state (its streams'
+    keys and counts) is rebuilt as zeros of its shapes, since ``nnx.reseed`` overwrites all of it
+    (keys and counts) before the layer runs (a layer with rng streams always receives a key: the
+    pipeline draws one at every call, ``NNXPipeline._key``).
+    """
+
+    graphdefs: tuple[Any, ...]
+    rest: tuple[tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]], ...]  # (treedef, shapes) per layer
+    stream_names: tuple[tuple[str, ...], ...]
+    det: bool | None
+    ura: bool | None
+    deferred: bool
+
+    def __call__(self, index, variables, x, key, mask, kwargs):
+        states = [variables["params"]]
+        if "batch_stats" in variables:
+            states.append(variables["batch_stats"])
+        treedef, shapes = self.rest[index]
+        rest = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in shapes])
+        layer = nnx.merge(self.graphdefs[index], *states, rest)
+        if self.det is not None:
+            layer.set_attributes(deterministic=self.det, raise_if_not_found=False)
+        if self.ura is not None:
+            layer.set_attributes(use_running_average=self.ura, raise_if_not_found=False)
+        if self.stream_names[index]:
+            assert key is not None, "a layer with rng streams runs without a key"  # NNXPipeline._key
+            nnx.reseed(layer, **{name: key for name in self.stream_names[index]})
+        records: dict[tuple[str, ...], common.SownMoments] = {}
+        for path, module in nnx.iter_graph(layer):
+            if isinstance(module, nnx.BatchNorm):
+                path = tuple(str(p) for p in path)
+                where = f"Layer {index}'s {type(module).__name__} (at {'/'.join(path) or 'the layer itself'})"
+                if not self.deferred:
+                    raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
+                object.__setattr__(module, "__class__", _deferred_class(type(module)))
+                object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
+        return layer(x, **kwargs), records
 
 
 _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
