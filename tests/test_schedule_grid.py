@@ -15,6 +15,12 @@ Schedules: ``gpipe``, ``circular`` (2 stages per device), ``1f1b``, ``zb-h1``,
 loss normalised by the batch's total weight (the loss contract); a ``jax.checkpoint`` policy.
 ``param_specs`` (tensor and FSDP) under every schedule is in ``test_pipeline_sharded_stages.py``.
 
+Every compile costs seconds, so features that add to a program without replacing a default share
+a cell: ``mesh`` runs the stage mesh with ``context=`` and the weighted loss (the default
+checkpoint mode), and ``data`` runs the data axis with the checkpoint policy. The cells that use
+another pipeline as the reference (per-example keys, stateful stages) loop over the schedules in
+one test, so each reference compiles once.
+
 Tolerances (float64): the schedules add per-micro-batch sums in another order than autodiff of
 the whole batch, and the weighted loss divides once at the end: agreement to rounding, rtol 1e-10
 and atol 1e-12 (about 100x over the reordering of <= 16 O(1) terms).
@@ -124,7 +130,9 @@ def mesh_for(name, data):
     return jax.make_mesh((devices,), ("stage",))
 
 
-FEATURES = ("mesh", "no-mesh", "data", "context", "per-example-keys", "weighted", "policy")
+# feature -> what it turns on: "mesh" a stage mesh with `context=` side inputs and the weighted
+# loss; "data" a data axis beside the stage axis, with a checkpoint policy
+FEATURES = ("no-mesh", "mesh", "data")
 
 
 @pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
@@ -145,35 +153,48 @@ def test_grid(name, feature, kind):
         options["mesh"] = mesh_for(name, feature == "data")
     if feature == "data":
         options["data_axis_name"] = "data"
-    if feature == "per-example-keys":
-        options["per_example_keys"] = True
-    if feature == "policy":
         options["checkpoint"] = jax.checkpoint_policies.dots_saveable
-    loss_fn, targets = per_example, t
-    if feature == "weighted":
-        loss_fn, targets = weighted(tokens), (t, tokens)
-    side = {"context": context} if feature == "context" else {}
-    key = jax.random.key(5) if feature == "per-example-keys" else None
+    loss_fn, targets, side = per_example, t, {}
+    if feature == "mesh":
+        loss_fn, targets, side = weighted(tokens), (t, tokens), {"context": context}
 
     pipe = pj.pipeline(stages, schedule=name, **options)
-    got = jax.jit(lambda p: pipe.value_and_grad(loss_fn)(p, x, targets, key, **side))(params)
+    got = jax.jit(lambda p: pipe.value_and_grad(loss_fn)(p, x, targets, None, **side))(params)
 
-    if key is not None:  # the same masks: GPipe's (or circular's) autodiff of the same pipeline
-        ref_pipe = pj.pipeline(stages, schedule=GPIPE_OF.get(name, "gpipe"), **options)
-        want = ref_pipe.value_and_grad(loss_fn)(params, x, targets, key)
-    else:
+    def reference(p):
+        y = composed(kind, p, x, context if side else None)
+        if num_stages == 2:  # the data-axis case of two stages
+            y = composed_two(kind, p, x)
+        losses = loss_fn(y, targets)
+        if isinstance(losses, tuple):
+            return jnp.sum(losses[0]) / jnp.sum(losses[1])
+        return jnp.mean(losses)
 
-        def reference(p):
-            y = composed(kind, p, x, context if side else None)
-            if num_stages == 2:  # the data-axis case of two stages
-                y = composed_two(kind, p, x)
-            losses = loss_fn(y, targets)
-            if isinstance(losses, tuple):
-                return jnp.sum(losses[0]) / jnp.sum(losses[1])
-            return jnp.mean(losses)
-
-        want = jax.value_and_grad(reference)(params)
+    want = jax.value_and_grad(reference)(params)
     models.assert_trees_close(got, want, **TOL)
+    if feature == "mesh":  # the side input and the weights matter: a pipeline ignoring them differs
+        plain = jax.value_and_grad(lambda p: jnp.mean(per_example(composed(kind, p, x, None), t)))(params)
+        assert abs(float(plain[0]) - float(want[0])) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
+def test_per_example_keys_under_every_schedule(kind):
+    """Per-example keys on a stage mesh: every schedule draws the masks of GPipe's (or circular's)
+    autodiff of the same pipeline, computed once per reference schedule."""
+    stages, kw, params, x = model(kind)
+    _, _, t, _, _ = inputs()
+    key = jax.random.key(5)
+    wants = {}
+    for name in SCHEDULES:
+        options = dict(chunks=CHUNKS, repeats=REPEATS.get(name, 1), per_example_keys=True, **kw)
+        options["mesh"] = mesh_for(name, False)
+        ref_name = GPIPE_OF.get(name, "gpipe")
+        if ref_name not in wants:  # the same masks: GPipe's (or circular's) autodiff
+            ref_pipe = pj.pipeline(stages, schedule=ref_name, **options)
+            wants[ref_name] = ref_pipe.value_and_grad(per_example)(params, x, t, key)
+        pipe = pj.pipeline(stages, schedule=name, **options)
+        got = jax.jit(lambda p, pipe=pipe: pipe.value_and_grad(per_example)(p, x, t, key))(params)
+        models.assert_trees_close(got, wants[ref_name], **TOL)
 
 
 def composed_two(kind, params, x):
@@ -267,12 +288,12 @@ def bn_params(seed):
 
 @pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
 @pytest.mark.parametrize("placement", ["mesh", "no-mesh"])
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_stateful_stages(name, placement, kind):
-    """Loss, gradients and every stage's statistics per micro-batch equal GPipe's (itself tested
-    against numpy in test_deferred_batchnorm.py); the running statistics are updated once."""
+def test_stateful_stages(placement, kind):
+    """Under every schedule, loss, gradients and every stage's statistics per micro-batch equal
+    GPipe's (itself tested against numpy in test_deferred_batchnorm.py); the running statistics
+    are updated once. Each reference (GPipe's, or circular's) runs once for the schedules it
+    serves."""
     _, h, t, _, _ = inputs()
-    repeats = REPEATS.get(name, 1)
     per_stage = [bn_params(s) for s in range(S)]
     state = [pj.batch_norm_init(W, jnp.float64) for _ in range(S)]
     if kind == "homogeneous":
@@ -281,14 +302,21 @@ def test_stateful_stages(name, placement, kind):
         state = jax.tree.map(lambda *a: jnp.stack(a), *state)
     else:
         stages, kw, params = [bn_stage] * S, {}, per_stage
-    options = dict(chunks=CHUNKS + 1, repeats=repeats, stateful=True, **kw)  # an uneven batch: 8 in 3s
-    if placement == "mesh":
-        options["mesh"] = mesh_for(name, False)
-    pipe = pj.pipeline(stages, schedule=name, **options)
-    (loss, stats), grads = jax.jit(pipe.value_and_grad(per_example))(params, h, t, state=state)
-    ref = pj.pipeline(stages, schedule=GPIPE_OF.get(name, "gpipe"), **options)
-    (ref_loss, ref_stats), ref_grads = ref.value_and_grad(per_example)(params, h, t, state=state)
-    models.assert_trees_close((loss, grads), (ref_loss, ref_grads), **TOL)
-    models.assert_trees_close(stats, ref_stats, **TOL)
-    _, ref_fwd_stats = ref(params, h, state=state)  # the forward call reports the same stats
-    models.assert_trees_close(stats, ref_fwd_stats, **TOL)
+    refs = {}
+    for name in SCHEDULES:
+        repeats = REPEATS.get(name, 1)
+        options = dict(chunks=CHUNKS + 1, repeats=repeats, stateful=True, **kw)  # uneven: 8 in 3s
+        if placement == "mesh":
+            options["mesh"] = mesh_for(name, False)
+        ref_name = GPIPE_OF.get(name, "gpipe")
+        if ref_name not in refs:
+            ref = pj.pipeline(stages, schedule=ref_name, **options)
+            (ref_loss, ref_stats), ref_grads = ref.value_and_grad(per_example)(params, h, t, state=state)
+            _, ref_fwd_stats = ref(params, h, state=state)  # the forward call reports the same stats
+            models.assert_trees_close(ref_stats, ref_fwd_stats, **TOL)
+            refs[ref_name] = (ref_loss, ref_grads, ref_stats)
+        ref_loss, ref_grads, ref_stats = refs[ref_name]
+        pipe = pj.pipeline(stages, schedule=name, **options)
+        (loss, stats), grads = jax.jit(pipe.value_and_grad(per_example))(params, h, t, state=state)
+        models.assert_trees_close((loss, grads), (ref_loss, ref_grads), **TOL)
+        models.assert_trees_close(stats, ref_stats, **TOL)
