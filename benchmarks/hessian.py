@@ -272,12 +272,18 @@ def main():
     args = parser.parse_args()
     jax.config.update("jax_enable_x64", True)  # float64 rows; float32 rows stay float32
     header("pipejax.hessian benchmark", args.quick)
-    if args.quick:
-        sizes, batches, m, rounds = (16, 32, 10), (64,), 10, 6
+    if args.quick:  # float32 only: the smoke run is compile-bound, one dtype halves it
+        sizes, batches, m, rounds, dtypes = (16, 32, 10), (64,), 10, 6, (jnp.float32,)
     else:
-        sizes, batches, m, rounds = (32, 256, 256, 10), (256, 2048), 90, 20
+        sizes, batches, m, rounds, dtypes = (
+            (32, 256, 256, 10),
+            (256, 2048),
+            90,
+            20,
+            (jnp.float32, jnp.float64),
+        )
     print(f"\nMLP {' -> '.join(map(str, sizes))}, Lanczos steps m = {m}, {rounds} rounds.")
-    run(sizes, batches, m, rounds, (jnp.float32, jnp.float64))
+    run(sizes, batches, m, rounds, dtypes)
 
 
 if __name__ == "__main__":

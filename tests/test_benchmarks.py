@@ -37,7 +37,7 @@ def run_quick(script: str, *args: str) -> str:
             "pipeline.py",
             ("Bubble", "Memory", "Overhead", "Compile", "Flat in chunks", "Where XLA's time goes"),
         ),
-        ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "float32", "float64")),
+        ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "partial, bfloat16 basis")),  # --quick: float32
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
         ("schedules.py", ("Memory: compiled temp bytes", "Slots:", "Compile time", "Predicted step time")),
         (
