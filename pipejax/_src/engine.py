@@ -545,10 +545,12 @@ class MeshDevices:
         mask = compat.constrain(mask, self.mesh, batch_spec, axis)
         key = compat.constrain(key, self.mesh, rep, axis)
 
-        def body(params, state, xs, mask, key):
-            return self._body(ctx, schedule, phases, Inputs(params, state, xs, mask, key))
+        finished = self.finished(ctx, schedule)  # None: the outputs are summed, not drained
+        drains = finished is not None
 
-        drains = self.finished(ctx, schedule) is not None
+        def body(params, state, xs, mask, key):
+            return self._body(ctx, schedule, phases, Inputs(params, state, xs, mask, key), finished)
+
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
@@ -647,7 +649,7 @@ class MeshDevices:
         explicit = compat.is_explicit(self.mesh, self.cfg.axis_name)
         return self.cfg.data_axis_name is None and ctx.D > 1 and explicit
 
-    def _body(self, ctx, schedule, phases, inputs):
+    def _body(self, ctx, schedule, phases, inputs, finished):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
         params, state = self.gather_data(inputs.params), inputs.state
@@ -695,7 +697,6 @@ class MeshDevices:
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
         loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
-        finished = self.finished(ctx, schedule)
         drain, acc = None, _lead(stages.acc_zeros(m))
         if finished is not None:  # ceil(m / D) output slots per device instead of m
             drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
