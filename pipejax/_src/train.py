@@ -507,67 +507,96 @@ class _Program:
         dx = _fill(x, cts[-1]) if wrt_input else None
         return dx, dp
 
-    # -- without a mesh: virtual devices, one after the other in each tick -------------------
+    # -- one tick of one device: its F, B (and W) slots --------------------------------------
 
-    def local(self, runner):
-        S, K, zb, pipe = self.S, self.K, self.zb, self.pipe
-        bnd = self.boundaries
-        if pipe.homogeneous:
-            prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
-        else:
-            prows = list(runner)
-        variants = [
-            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1], d) for d in range(S)
-        ]
-        rows = tuple(jnp.asarray(a) for a in self._rows())
+    def slots(self, io: _IO, d, rows_p, dev: _Dev, f, b, w, fs, bs):
+        """One tick of device ``d``: ``(its new state, what it sends forward, what it sends back)``.
 
-        def zero(layout, lead=()):
-            return engine.zeros(layout, lead)
+        ``f``, ``b``, ``w`` are the micro-batches of its F, B and W slots (-1: idle), ``fs`` and
+        ``bs`` the stages of its F and B slots (W's is the device's own: ZB-H1 runs one stage per
+        device). ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row
+        ``s // io.n``). ``io`` says where the device runs: on a mesh (:func:`_mesh_io`; ``d``
+        and the stages are traced and a slot picks its stage's branch with ``lax.switch``) or
+        as a virtual device (:func:`_local_io`; one stage, static, and ``lax.cond`` skips an
+        idle slot). Either way an idle slot computes nothing, and every parameter cotangent is
+        added inside its branch (an idle branch returns the accumulator as it is), so no
+        parameter-sized temporary leaves a branch.
+        """
+        K, n, zb, m = self.K, io.n, self.zb, self.m
+        one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
+        loss0 = jnp.zeros_like(dev.loss)
+        # F: stage 0 reads micro-batch f of x, the other stages what the previous device sent
+        x_in = io.stage_input(fs, engine.read(self.cfg, self.xs, engine.clip(f, m)), dev.fin)
 
-        init = []
-        for d, v in enumerate(variants):
-            init.append(
-                dict(
-                    fin=zero(v.x_layout),
-                    bin=zero(v.y_layout),
-                    stash=jax.tree.map(
-                        lambda a: jnp.zeros((K, *a.shape), a.dtype), self.saved_structs(v, prows[d])
-                    ),
-                    gstash=zero(v.y_layout, (S,)) if zb and not v.last else None,
-                    grad=jax.tree.map(jnp.zeros_like, prows[d]),
-                    counts=jnp.zeros((3,), jnp.int32),
-                    stats=engine.zeros(self._stats_layout(d), (1, self.m)) if self.cfg.stateful else None,
+        def f_branch(v):
+            def run(rows_p, x_in, f):
+                prow, x = engine.take(rows_p, fs // n), io.unpack(x_in, v.x_layout)
+                y, dloss, saved, st = self.save(v, prow, x, *self._inputs(f, fs))
+                y = io.msg_zeros(v.y_layout) if y is None else io.pack(y)
+                dloss = loss0 if dloss is None else dloss.astype(loss0.dtype)
+                return y, dloss, io.s_pack(saved), io.st_pack(st), one
+
+            return run
+
+        def f_idle(rows_p, x_in, f):
+            return io.msg_zeros(io.variant.y_layout), loss0, io.s_zeros(), io.st_zeros(), zero
+
+        y, dloss, saved, st, c0 = io.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
+        stash = engine.put(dev.stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
+        stats = engine.write(dev.stats, st, io.stat_row(fs), engine.clip(f, m), f >= 0)
+        # B: the stage's pullback, from what F kept, of the cotangent the next device sent
+        xb = engine.take(stash, (bs // n) * K + b % K)
+
+        def b_branch(v):
+            def run(rows_p, xb, g, b, grad):
+                dx, dp = self.pull(
+                    v,
+                    engine.take(rows_p, bs // n),
+                    io.s_unpack(xb, v),
+                    None if v.last else io.unpack(g, v.y_layout),
+                    *self._inputs(b, bs),
+                    wrt_params=not zb,
+                    wrt_input=not v.first,
                 )
-            )
-        loss0 = self._loss_zero(variants[-1])
+                dx = io.msg_zeros(v.x_layout) if dx is None else io.pack(dx)
+                return dx, grad if dp is None else _add_row(grad, bs // n, dp), one
 
-        def body(c, r):
-            devs, loss = c
-            f, b, w = r[:3]  # virtual device d runs stage d
-            sent_f, sent_b, new = [], [], []
-            for d, v in enumerate(variants):
-                dev, y, dx, dloss = self._device_tick(v, d, prows[d], devs[d], f[d], b[d], w[d])
-                new.append(dev)
-                sent_f.append(y)
-                sent_b.append(dx)
-                if v.last:
-                    loss = loss + dloss
-            for d in range(S):  # the sends: a local shift
-                if d > 0:
-                    new[d]["fin"] = sent_f[d - 1]
-                if d < S - 1:
-                    new[d]["bin"] = sent_b[d + 1]
-            return (new, loss), None
+            return run
 
-        (devs, loss), _ = lax.scan(body, (init, loss0), rows)
-        grads = [dev["grad"] for dev in devs]
-        if pipe.homogeneous:
-            grads = jax.tree.map(lambda *a: jnp.stack(a), *grads)
-        counts = jnp.stack([dev["counts"] for dev in devs])
-        stats = [jax.tree.map(lambda a: a[0], dev["stats"]) for dev in devs]  # per stage (m, ...)
-        if pipe.homogeneous:
-            stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        return loss, grads, counts, stats
+        def b_idle(rows_p, xb, g, b, grad):
+            return io.msg_zeros(io.variant.x_layout), grad, zero
+
+        dx, grad, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, dev.grad)
+        gstash, c2 = dev.gstash, zero
+        if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
+            if gstash is not None:  # (the last stage seeds its own)
+                gstash = engine.put(gstash, dev.bin, b % n, b >= 0)
+            xw = engine.take(stash, w % K)
+            gw = None if gstash is None else engine.take(gstash, w % n)
+
+            def w_branch(v):
+                def run(rows_p, xw, gw, w, grad):
+                    g = None if v.last else io.unpack(gw, v.y_layout)
+                    _, dp = self.pull(
+                        v,
+                        engine.take(rows_p, 0),
+                        io.s_unpack(xw, v),
+                        g,
+                        *self._inputs(w, d),
+                        wrt_params=True,
+                        wrt_input=False,
+                    )
+                    return _add_row(grad, 0, dp), one
+
+                return run
+
+            w_idle = lambda rows_p, xw, gw, w, grad: (grad, zero)
+            grad, c2 = io.dispatch(w >= 0, d, w_branch, w_idle, rows_p, xw, gw, w, grad)
+        counts = dev.counts + jnp.stack([c0, c1, c2])
+        new = dev._replace(
+            stash=stash, gstash=gstash, grad=grad, loss=dev.loss + dloss, counts=counts, stats=stats
+        )
+        return new, y, dx
 
     def _stats_layout(self, s: int) -> Layout:
         """The layout of stage ``s``'s stats (one for every stage when they are homogeneous)."""
@@ -587,61 +616,60 @@ class _Program:
         w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
         return (t.forward, t.backward, w, *t.stages())
 
-    def _device_tick(self, v, d, prow, dev, i, j, k):
-        """One tick of virtual device ``d`` (static stage ``v``); ``lax.cond`` skips idle slots."""
-        K, S, zb = self.K, self.S, self.zb
-        dev = dict(dev)
-        counts = dev["counts"]
-        # F
-        x_in = engine.take(self.xs, engine.clip(i, self.m)) if v.first else dev["fin"]
+    # -- without a mesh: virtual devices, one after the other in each tick -------------------
 
-        def f_work(x_in, i):
-            return *self.save(v, prow, x_in, *self._inputs(i, d)), jnp.ones((), jnp.int32)
+    def local(self, runner):
+        S, K, zb, pipe, bnd = self.S, self.K, self.zb, self.pipe, self.boundaries
+        if pipe.homogeneous:
+            prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
+        else:
+            prows = list(runner)
+        variants = [
+            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1], d) for d in range(S)
+        ]
+        ios = [_local_io(self, v, prow, S) for v, prow in zip(variants, prows, strict=True)]
+        loss0 = self._loss_zero(variants[-1])
+        init = [
+            _Dev(
+                engine.zeros(v.x_layout),
+                engine.zeros(v.y_layout),
+                ios[d].s_zeros((K,)),
+                engine.zeros(v.y_layout, (S,)) if zb and not v.last else None,
+                jax.tree.map(lambda a: jnp.zeros((1, *a.shape), a.dtype), prows[d]),
+                loss0,
+                jnp.zeros((3,), jnp.int32),
+                ios[d].st_zeros((1, self.m)),
+            )
+            for d, v in enumerate(variants)
+        ]
+        rows_p = [jax.tree.map(lambda a: a[None], prow) for prow in prows]
 
-        def f_idle(x_in, i):
-            out = jax.eval_shape(lambda: self.save(v, prow, x_in, *self._inputs(i, d)))
-            return *(_zeros_like(a) for a in out), jnp.zeros((), jnp.int32)
+        def body(devs, r):
+            f, b, w = r[:3]  # virtual device d runs stage d
+            new, sent_f, sent_b = [], [], []
+            for d in range(S):
+                dev, y, dx = self.slots(ios[d], d, rows_p[d], devs[d], f[d], b[d], w[d], d, d)
+                new.append(dev)
+                sent_f.append(y)
+                sent_b.append(dx)
+            # the sends: a local shift
+            new = [
+                dev._replace(
+                    fin=sent_f[d - 1] if d > 0 else dev.fin, bin=sent_b[d + 1] if d < S - 1 else dev.bin
+                )
+                for d, dev in enumerate(new)
+            ]
+            return new, None
 
-        y, dloss, saved, stats, c = lax.cond(i >= 0, f_work, f_idle, x_in, i)
-        dev["stash"] = engine.put(dev["stash"], saved, i % K, i >= 0)
-        if self.cfg.stateful:  # F records the stage's statistics of micro-batch i
-            dev["stats"] = engine.write(dev["stats"], stats, 0, engine.clip(i, self.m), i >= 0)
-        counts = counts.at[0].add(c)
-        # B
-        xb = engine.take(dev["stash"], j % K)
-
-        # the parameter cotangent is added inside the branch: see `mesh`
-        def b_work(xb, g, j, grad):
-            dx, dp = self.pull(v, prow, xb, g, *self._inputs(j, d), wrt_params=not zb, wrt_input=not v.first)
-            return dx, grad if dp is None else _add(grad, dp), jnp.ones((), jnp.int32)
-
-        def b_idle(xb, g, j, grad):
-            out = jax.eval_shape(lambda: b_work(xb, g, j, grad))
-            return _zeros_like(out[0]), grad, jnp.zeros((), jnp.int32)
-
-        dx, dev["grad"], c = lax.cond(j >= 0, b_work, b_idle, xb, dev["bin"], j, dev["grad"])
-        counts = counts.at[1].add(c)
-        if zb:
-            if dev["gstash"] is not None:
-                dev["gstash"] = engine.put(dev["gstash"], dev["bin"], j % S, j >= 0)
-            xw = engine.take(dev["stash"], k % K)
-            gw = None if dev["gstash"] is None else engine.take(dev["gstash"], k % S)
-
-            def w_work(xw, gw, k, grad):
-                dp = self.pull(v, prow, xw, gw, *self._inputs(k, d), wrt_params=True, wrt_input=False)[1]
-                return _add(grad, dp), jnp.ones((), jnp.int32)
-
-            def w_idle(xw, gw, k, grad):
-                return grad, jnp.zeros((), jnp.int32)
-
-            dev["grad"], c = lax.cond(k >= 0, w_work, w_idle, xw, gw, k, dev["grad"])
-            counts = counts.at[2].add(c)
-        dev["counts"] = counts
-        if y is None:
-            y = engine.zeros(v.y_layout)
-        if dx is None:
-            dx = engine.zeros(v.x_layout)
-        return dev, y, dx, dloss
+        devs, _ = lax.scan(body, init, tuple(jnp.asarray(a) for a in self._rows()))
+        # only the last stage adds to the loss: the others' are exact zeros
+        loss = sum((dev.loss for dev in devs[1:]), devs[0].loss)
+        grads = [jax.tree.map(lambda a: a[0], dev.grad) for dev in devs]
+        counts = jnp.stack([dev.counts for dev in devs])
+        stats = [jax.tree.map(lambda a: a[0], dev.stats) for dev in devs]  # per stage (m, ...)
+        if pipe.homogeneous:
+            grads, stats = (jax.tree.map(lambda *a: jnp.stack(a), *t) for t in (grads, stats))
+        return loss, grads, counts, stats
 
     # -- on a mesh: one SPMD program, a device per stage ------------------------------------
 
@@ -671,25 +699,10 @@ class _Program:
             index = np.arange(S)
             prows_in = runner.buffers
             box = Container.for_layouts(bnd)
-        # Values typed with Explicit axes inside a stage (param_specs over a "model" axis) are
-        # replicated before they are flattened into a container (a reshape across a sharded
-        # dimension is refused there); other values pass unchanged.
-        pack = (lambda tree: tree) if box is None else (lambda tree: box.pack(compat.replicate(tree)))
-        unpack = (lambda msg, layout: msg) if box is None else box.unpack
-        msg_zeros = (lambda lead=(): engine.zeros(bnd[0], lead)) if box is None else box.zeros
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
-        if self.keep:  # residuals differ per stage (and role): one container for all
-            row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
-            saved_layouts = [Layout.of(self.saved_structs(v, row)) for v in variants]
-            sbox = Container.for_layouts(saved_layouts)
-            s_pack, s_zeros = (lambda tree: sbox.pack(compat.replicate(tree))), sbox.zeros
-            s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
-        else:  # the stage input, as a message
-            s_pack, s_zeros = pack, msg_zeros
-            s_unpack = lambda msg, v: unpack(msg, v.x_layout)
-        # stateful stages: a device records the stats of its F slots at (stage, micro-batch) of
-        # an (S, m) buffer (heterogeneous: flat containers); a psum of exact zeros merges them
-        st_pack, st_zeros, st_unpack = _stats_container(pipe, self.stats_layouts)
+        row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
+        io = _mesh_io(self, variants, index, box, row, n)
+        st_unpack = _stats_container(pipe, self.stats_layouts)[2]
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
@@ -717,123 +730,29 @@ class _Program:
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
             prog.state = state
-            variant_of = jnp.asarray(index, jnp.int32)
-            idle = len(variants)
 
-            def branches(make):
-                return [make(v) for v in variants]
-
-            def tick(c, r):
-                fin, bin_, stash, gstash, grad, loss, counts, stats = c
+            def tick(dev, r):
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
-                # F
-                fresh = pack(engine.read(self.cfg, xs, engine.clip(f, self.m)))  # stage 0 reads x
-                x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, fin)
-
-                def f_branch(v):
-                    def run(rows_p, x_in, f):
-                        prow = engine.take(rows_p, fs // n)
-                        x = unpack(x_in, v.x_layout)
-                        y, dloss, saved, st = prog.save(v, prow, x, *prog._inputs(f, fs))
-                        y = msg_zeros() if y is None else pack(y)
-                        dloss = jnp.zeros_like(loss) if dloss is None else dloss.astype(loss.dtype)
-                        return y, dloss, s_pack(saved), st_pack(st), jnp.ones((), jnp.int32)
-
-                    return run
-
-                def f_idle(rows_p, x_in, f):
-                    return msg_zeros(), jnp.zeros_like(loss), s_zeros(), st_zeros(), jnp.zeros((), jnp.int32)
-
-                y, dloss, saved, st, c0 = lax.switch(
-                    jnp.where(f >= 0, variant_of[fs], idle), [*branches(f_branch), f_idle], rows_p, x_in, f
-                )
-                stash = engine.put(stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
-                stats = engine.write(stats, st, fs, engine.clip(f, self.m), f >= 0)
-                # B
-                xb = engine.take(stash, (bs // n) * K + b % K)
-
-                # The parameter cotangent is added inside the branch (an idle branch returns the
-                # accumulator as it is), so no parameter-sized temporary leaves the branch.
-                def b_branch(v):
-                    def run(rows_p, xb, g, b, grad):
-                        dx, dp = prog.pull(
-                            v,
-                            engine.take(rows_p, bs // n),
-                            s_unpack(xb, v),
-                            None if v.last else unpack(g, v.y_layout),
-                            *prog._inputs(b, bs),
-                            wrt_params=not zb,
-                            wrt_input=not v.first,
-                        )
-                        dx = msg_zeros() if dx is None else pack(dx)
-                        grad = grad if dp is None else _add_row(grad, bs // n, dp)
-                        return dx, grad, jnp.ones((), jnp.int32)
-
-                    return run
-
-                b_idle = lambda rows_p, xb, g, b, grad: (msg_zeros(), grad, jnp.zeros((), jnp.int32))
-                dx, grad, c1 = lax.switch(
-                    jnp.where(b >= 0, variant_of[bs], idle),
-                    [*branches(b_branch), b_idle],
-                    rows_p,
-                    xb,
-                    bin_,
-                    b,
-                    grad,
-                )
-                c2 = jnp.zeros((), jnp.int32)
-                if zb:
-                    # (ZB-H1 runs one stage per device: W's stage is B's, the device's)
-                    gstash = engine.put(gstash, bin_, b % n, b >= 0)
-                    xw, gw = engine.take(stash, w % K), engine.take(gstash, w % n)
-
-                    def w_branch(v):
-                        def run(rows_p, xw, gw, w, grad):
-                            g = None if v.last else unpack(gw, v.y_layout)
-                            _, dp = prog.pull(
-                                v,
-                                engine.take(rows_p, 0),
-                                s_unpack(xw, v),
-                                g,
-                                *prog._inputs(w, d),
-                                wrt_params=True,
-                                wrt_input=False,
-                            )
-                            return _add_row(grad, 0, dp), jnp.ones((), jnp.int32)
-
-                        return run
-
-                    w_idle = lambda rows_p, xw, gw, w, grad: (grad, jnp.zeros((), jnp.int32))
-                    grad, c2 = lax.switch(
-                        jnp.where(w >= 0, variant_of[d], idle),
-                        [*branches(w_branch), w_idle],
-                        rows_p,
-                        xw,
-                        gw,
-                        w,
-                        grad,
-                    )
-                counts = counts + jnp.stack([c0, c1, c2])
+                dev, y, dx = prog.slots(io, d, rows_p, dev, f, b, w, fs, bs)
                 fin = engine.shift(y, axis, n, ring=v_rep > 1)
                 bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
-                return (fin, bin_, stash, gstash, grad, loss + dloss, counts, stats), None
+                return dev._replace(fin=fin, bin=bin_), None
 
-            init = (
-                msg_zeros(),
-                msg_zeros(),
-                s_zeros((v_rep * K,)),
-                msg_zeros((n,)) if zb else None,
+            init = _Dev(
+                io.msg_zeros(),
+                io.msg_zeros(),
+                io.s_zeros((v_rep * K,)),
+                io.msg_zeros(lead=(n,)) if zb else None,
                 _zeros_like(rows_p),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
-                st_zeros((S, self.m)),
+                io.st_zeros((S, self.m)),
             )
-            c, _ = lax.scan(tick, init, rows)
-            grad, loss, counts = c[4], c[5], c[6]
-            stats = engine.sum_exact(c[7], axis)  # each (stage, micro-batch) written by one device
+            dev, _ = lax.scan(tick, init, rows)
+            stats = engine.sum_exact(dev.stats, axis)  # each (stage, micro-batch) written by one device
             # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
             lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
-            loss = lax.psum(loss, axis)
+            loss, grad, counts = lax.psum(dev.loss, axis), dev.grad, dev.counts
             if data is None:
                 return loss, lead(grad), counts[None], stats
             # every data shard ran its own micro-batches: sum their losses and gradients
@@ -873,6 +792,116 @@ class _Program:
         variants = [_Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
         index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
         return variants, index
+
+
+# --- where a device runs its slots ------------------------------------------------------------
+
+
+class _Dev(NamedTuple):
+    """A device's part of the training loop's state."""
+
+    fin: Any  # the activation the previous device sent at the last tick
+    bin: Any  # the cotangent the next device sent at the last tick
+    stash: Any  # what F kept for B and W: K slots per stage the device holds
+    gstash: Any  # ZB-H1: output cotangents B received, for W (None: not ZB, or the last stage)
+    grad: Any  # parameter cotangents, one row per stage the device holds
+    loss: Any  # f[2]: the (loss, weight) sums of the micro-batches the device's last stage ran
+    counts: Any  # int[3]: F, B and W slots run
+    stats: Any  # stateful stages: the stats of the device's F slots (None otherwise)
+
+
+class _IO(NamedTuple):
+    """How a device of the training loop runs: messages, stashes and the dispatch of a slot."""
+
+    n: int  # stage s is row s // n of the device's stages
+    variant: _Variant  # a variant whose types an idle slot's zeros take
+    pack: Callable[[Any], Any]  # a typed activation or cotangent -> its message
+    unpack: Callable[[Any, Layout], Any]  # (message, layout) -> the typed value
+    msg_zeros: Callable[..., Any]  # (layout=None, lead=()) -> a message of zeros
+    s_pack: Callable[[Any], Any]  # what F saved -> a stash entry
+    s_unpack: Callable[[Any, _Variant], Any]
+    s_zeros: Callable[..., Any]  # (lead=()) -> stash entries of zeros
+    st_pack: Callable[[Any], Any]  # a stateful stage's stats -> a stats entry
+    st_zeros: Callable[..., Any]
+    stat_row: Callable[[Any], Any]  # the F slot's stage -> its row of the stats buffer
+    stage_input: Callable[[Any, Any, Any], Any]  # (stage, micro-batch of x, inbox) -> F's input
+    dispatch: Callable[..., Any]  # (working, stage, make_branch, idle, *args) -> the slot's outputs
+
+
+def _mesh_io(prog: _Program, variants, index, box, row, n) -> _IO:
+    """A device of the mesh: one SPMD program, so a slot picks the branch of its stage's variant
+    with ``lax.switch`` (one more branch: idle), and heterogeneous stages send their messages in
+    flat containers (one type for every device; ``box``) and stash in one more (``row``: the
+    type of one of the device's parameter rows)."""
+    # Values typed with Explicit axes inside a stage (param_specs over a "model" axis) are
+    # replicated before they are flattened into a container (a reshape across a sharded
+    # dimension is refused there); other values pass unchanged.
+    if box is None:  # homogeneous: one activation type
+        first = prog.boundaries[0]
+        pack, unpack = (lambda tree: tree), (lambda msg, layout: msg)
+        msg_zeros = lambda layout=None, lead=(): engine.zeros(first, lead)
+    else:
+        pack, unpack = (lambda tree: box.pack(compat.replicate(tree))), box.unpack
+        msg_zeros = lambda layout=None, lead=(): box.zeros(lead)
+    if prog.keep:  # residuals differ per stage (and role): one container for all
+        saved_layouts = [Layout.of(prog.saved_structs(v, row)) for v in variants]
+        sbox = Container.for_layouts(saved_layouts)
+        s_pack, s_zeros = (lambda tree: sbox.pack(compat.replicate(tree))), sbox.zeros
+        s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
+    else:  # the stage input, as a message
+        s_pack, s_zeros = pack, (lambda lead=(): msg_zeros(lead=lead))
+        s_unpack = lambda msg, v: unpack(msg, v.x_layout)
+    # stateful stages: a device records the stats of its F slots at (stage, micro-batch) of an
+    # (S, m) buffer (heterogeneous: flat containers); a psum of exact zeros merges them
+    st_pack, st_zeros, _ = _stats_container(prog.pipe, prog.stats_layouts)
+    variant_of = jnp.asarray(index, jnp.int32)
+
+    def dispatch(working, s, make, idle, *args):
+        which = jnp.where(working, variant_of[s], len(variants))
+        return lax.switch(which, [*(make(v) for v in variants), idle], *args)
+
+    return _IO(
+        n,
+        variants[0],
+        pack,
+        unpack,
+        msg_zeros,
+        s_pack,
+        s_unpack,
+        s_zeros,
+        st_pack,
+        st_zeros,
+        lambda s: s,
+        lambda s, fresh, inbox: jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), pack(fresh), inbox),
+        dispatch,
+    )
+
+
+def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
+    """A virtual device (no mesh) that runs stage ``v.stage``: typed values, no containers, and
+    ``lax.cond`` skips an idle slot."""
+    saved = prog.saved_structs(v, prow)
+    ident = lambda tree: tree
+    stats_layout = prog._stats_layout(v.stage) if prog.cfg.stateful else None
+
+    def dispatch(working, s, make, idle, *args):
+        return lax.cond(working, make(v), idle, *args)
+
+    return _IO(
+        n,
+        v,
+        ident,
+        lambda msg, layout: msg,
+        lambda layout=None, lead=(): engine.zeros(layout, lead),
+        ident,
+        lambda msg, v: msg,
+        lambda lead=(): jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), saved),
+        ident,
+        lambda lead=(): None if stats_layout is None else engine.zeros(stats_layout, lead),
+        lambda s: 0,
+        lambda s, fresh, inbox: fresh if s == 0 else inbox,
+        dispatch,
+    )
 
 
 # --- small exact helpers ---------------------------------------------------------------------
