@@ -275,7 +275,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *jnp.shape(a)[1:]), _dtype(a)), x)
     acts, residuals, stage_params = [], [], []
     for s, stage in enumerate(pipe.stages):
-        p = jax.tree.map(_struct, pipe.stage_params(params, s))
+        p = jax.eval_shape(lambda params, s=s: pipe.stage_params(params, s), params)
         acts.append(_nbytes(micro))
         residuals.append(_micro_residual_bytes(stage, p, micro))
         stage_params.append(_nbytes(p))
