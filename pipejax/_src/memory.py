@@ -190,7 +190,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     The step is ``pipe.value_and_grad(loss_fn)`` (for GPipe and circular the same program as
     ``jax.jit(jax.value_and_grad(...))`` of the loss of ``pipe(params, x)``), on a mesh; the
     estimate is of XLA's ``temp_size_in_bytes`` (:func:`memory_report`), the bytes beside the
-    arguments and outputs. It is computed from three sizes, measured on the pipeline's own
+    arguments and outputs. It is computed from these sizes, measured on the pipeline's own
     stages with ``jax.eval_shape`` (nothing is compiled):
 
     * ``A``: the bytes of one micro-batch's activation entering a stage (the largest boundary);
@@ -199,24 +199,26 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
       slice ``w[j]`` of a stacked weight, are not kept per micro-batch); the largest stage's;
     * ``O``: the bytes of one micro-batch of the pipeline's output;
 
-    and ``P``, the parameter bytes of the stages one device holds. With ``n`` devices, ``m``
-    micro-batches, ``T`` ticks (``v m + n - 1`` for ``v`` repeats) and ``K`` stash slots
+    and ``P``, the parameter bytes of one stage (``P_d``: of the stages one device holds). With
+    ``n`` devices, ``m`` micro-batches, ``T`` ticks (``v m + n - 1`` for ``v`` repeats) and ``K`` stash slots
     (:meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots`):
 
-    ============  ==============  ================  ========  ===========  ==========
-    schedule      mode            stash             work      outputs      loop, params
-    ============  ==============  ================  ========  ===========  ==========
-    gpipe         ``"always"``    T A               R + 2 A   M O
-    gpipe         ``"never"``     T R               R + 2 A   M O
-    gpipe         except_last     (T - n) A + n R   R + 2 A   M O
-    circular      as gpipe        as gpipe          R + 2 A   M O          2 m A, P
-    1f1b          ``"always"``    K A               R + 4 A
-    1f1b          ``"never"``     K (R + O)         3 (R + O) + 4 A
-    zb-h1         as 1f1b         + n A             as 1f1b
-    ============  ==============  ================  ========  ===========  ==========
+    ========  ============  =================  ===============  =======  ==============
+    schedule  mode          stash              work             outputs  loop, params
+    ========  ============  =================  ===============  =======  ==============
+    gpipe     "always"      T A                R + 2 A          M O      g
+    gpipe     "never"       T R                R + 2 A          M O      g
+    gpipe     except_last   (T - n) A + n R    R + 2 A          M O      g
+    circular  as gpipe      as gpipe           R + 2 A          M O      2 m A, P_d + g
+    1f1b      "always"      K A                R + 4 A                   g
+    1f1b      "never"       K (R + O)          3 (R + O) + 4 A           g
+    zb-h1     as 1f1b       as 1f1b + n A      as 1f1b                   g
+    ========  ============  =================  ===============  =======  ==============
 
-    ``M = ceil(m / n)`` output micro-batches per device (the drain queue, on a mesh with Auto
-    axes), ``m`` on a mesh with Explicit axes (the output is returned replicated). Where the
+    ``g = P`` when one stage's parameters ``P`` outweigh the residuals the tick's backward frees
+    (``R``; 1F1B ``"never"``: ``3 (R + O)``), else 0: XLA puts the tick's parameter cotangent in
+    their space when it fits. ``M = ceil(m / n)`` output micro-batches per device (the drain queue,
+    on a mesh with Auto axes), ``m`` with Explicit axes (the output is returned replicated). Where the
     terms come from (``docs/pipeline.md``, "Memory per device"): GPipe keeps per tick the
     stage input (``"always"``) or its residuals (``"never"``), and a backward tick holds one
     stage's residuals (recomputed, or read) with the cotangent it receives and the one it sends;
@@ -228,8 +230,12 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     stashes ``n`` output cotangents for its W slots.
 
     Measured against XLA on CPU (``benchmarks/maxtext_style.py``, 4 devices, m = 4 to 32) the
-    estimate is within 10 %. It assumes a loss that keeps one output-sized value per micro-batch
-    (a squared error, a cross-entropy's softmax) and homogeneous, balanced stages: for
+    estimate is within 10 %; that is measured on that model and the tests', not guaranteed: ``R``
+    is what ``jax.vjp`` keeps, and XLA may keep less where it fuses a recomputation (a gelu
+    stage's 1F1B: 1.27), or more where a stage's parameters are several times its residuals
+    (1F1B ``"always"`` at ``P = 3.7 R``: 0.67). It assumes a loss that keeps one output-sized
+    value per micro-batch (a squared error, a cross-entropy's softmax) and homogeneous, balanced
+    stages: for
     heterogeneous stages ``A`` and ``R`` are the largest stage's, while ``"never"`` keeps the
     union of the stages' residual shapes (more). Use :func:`memory_report` for the exact number.
 
@@ -273,9 +279,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     plan = microbatch.plan(batch, pipe.chunks)
     n, m, v, name = pipe.num_devices, plan.num_micro, pipe.repeats, pipe.schedule_name
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *jnp.shape(a)[1:]), _dtype(a)), x)
+    unsharded = jax.tree.map(_struct, params)  # placed parameters' sharding types aside
     acts, residuals, stage_params = [], [], []
     for s, stage in enumerate(pipe.stages):
-        p = jax.eval_shape(lambda params, s=s: pipe.stage_params(params, s), params)
+        p = jax.eval_shape(lambda params, s=s: pipe.stage_params(params, s), unsharded)
         acts.append(_nbytes(micro))
         residuals.append(_micro_residual_bytes(stage, p, micro))
         stage_params.append(_nbytes(p))
