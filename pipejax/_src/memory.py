@@ -175,7 +175,7 @@ class MemoryEstimate(NamedTuple):
     activation_bytes: int  # A: one micro-batch's activation entering a stage (the largest)
     residual_bytes: int  # R: what one stage's vjp keeps of one micro-batch (input included)
     output_bytes: int  # O: one micro-batch of the pipeline's output
-    param_bytes: int  # P: the parameters of the stages one device holds
+    param_bytes: int  # P_d: the parameters of the stages one device holds (P: of one stage)
     stash: int  # what the forward keeps for the backward: per tick (GPipe), or per slot
     work: int  # one tick's working set: a stage's residuals and the messages in flight
     outputs: int  # the output micro-batches a device holds (GPipe and circular)
