@@ -4,6 +4,12 @@ Run from the repository root::
 
     PYTHONPATH=. .venv/bin/python benchmarks/maxtext_style.py            # m = 4, 8, 16, 32 (minutes)
     PYTHONPATH=. .venv/bin/python benchmarks/maxtext_style.py --quick    # m = 4, 8 (smoke run)
+    PYTHONPATH=. .venv/bin/python benchmarks/maxtext_style.py --all-modes  # + estimate of every mode
+
+Every pipejax row is also set beside ``pj.memory_estimate``'s prediction (the formula of
+``docs/pipeline.md``, "Memory per device"); a ratio outside 0.9-1.1 is flagged and fails the run.
+``--all-modes`` also compiles gpipe, circular, 1f1b and zb-h1 with ``checkpoint="never"`` (and
+zb-h1 and ``"except_last"`` where they apply) for that check.
 
 The reference ("MaxText-style") is written here from the published design of MaxText's pipeline
 layer (``src/maxtext/layers/pipeline.py``; no code copied), in ``shard_map`` form:
@@ -178,7 +184,7 @@ def maxtext_style(mesh, m: int, repeats: int = 1):
 # --- the variants ---------------------------------------------------------------------------------
 
 
-def setup(name: str, m: int, mesh):
+def setup(name: str, m: int, mesh, checkpoint: str = "always"):
     """(value_and_grad function, its arguments) of a variant at ``m`` micro-batches."""
     params = init_params()
     x, t = normal((m * MICRO, SEQ, EMB), 3), normal((m * MICRO, SEQ, EMB), 4, 0.5)
@@ -190,13 +196,17 @@ def setup(name: str, m: int, mesh):
     if name == "MaxText-style circular":
         stacked = jax.tree.map(lambda a: a.reshape(REPEATS, N, LAYERS // (N * REPEATS), *a.shape[1:]), params)
         return jax.value_and_grad(maxtext_style(mesh, m, REPEATS)), (put(stacked, P(None, AXIS)), x, t)
-    kw = {"circular": {"schedule": "circular", "repeats": REPEATS}, "1f1b": {"schedule": "1f1b"}}
-    stages = N * REPEATS if name == "circular" else N
-    pipe = pj.pipeline(
-        stage_fn, num_stages=stages, chunks=m, checkpoint="always", mesh=mesh, **kw.get(name, {})
-    )
-    stacked = jax.tree.map(lambda a: a.reshape(stages, LAYERS // stages, *a.shape[1:]), params)
+    pipe, stacked = pipejax_variant(name, m, mesh, checkpoint)
     return pipe.value_and_grad(sq), (pipe.place(stacked), x, t)
+
+
+def pipejax_variant(name: str, m: int, mesh, checkpoint: str = "always"):
+    """The pipeline of a pipejax variant and the model's parameters stacked for it."""
+    kw = {"circular": {"schedule": "circular", "repeats": REPEATS}}.get(name, {"schedule": name})
+    stages = N * REPEATS if name == "circular" else N
+    pipe = pj.pipeline(stage_fn, num_stages=stages, chunks=m, checkpoint=checkpoint, mesh=mesh, **kw)
+    stacked = jax.tree.map(lambda a: a.reshape(stages, LAYERS // stages, *a.shape[1:]), init_params())
+    return pipe, stacked
 
 
 ROWS = [  # (label, setup name, reference label)
@@ -271,6 +281,50 @@ def memory(got, ms) -> None:
     print(table(["variant", *(f"m={m}" for m in ms)], rows, align="l" + "r" * len(ms)))
 
 
+PIPEJAX = {"pipejax gpipe": "gpipe", "pipejax circular (2 repeats)": "circular", "pipejax 1f1b": "1f1b"}
+EXTRA_MODES = [  # --all-modes: (schedule, checkpoint) beside the "always" rows above
+    ("zb-h1", "always"),
+    ("gpipe", "never"),
+    ("circular", "never"),
+    ("1f1b", "never"),
+    ("zb-h1", "never"),
+    ("gpipe", "except_last"),
+    ("circular", "except_last"),
+]
+
+
+def estimates(got, ms, mesh, all_modes: bool) -> bool:
+    """``pj.memory_estimate`` beside XLA's temp bytes for every pipejax row; True if all within 10%."""
+    section("Estimate: pj.memory_estimate against XLA's temp bytes (KiB per device)")
+    print(
+        'The formula of docs/pipeline.md ("Memory per device"), from A, R, O and P measured on the\n'
+        "stages with jax.eval_shape; ratio = estimate / XLA. Flag: OUT when the ratio leaves 0.9-1.1.\n"
+    )
+    cells = [(s, "always", got[label, m][2], m) for label, s in PIPEJAX.items() for m in ms]
+    for name, mode in EXTRA_MODES if all_modes else []:
+        for m in ms:
+            f, args = setup(name, m, mesh, mode)
+            cells.append(
+                (name, mode, jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes, m)
+            )
+    rows, ok = [], True
+    for name, mode, temp, m in cells:
+        pipe, stacked = pipejax_variant(name, m, mesh, mode)
+        est = pj.memory_estimate(pipe, stacked, jax.ShapeDtypeStruct((m * MICRO, SEQ, EMB), jnp.float32))
+        ratio = est.total / temp
+        inside = abs(ratio - 1) <= 0.10
+        ok &= inside
+        terms = (
+            f"{kib(est.stash)} + {kib(est.work)} + {kib(est.outputs)} + {kib(est.loop)} + {kib(est.params)}"
+        )
+        rows.append(
+            [name, mode, m, kib(temp), kib(est.total), f"{ratio:.3f}", "ok" if inside else "OUT", terms]
+        )
+    head = ["schedule", "checkpoint", "m", "XLA KiB", "estimate KiB", "ratio", "flag"]
+    print(table([*head, "stash + work + outputs + loop + params"], rows, align="llrrrrll"))
+    return ok
+
+
 def compile_times(got, ms) -> None:
     section("Compile time: trace + lower + compile seconds (one compile each, noisy)")
     print("One compile per cell on a shared 2-core machine: noisy, read only large differences.\n")
@@ -281,6 +335,7 @@ def compile_times(got, ms) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="m = 4, 8 only: a smoke run")
+    ap.add_argument("--all-modes", action="store_true", help="estimate check of every schedule and mode")
     args = ap.parse_args(argv)
     header("pipejax against a MaxText-style pipeline", args.quick)
     ms = (4, 8) if args.quick else (4, 8, 16, 32)
@@ -295,10 +350,13 @@ def main(argv=None) -> None:
     )
     ok = all([check(got, m) for m in ms[:2]])
     memory(got, ms)
+    close = estimates(got, ms, mesh, args.all_modes)
     compile_times(got, ms)
     print(f"\nTotal {time.perf_counter() - start:.1f} s.")
     if not ok:
         raise SystemExit("a variant's loss or gradients differ from the composed model's")
+    if not close:
+        raise SystemExit("pj.memory_estimate is more than 10% from XLA's temp bytes (flagged OUT above)")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
 from pipejax._src.keys import layer_key as layer_key
+from pipejax._src.memory import MemoryEstimate as MemoryEstimate
 from pipejax._src.memory import MemoryReport as MemoryReport
 from pipejax._src.memory import Residual as Residual
+from pipejax._src.memory import memory_estimate as memory_estimate
 from pipejax._src.memory import memory_report as memory_report
 from pipejax._src.microbatch import Plan as MicrobatchPlan
 from pipejax._src.microbatch import merge as merge_microbatches
@@ -50,6 +52,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "Balance",
     "BatchStats",
+    "MemoryEstimate",
     "MemoryReport",
     "MicrobatchPlan",
     "Moments",
@@ -75,6 +78,7 @@ __all__ = [
     "interleaved_one_f_one_b_schedule",
     "layer_costs",
     "layer_key",
+    "memory_estimate",
     "memory_report",
     "merge_microbatches",
     "merge_moments",

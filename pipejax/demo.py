@@ -345,19 +345,62 @@ def schedule_tables(n: int, m: int) -> list:
     return [pj.gpipe_schedule(n, m), pj.one_f_one_b_schedule(n, m), pj.zb_h1_schedule(n, m)]
 
 
-def schedule_figure(n: int, m: int, path: Path) -> None:
-    """The three tables as timelines, one under the other, each device's row noting the stage
-    inputs it keeps for the backward pass (``checkpoint="always"``)."""
-    import matplotlib.pyplot as plt
+def demo_stage(p, h, key=None):
+    """A plain-JAX stand-in for a stage of the demo's model (one ``Dense(WIDTH)`` + gelu block),
+    used to size the schedule pictures' memory notes."""
+    return jax.nn.gelu(h @ p["kernel"] + p["bias"])
 
+
+def schedule_memory(n: int, m: int, batch: int = 256) -> dict | None:
+    """``pj.memory_estimate`` of GPipe, 1F1B and ZB-H1 (``checkpoint="always"``) for ``n`` stages
+    of :func:`demo_stage` on ``n`` devices, ``m`` micro-batches of a ``batch``, keyed by the
+    tables' names; ``None`` when fewer than ``n`` devices are present."""
+    if len(jax.devices()) < n:
+        return None
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((n,), ("stage",), axis_types=auto, devices=jax.devices()[:n])
+    params = {
+        "kernel": jax.ShapeDtypeStruct((n, WIDTH, WIDTH), jnp.float32),
+        "bias": jax.ShapeDtypeStruct((n, WIDTH), jnp.float32),
+    }
+    x = jax.ShapeDtypeStruct((batch, WIDTH), jnp.float32)
+    estimates = {}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        pipe = pj.pipeline(demo_stage, num_stages=n, chunks=m, checkpoint="always", mesh=mesh, schedule=name)
+        estimates[name] = pj.memory_estimate(pipe, params, x)
+    return estimates
+
+
+def memory_notes(table, estimate=None) -> dict[int, str]:
+    """Per device: the stage inputs it keeps (``checkpoint="always"``) and, given the table's
+    :class:`pipejax.MemoryEstimate`, the temp bytes its own buffers need: the estimate with the
+    stash of the device's inputs in place of the largest one. (The SPMD program allocates the
+    largest row's buffers, ``estimate.total``, on every device.)"""
     from pipejax._src import timeline
 
+    held = timeline.inputs_held(table)
+    if estimate is None:
+        return {d: f"keeps {k} inputs" for d, k in enumerate(held)}
+    a, most = estimate.activation_bytes, int(max(held))
+    return {
+        d: f"keeps {k} inputs, ~{(estimate.total - (most - k) * a) / 1024:,.0f} KiB"
+        for d, k in enumerate(held)
+    }
+
+
+def schedule_figure(n: int, m: int, path: Path, batch: int = 256) -> None:
+    """The three tables as timelines, one under the other, each device's row noting the stage
+    inputs it keeps for the backward pass (``checkpoint="always"``) and the temp bytes
+    ``pj.memory_estimate`` predicts for it (:func:`memory_notes`; a batch of ``batch`` examples
+    of the demo's width through :func:`demo_stage`)."""
+    import matplotlib.pyplot as plt
+
     tables = schedule_tables(n, m)
+    estimates = schedule_memory(n, m, batch) or {}
     width = min(4 + 1.65 * tables[-1].num_ticks, 18)
     fig, axes = plt.subplots(len(tables), 1, figsize=(width, 2.4 * len(tables)))
     for ax, table in zip(axes, tables, strict=True):
-        held = timeline.inputs_held(table)
-        table.plot(ax=ax, notes={d: f"keeps {k} inputs" for d, k in enumerate(held)})
+        table.plot(ax=ax, notes=memory_notes(table, estimates.get(getattr(table, "name", "gpipe"))))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -406,6 +449,7 @@ def write_report(out: Path, report: dict, dens, rows) -> None:
         schedule_figure(report["stages"], 2 * report["chunks"], out / "schedules.png")
         figures = ["loss.png", "spectral_density.png", "memory_vs_depth.png", "schedules.png"]
     t, c, h, f = report["train"], report["checks"], report["hessian"], report["flow"]
+    sched_mem = schedule_memory(report["stages"], 2 * report["chunks"])
     mem = {n: [tt for nn_, _, tt in rows if nn_ == n] for n in ("plain", "sqrt(L)", "reversible")}
     lines = [
         "# pipejax demo report",
@@ -440,12 +484,25 @@ def write_report(out: Path, report: dict, dens, rows) -> None:
         "micro-batches as timelines (F: forward, B: backward, W: weight gradient; one colour per "
         "micro-batch; a blank cell is a bubble). Each row notes how many stage inputs the device "
         "keeps for its backward pass with `checkpoint='always'`: GPipe keeps one per tick, the "
-        "1F1B schedules only the micro-batches in flight. As text:",
+        "1F1B schedules only the micro-batches in flight; and the temp bytes `pj.memory_estimate` "
+        "predicts for the device's buffers (a batch of 256 through a plain-JAX stand-in of the "
+        "model's blocks; the SPMD program allocates the largest row on every device). As text:",
         "",
         *(
             f"    {line}"
             for table in schedule_tables(report["stages"], 2 * report["chunks"])
-            for line in [f"{getattr(table, 'name', 'gpipe')}:", *table.render().splitlines(), ""]
+            for line in [
+                f"{getattr(table, 'name', 'gpipe')}:",
+                *(
+                    f"{row} {note}"
+                    for row, note in zip(
+                        table.render().splitlines(),
+                        memory_notes(table, (sched_mem or {}).get(getattr(table, "name", "gpipe"))).values(),
+                        strict=True,
+                    )
+                ),
+                "",
+            ]
         ),
         "## Memory against depth (figure: `memory_vs_depth.png`)",
         "From L=8 to L=128 layers the compiled temp bytes of a training step grow "

@@ -1,0 +1,84 @@
+"""`pj.memory_estimate`: the per-device formula against XLA's compiled temp bytes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pipejax as pj
+
+WIDTH, HIDDEN, MICRO = 32, 64, 16
+
+
+def block_stage(p, h, key=None):
+    """Two residual MLP blocks ``h + tanh(h @ w1) @ w2``; ``p``'s leaves lead with a block axis."""
+    for j in range(p["w1"].shape[0]):
+        h = h + jnp.tanh(h @ p["w1"][j]) @ p["w2"][j]
+    return h
+
+
+def sq(y, t):
+    return jnp.sum((y - t) ** 2, axis=-1)
+
+
+def setup(schedule, checkpoint, m):
+    mesh = jax.make_mesh((4,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    pipe = pj.pipeline(
+        block_stage, num_stages=4, chunks=m, checkpoint=checkpoint, mesh=mesh, schedule=schedule
+    )
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": 0.1 * jax.random.normal(keys[0], (4, 2, WIDTH, HIDDEN), jnp.float32),
+        "w2": 0.1 * jax.random.normal(keys[1], (4, 2, HIDDEN, WIDTH), jnp.float32),
+    }
+    x = jax.random.normal(keys[2], (m * MICRO, WIDTH), jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    return pipe, pipe.place(params), x
+
+
+def xla_temp_bytes(pipe, params, x):
+    """XLA's temp bytes per device of the training step the estimate predicts."""
+    step = pipe.value_and_grad(sq)
+    return pj.memory_report(step, params, x, x, backward=False).temp_bytes
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_estimate_within_10_percent_of_xla(schedule, checkpoint):
+    pipe, params, x = setup(schedule, checkpoint, m=8)
+    est = pj.memory_estimate(pipe, params, x)
+    temp = xla_temp_bytes(pipe, params, x)
+    assert abs(est.total / temp - 1) <= 0.10, (est, temp)
+
+
+def test_terms_follow_the_schedule():
+    """1F1B's stash is flat in m from m = n - 1 on; GPipe's grows by A per micro-batch."""
+    a = WIDTH * MICRO * 4
+    stash = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (8, 16):
+            pipe, params, x = setup(schedule, "always", m)
+            stash[schedule, m] = pj.memory_estimate(pipe, params, x).stash
+    assert stash["1f1b", 8] == stash["1f1b", 16] == 7 * a  # 2 n - 1 stage inputs
+    assert stash["gpipe", 16] - stash["gpipe", 8] == 8 * a  # one input per tick
+
+
+def test_refuses_what_it_does_not_model():
+    pipe, params, x = setup("gpipe", "always", 4)
+    with pytest.raises(TypeError, match=r"must be a pipeline built by `pj\.pipeline"):
+        pj.memory_estimate(block_stage, params, x)
+    no_mesh = pj.pipeline(block_stage, num_stages=4, chunks=4, checkpoint="always")
+    with pytest.raises(ValueError, match=r"has mesh=None, but the formula is per device.*memory_report"):
+        pj.memory_estimate(no_mesh, params, x)
+    policy = pj.pipeline(
+        block_stage, num_stages=4, chunks=4, mesh=pipe.mesh, checkpoint=jax.checkpoint_policies.dots_saveable
+    )
+    with pytest.raises(ValueError, match="not a policy"):
+        pj.memory_estimate(policy, params, x)
+    mesh2 = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    interleaved = pj.pipeline(
+        block_stage, num_stages=4, chunks=4, mesh=mesh2, schedule="interleaved-1f1b", repeats=2
+    )
+    with pytest.raises(ValueError, match="schedule='interleaved-1f1b'"):
+        pj.memory_estimate(interleaved, params, x)
