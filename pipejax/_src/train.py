@@ -20,6 +20,10 @@ program produces, so the program here runs their table itself, in one ``lax.scan
 After the slots, activations go one device forward and cotangents one device back (``ppermute``
 on a mesh; without one the devices are virtual and run one after the other within the tick).
 Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
+One function runs a device's slots of a tick (:meth:`_Program.slots`), on the mesh and on
+virtual devices alike; what differs is an :class:`_IO` (a ``lax.switch`` over the stages and
+flat containers, or ``lax.cond`` on typed values). On the mesh the ``shard_map`` checks varying
+types: every input is cast to vary along the manual axes before the loop.
 Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
 stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
 
@@ -441,13 +445,16 @@ class _Program:
             def leaves(prow, x, k, t, mask):
                 out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
                 info["out"] = jax.tree.map(_struct, out)
+                info["axes"] = _axes(out)  # inside the shard_map: the axes it varies along
                 info["types"] = [_struct(a) for a in res]
                 return res
 
             k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
-            args = jax.tree.map(_struct, (prow, v.x_layout.structs(), k, t, mask))
-            per_micro = _depends(leaves, args, (False, True, True, True, True))
-            self._meta[id(v)] = (info["treedef"], per_micro, info["out"], info["types"])
+            # traced with the types the slots see: inside the shard_map, values that vary along
+            # its manual axes (the input too, as the parameters do)
+            x = _zero_input(v, prow)
+            per_micro = _depends(leaves, (prow, x, k, t, mask), (False, True, True, True, True))
+            self._meta[id(v)] = (info["treedef"], per_micro, info["out"], info["types"], info["axes"])
         return self._meta[id(v)][:3]
 
     def saved_structs(self, v: _Variant, prow):
@@ -473,12 +480,15 @@ class _Program:
         treedef, per_micro, out = self._meta_of(v, prow)
         fresh = [None] * len(per_micro)
         if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
-            fresh = self._residuals(v, prow, engine.zeros(v.x_layout), k, t, mask)[2]
+            fresh = self._residuals(v, prow, _zero_input(v, prow), k, t, mask)[2]
         it = iter(saved)
         back = jax.tree.unflatten(
             treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
         )
-        seed = jnp.ones(out.shape, out.dtype) if v.last else _cotangent(g, out)
+        if v.last:  # the loss's seed, typed as the loss the pullback was traced with
+            seed = compat.to_varying(jnp.ones(out.shape, out.dtype), self._meta[id(v)][4])
+        else:
+            seed = _cotangent(g, out)
         dp, dxf = back(seed)
         dprow = jax.vjp(v.params_of, prow)[1](dp)[0] if wrt_params else None
         dx = _fill(v.x_layout.structs(), dxf) if wrt_input else None
@@ -701,11 +711,12 @@ class _Program:
             box = Container.for_layouts(bnd)
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
         row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
-        io = _mesh_io(self, variants, index, box, row, n)
         st_unpack = _stats_container(pipe, self.stats_layouts)[2]
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
+        axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
+        io = _mesh_io(self, variants, index, box, row, n, axes)
         spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
         rep = PartitionSpec()
         batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
@@ -722,6 +733,10 @@ class _Program:
         def body(prows, xs, mask, ts, key, cs, state):
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
             prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
+            # everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch)
+            prows, xs, mask, ts, key, cs, state = compat.to_varying(
+                (prows, xs, mask, ts, key, cs, state), axes
+            )
             rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
             prog = _Program(
@@ -748,7 +763,7 @@ class _Program:
                 jnp.zeros((3,), jnp.int32),
                 io.st_zeros((S, self.m)),
             )
-            dev, _ = lax.scan(tick, init, rows)
+            dev, _ = lax.scan(tick, compat.to_varying(init, axes), rows)
             stats = engine.sum_exact(dev.stats, axis)  # each (stage, micro-batch) written by one device
             # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
             lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
@@ -777,7 +792,6 @@ class _Program:
                 rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
             ),
             axis_names=manual,
-            check_vma=False,
         )
         state = None if self.state is None else compat.constrain(self.state, mesh, rep, axis)
         loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state)
@@ -828,7 +842,7 @@ class _IO(NamedTuple):
     dispatch: Callable[..., Any]  # (working, stage, make_branch, idle, *args) -> the slot's outputs
 
 
-def _mesh_io(prog: _Program, variants, index, box, row, n) -> _IO:
+def _mesh_io(prog: _Program, variants, index, box, row, n, axes) -> _IO:
     """A device of the mesh: one SPMD program, so a slot picks the branch of its stage's variant
     with ``lax.switch`` (one more branch: idle), and heterogeneous stages send their messages in
     flat containers (one type for every device; ``box``) and stash in one more (``row``: the
@@ -857,8 +871,14 @@ def _mesh_io(prog: _Program, variants, index, box, row, n) -> _IO:
     variant_of = jnp.asarray(index, jnp.int32)
 
     def dispatch(working, s, make, idle, *args):
+        # Every branch returns its values varying along the manual axes, so all branches have
+        # one type. Everything a slot reads is cast before the loop (see `mesh`), so the only
+        # values cast here are constants (zeros; the cotangent of an integer leaf): no cast of
+        # a differentiated value sits in a branch, whose transpose (a psum) only some devices
+        # would reach.
+        vary = lambda f: lambda *a: compat.to_varying(f(*a), axes)
         which = jnp.where(working, variant_of[s], len(variants))
-        return lax.switch(which, [*(make(v) for v in variants), idle], *args)
+        return lax.switch(which, [*(vary(make(v)) for v in variants), vary(idle)], *args)
 
     return _IO(
         n,
@@ -957,6 +977,17 @@ def _struct(a):
     """The type of ``a``, weak type included: a weakly typed scalar parameter traces to another
     program (an extra ``convert_element_type``, so other residuals) than a strong one."""
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=jax.typeof(a).weak_type)
+
+
+def _zero_input(v: _Variant, prow):
+    """A stage input of zeros, typed as the slots' inputs: inside the shard_map, varying along
+    the manual axes the parameters vary along."""
+    return compat.to_varying(engine.zeros(v.x_layout), _axes(prow))
+
+
+def _axes(tree) -> tuple[str, ...]:
+    """The manual axes along which some leaf of ``tree`` varies (none outside ``shard_map``)."""
+    return tuple(sorted(set().union(*(compat.varying_axes(a) for a in jax.tree.leaves(tree)))))
 
 
 def _depends(fn, args, varying) -> list[bool]:
