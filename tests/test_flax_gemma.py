@@ -3,9 +3,9 @@
 The model (written for this test, in the style of current NNX decoders) has what made the issue's
 user add wrapper layers:
 
-* an embedder, four decoder blocks and a head (a final RMSNorm and an **untied** unembedding:
+* an embedder, three decoder blocks and a head (a final RMSNorm and an **untied** unembedding:
   tying it to the embedder, one weight on the first and the last stage, is out of scope here);
-* blocks with pre-RMSNorm attention, local (sliding window) on blocks 0 and 2, global on 1 and 3,
+* blocks with pre-RMSNorm attention, local (sliding window) on blocks 0 and 2, global on block 1,
   rotary positions, and a gated MLP; the positions and the attention mask reach every block
   through ``context=`` as the keyword arguments ``segment_pos=`` and ``attn_mask=``, and the
   block's ``cache`` argument (``None`` in training) as the flag ``cache=None``;
@@ -21,8 +21,9 @@ Checks, on a 2-stage mesh, batch 7 in 3 micro-batches (the last one padded), flo
   (``rtol=1e-10``: micro-batching reorders float sums);
 * dropout on: the unpipelined model run micro-batch by micro-batch, each block called with the
   documented call-time ``rngs`` (``nnx.Rngs(dropout=k)`` reseeded with ``k = fold_in(
-  pj.stage_key(key, i, s), j)``), gives the same loss and gradients as both schedules; another
-  key gives another loss; the checkpoint modes give bitwise the same loss and gradients.
+  pj.stage_key(key, i, s), j)``), gives the same loss and gradients as both schedules (GPipe
+  storing every residual, 1F1B recomputing each stage in its backward slot), and another loss than
+  dropout off. (``tests/test_flax_call_rngs.py`` checks the checkpoint modes bitwise.)
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from pipejax.flax import NNXPipeline
 
 F = jnp.float64
 V, D, HEADS, HEAD_DIM, HIDDEN, L = 17, 8, 2, 4, 16, 6  # vocabulary, width, heads, MLP, length
-WINDOWS = (3, None, 3, None)  # per block: a sliding window of 3 positions (local), or global
+WINDOWS = (3, None, 3)  # per block: a sliding window of 3 positions (local), or global
 DROP = 0.25
-BATCH, CHUNKS, BALANCE = 7, 3, (3, 3)  # micro-batches of 3 (the last has 2 rows and a padding row)
+BATCH, CHUNKS, BALANCE = 7, 3, (2, 3)  # micro-batches of 3 (the last has 2 rows and a padding row)
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64; micro-batching reorders sums
 KEY = jax.random.key(11)
 
@@ -262,7 +263,7 @@ def test_dropout_on_uses_call_time_rngs_with_the_documented_keys(mesh):
     ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(by_hand))(model, tokens, context, targets, KEY)
     ref_grads = layer_grads(model, ref_grads)
     results = {}
-    for schedule, checkpoint in (("gpipe", "always"), ("gpipe", "never"), ("1f1b", "always")):
+    for schedule, checkpoint in (("gpipe", "never"), ("1f1b", "always")):
         pipe = pipeline_of(model, mesh, schedule=schedule, checkpoint=checkpoint)
         results[schedule, checkpoint] = pipelined(
             pipe, schedule, tokens, context, targets, deterministic=False, key=KEY
@@ -270,12 +271,5 @@ def test_dropout_on_uses_call_time_rngs_with_the_documented_keys(mesh):
     for name, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, ref_loss, **TOL, err_msg=str(name))
         assert_close(grads, ref_grads, **TOL)
-    # recomputation replays the masks: the checkpoint modes agree bitwise
-    always, never = results["gpipe", "always"], results["gpipe", "never"]
-    jax.tree.map(np.testing.assert_array_equal, always, never)
-    # dropout really ran: the masks depend on the key, and the loss differs from dropout off
-    other = nnx.jit(by_hand)(model, tokens, context, targets, jax.random.key(12))
-    model.eval()
-    off = nnx.jit(loss_of)(model, tokens, context, targets)
-    assert abs(float(other) - float(ref_loss)) > 1e-3
-    assert abs(float(off) - float(ref_loss)) > 1e-3
+    model.eval()  # dropout really ran
+    assert abs(float(nnx.jit(loss_of)(model, tokens, context, targets)) - float(ref_loss)) > 1e-3
