@@ -64,7 +64,11 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.zeros((D,), F))
 
     def __call__(self, x):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1 + self.scale[...])[None, None, :]
+        return (
+            x
+            * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+            * (1 + self.scale[...])[None, None, :]
+        )
 
 
 class Attention(nnx.Module):

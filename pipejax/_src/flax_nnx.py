@@ -505,7 +505,17 @@ class _NNXLayers:
                     raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
                 object.__setattr__(module, "__class__", _deferred_class(type(module)))
                 object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
-        return layer(x, **kwargs), records
+        try:
+            return layer(x, **kwargs), records
+        except ValueError as err:
+            if self.call_streams[index] and key is None and "rngs" in str(err):
+                err.add_note(
+                    f"pipejax.flax.NNXPipeline: layer {index} ({type(layer).__name__}) takes `rngs` at "
+                    "call time, and the pipeline had no key to give it: pass `rngs=` to the call (a "
+                    "key, an nnx.Rngs or an nnx.RngStream), or `rngs=nnx.Rngs(dropout=...)` to "
+                    "NNXPipeline(...), or turn dropout off (`deterministic=True`, `pipe.eval()`)."
+                )
+            raise
 
 
 _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
