@@ -143,3 +143,14 @@ def test_a_cache_tuple_without_carry_says_to_use_carry():
     pipe = NNXPipeline([Lin(0, "tuple"), Lin(1, "tuple")], balance=[2], chunks=CHUNKS)  # within a stage
     with pytest.raises(ValueError, match=r"Layer 1 could not be applied to the output of layer 0"):
         pipe(x_data())
+
+
+class AddOne(nnx.Module):
+    def __call__(self, x):
+        return x + 1.0  # on a tuple: Python's own TypeError
+
+
+def test_the_hint_keeps_the_errors_type():
+    pipe = NNXPipeline([Lin(0, "tuple"), AddOne()], balance=[2], chunks=CHUNKS)
+    with pytest.raises(TypeError, match=r"(?s)Layer 1 could not be applied .*can only concatenate tuple.*`carry=1`"):
+        pipe(x_data())

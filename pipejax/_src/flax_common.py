@@ -555,7 +555,10 @@ def _layer_step(
             hint = _carry_hint(carry, index, h, err)
             if hint is None:
                 raise
-            raise hint from err
+            if type(err) in (TypeError, ValueError):  # (JAX's own, or the user's plain ones)
+                raise type(err)(hint) from err
+            err.add_note(hint)
+            raise
         return select_carry(carry, index, y), mask, context, (*records, rec or {})
 
     return step
@@ -792,13 +795,13 @@ def select_carry(carry: Carry, index: int, out: Any) -> Any:
     return chosen
 
 
-def _carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> ValueError | None:
-    """The error to raise when layer ``index`` failed on a tuple holding ``None`` from the layer
-    before it (``return cache, x`` without ``carry=``); ``None`` when that is not the case."""
+def _carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> str | None:
+    """The message to raise (same type) when layer ``index`` failed on a tuple holding ``None`` from
+    the layer before it (``return cache, x`` without ``carry=``); ``None`` when that is not the case."""
     items = h.values() if isinstance(h, Mapping) else h if isinstance(h, (tuple, list)) else ()
     if carry is not None or index == 0 or not any(item is None for item in items):
         return None
-    return ValueError(
+    return (
         f"Layer {index} could not be applied to the output of layer {index - 1}, {_describe(h)}: "
         f"{type(err).__name__}: {err}\nA layer's whole output is passed on as the next layer's "
         f"input. If layer {index - 1} returns the activation beside other outputs (`return cache, x`, "
