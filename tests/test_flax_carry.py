@@ -152,5 +152,7 @@ class AddOne(nnx.Module):
 
 def test_the_hint_keeps_the_errors_type():
     pipe = NNXPipeline([Lin(0, "tuple"), AddOne()], balance=[2], chunks=CHUNKS)
-    with pytest.raises(TypeError, match=r"(?s)Layer 1 could not be applied .*can only concatenate tuple.*`carry=1`"):
+    with pytest.raises(
+        TypeError, match=r"(?s)Layer 1 could not be applied .*can only concatenate tuple.*`carry=1`"
+    ):
         pipe(x_data())
