@@ -443,8 +443,15 @@ class NNXPipeline(nnx.Module):
             names.update(rngs)
         return tuple(sorted(names))
 
-    def _run_layer(self, det: bool | None, ura: bool | None, call_streams: tuple[str, ...]) -> _NNXLayers:
-        """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key."""
+    def _run_layer(
+        self, det: bool | None, ura: bool | None, call_streams: tuple[str, ...] | None = None
+    ) -> _NNXLayers:
+        """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key.
+
+        ``call_streams``: the streams of the rngs given to layers that take ``rngs`` (``None``: those
+        of a call without an ``nnx.Rngs``, :meth:`_call_streams`)."""
+        if call_streams is None:
+            call_streams = self._call_streams(None)
         rest = []
         for state in self.layer_state:
             leaves, treedef = jax.tree.flatten(state)
