@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax._src import checks
@@ -208,6 +209,8 @@ class Stack:
       unbiased_variance: the variance the running statistics track (``M2 / (N - 1)`` or ``M2 / N``).
       options: options of :func:`pipejax.pipeline`, forwarded unchanged (checked by it).
       owner: the adapter's name, for messages.
+      carry: which part of each layer's output is the activation passed on (:func:`check_carry`,
+        :func:`select_carry`); ``None``: the whole output.
     """
 
     def __init__(
@@ -220,6 +223,7 @@ class Stack:
         unbiased_variance: bool,
         options: Mapping[str, Any],
         owner: str,
+        carry: Carry = None,
     ):
         for name, value in (
             ("deferred_batch_norm", deferred_batch_norm),
@@ -232,6 +236,7 @@ class Stack:
         self.deferred = deferred_batch_norm
         self.unbiased = unbiased_variance
         self.owner = owner
+        self.carry = check_carry(carry, owner)
         # The pipeline's own validation of every option (mesh, schedule, repeats, data axis, ...).
         self.placer = pipeline([_no_stage] * len(self.sizes), stateful=self.deferred, **self.options)
         if self.deferred and self.placer.per_example_keys:
@@ -242,7 +247,7 @@ class Stack:
             )
 
     def _value(self) -> tuple[Any, ...]:
-        return self.sizes, self.options, self.deferred, self.unbiased, self.owner
+        return self.sizes, self.options, self.deferred, self.unbiased, self.owner, self.carry
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stack) and self._value() == other._value()
@@ -336,7 +341,7 @@ class Stack:
         if context_per_layer is None:
             context_per_layer = [()] * self.num_layers
         steps = [
-            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]))
+            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]), self.carry)
             for i in range(self.num_layers)
         ]
         part = partition(steps, self.sizes)
@@ -525,23 +530,36 @@ def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline n
     raise AssertionError("placeholder stage called")
 
 
-def _layer_step(run_layer: RunLayer, index: int, kwargs: Mapping[str, Any], names: tuple[str, ...]):
+def _layer_step(
+    run_layer: RunLayer, index: int, kwargs: Mapping[str, Any], names: tuple[str, ...], carry: Carry
+):
     """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, context,
     records)``: it reads the side inputs ``names`` of the micro-batch's ``context`` as keyword
-    arguments, and passes the context on unchanged to the stage's next layer."""
+    arguments, passes on the part of its output that ``carry`` selects (:func:`select_carry`), and
+    passes the context on unchanged to the stage's next layer."""
 
-    def step(variables, carry, key):
-        h, mask, context, records = carry
+    def step(variables, state, key):
+        h, mask, context, records = state
         side = {name: context[name] for name in names}
         if key is not None and _batched(key):  # per-example keys: the layer row by row
 
             def one(row, k, side_row):
                 kw = {**kwargs, **_lead(side_row)}
-                return _first(run_layer(index, variables, _lead(row), k, None, kw)[0])
+                y = run_layer(index, variables, _lead(row), k, None, kw)[0]
+                return _first(select_carry(carry, index, y))
 
             return jax.vmap(one)(h, key, side), mask, context, (*records, {})
-        y, rec = run_layer(index, variables, h, key, mask, {**kwargs, **side})
-        return y, mask, context, (*records, rec or {})
+        try:
+            y, rec = run_layer(index, variables, h, key, mask, {**kwargs, **side})
+        except (TypeError, ValueError) as err:
+            hint = _carry_hint(carry, index, h, err)
+            if hint is None:
+                raise
+            if type(err) in (TypeError, ValueError):  # (JAX's own, or the user's plain ones)
+                raise type(err)(hint) from err
+            err.add_note(hint)
+            raise
+        return select_carry(carry, index, y), mask, context, (*records, rec or {})
 
     return step
 
@@ -694,6 +712,113 @@ def with_context(
     if names is None:
         return [dict(kw) for kw in kwargs]
     return [{**kw, **{k: context[k] for k in n}} for kw, n in zip(kwargs, names, strict=True)]
+
+
+# --- layer outputs: the activation passed on ---------------------------------------------------
+
+Carry = int | str | Callable[[Any], Any] | None  # what `carry=` takes (see select_carry)
+
+
+def check_carry(carry: Any, owner: str) -> Carry:
+    """``carry`` after checking that it is ``None``, an int, a str or a callable.
+
+    Raises:
+      TypeError: for anything else (a bool, a float, a list of indices, ...).
+    """
+    ok = carry is None or isinstance(carry, str) or callable(carry)
+    ok = ok or (isinstance(carry, int) and not isinstance(carry, bool))
+    if not ok:
+        raise TypeError(
+            f"`carry` of {owner} says which part of each layer's output is the activation passed to "
+            "the next layer: None (the whole output), an int (the index in a tuple output: carry=1 "
+            "for a layer that returns `(cache, x)`), a str (the key in a dict output), or a function "
+            f"`out -> activation`; but got {type(carry).__name__} {carry!r}."
+        )
+    return carry
+
+
+def select_carry(carry: Carry, index: int, out: Any) -> Any:
+    """The activation layer ``index`` passes on, from its output ``out`` and ``carry``.
+
+    * ``None``: ``out`` itself;
+    * an int ``k``: ``out[k]`` if ``out`` is a tuple or a list; any other output (an array, a
+      dict) is passed on whole;
+    * a str ``k``: ``out[k]`` if ``out`` is a dict (a ``Mapping``); any other output whole;
+    * a callable: ``carry(out)``, for every output (the function decides what is dropped).
+
+    With an int or a str, the rest of ``out`` is dropped, which is allowed only when it holds no
+    arrays (``None``, Python values): an auxiliary output that is an array (an aux loss, a cache,
+    sown values) would be lost silently, and collecting such outputs is not supported yet.
+
+    Raises:
+      ValueError: an index or key that ``out`` does not have, or dropped parts holding arrays.
+    """
+    if carry is None:
+        return out
+    if callable(carry):
+        return carry(out)
+    if isinstance(carry, int):
+        if not isinstance(out, (tuple, list)):
+            return out
+        if not -len(out) <= carry < len(out):
+            raise ValueError(
+                f"`carry={carry}` selects item {carry} of each layer's tuple output, but layer {index} "
+                f"returned a {type(out).__name__} of {len(out)} item(s): {_describe(out)}. Give the "
+                f"index of the activation in that tuple (0 to {len(out) - 1}), or a function "
+                "`carry=lambda out: ...`."
+            )
+        kept = carry % len(out)
+        dropped = {f"item {k}": v for k, v in enumerate(out) if k != kept}
+        chosen = out[kept]
+    else:
+        if not isinstance(out, Mapping):
+            return out
+        if carry not in out:
+            raise ValueError(
+                f"`carry={carry!r}` selects the entry {carry!r} of each layer's dict output, but layer "
+                f"{index} returned a dict with the keys {sorted(map(str, out))}: {_describe(out)}. Give "
+                "the key of the activation, or a function `carry=lambda out: ...`."
+            )
+        dropped = {f"entry {k!r}": v for k, v in out.items() if k != carry}
+        chosen = out[carry]
+    arrays = [name for name, v in dropped.items() if any(_is_array(a) for a in jax.tree.leaves(v))]
+    if arrays:
+        raise ValueError(
+            f"Layer {index} returned {_describe(out)}: with `carry={carry!r}` its "
+            f"{', '.join(arrays)} would be dropped, but {'it holds' if len(arrays) == 1 else 'they hold'} "
+            "arrays. A pipeline passes on only the activation and drops the rest of a layer's output; "
+            "collecting auxiliary outputs (aux losses, sown values, caches) is not supported yet, so "
+            "the drop is allowed only for parts without arrays (a cache of None). Return only the "
+            "activation (or None beside it) in this call, or, if these outputs are not needed, drop "
+            "them explicitly with a function: `carry=lambda out: out[...]`."
+        )
+    return chosen
+
+
+def _carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> str | None:
+    """The message to raise (same type) when layer ``index`` failed on a tuple holding ``None`` from
+    the layer before it (``return cache, x`` without ``carry=``); ``None`` when that is not the case."""
+    items = h.values() if isinstance(h, Mapping) else h if isinstance(h, (tuple, list)) else ()
+    if carry is not None or index == 0 or not any(item is None for item in items):
+        return None
+    return (
+        f"Layer {index} could not be applied to the output of layer {index - 1}, {_describe(h)}: "
+        f"{type(err).__name__}: {err}\nA layer's whole output is passed on as the next layer's "
+        f"input. If layer {index - 1} returns the activation beside other outputs (`return cache, x`, "
+        "as Gemma's blocks do), say which one is the activation with `carry=`: `carry=1` for "
+        "`(cache, x)`, a key for a dict output, or a function `carry=lambda out: out.x`. The "
+        "other outputs are dropped (only if they hold no arrays, such as a cache of None)."
+    )
+
+
+def _is_array(a: Any) -> bool:
+    return isinstance(a, (jax.Array, np.ndarray)) or hasattr(a, "__jax_array__")
+
+
+def _describe(out: Any) -> str:
+    """A layer's output for messages: ``(None, 'float32[3, 16, 32]')``."""
+    shapes = jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}" if _is_array(a) else a, out)
+    return repr(shapes)
 
 
 def _signatures(calls: Sequence[Callable[..., Any]], accepted: Sequence[frozenset[str] | None]) -> str:

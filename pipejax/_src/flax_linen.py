@@ -114,6 +114,12 @@ class LinenPipeline(nn.Module):
         deferred batch norm, as described above (torchgpipe's flag).
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
         (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nn.BatchNorm``).
+      carry: which part of each layer's output is the activation passed to the next layer (and
+        returned by the last), in ``apply`` and ``init`` alike: ``None``, the whole output; an
+        int, the item of a tuple output (``carry=1`` for layers that return ``(cache, x)``;
+        other outputs pass whole); a str, the entry of a dict output; or a function ``out ->
+        activation``. With an int or a str the other items are dropped, and they must hold no
+        arrays (``ValueError``): collecting auxiliary outputs is not supported yet.
       pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked by
         it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``. Pass them as keyword arguments,
@@ -142,6 +148,7 @@ class LinenPipeline(nn.Module):
     rng_collection: str = "dropout"
     deferred_batch_norm: bool = False
     unbiased_variance: bool = False
+    carry: common.Carry = None
     pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -410,6 +417,7 @@ class LinenPipeline(nn.Module):
             unbiased_variance=self.unbiased_variance,
             options=self.pipeline_options,
             owner=_NAME,
+            carry=self.carry,
         )
 
     @nn.nowrap
@@ -422,7 +430,8 @@ class LinenPipeline(nn.Module):
         params, state, h = [], [], x
         for index, (layer, kw) in enumerate(zip(self._layers(), kwargs, strict=True)):
             k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
-            h, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
+            out, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
+            h = common.select_carry(stack.carry, index, out)
             variables = unfreeze(variables)
             _check_collections(index, layer, variables, self.deferred_batch_norm)
             params.append(variables.get("params", {}))
@@ -435,7 +444,15 @@ class LinenPipeline(nn.Module):
 
 
 _NAME = "LinenPipeline"
-_FIELDS = ("layers", "balance", "num_stages", "rng_collection", "deferred_batch_norm", "unbiased_variance")
+_FIELDS = (
+    "layers",
+    "balance",
+    "num_stages",
+    "rng_collection",
+    "deferred_batch_norm",
+    "unbiased_variance",
+    "carry",
+)
 _dataclass_init = LinenPipeline.__init__
 
 

@@ -74,6 +74,15 @@ class NNXPipeline(nnx.Module):
       ``i`` is then reseeded before it runs, every stream in it:
       ``nnx.reseed(layer, **{name: jax.random.fold_in(pj.stage_key(key, i, s), j)})``. The keys do
       not depend on the mesh or the checkpoint mode, so all of them give bitwise the same result.
+    * Call-time rngs: a layer whose ``__call__`` names an ``rngs`` parameter (current NNX style:
+      ``nnx.Dropout(rate)`` holds no stream and is called as ``self.drop(h, rngs=rngs)``)
+      receives its own ``rngs=nnx.Rngs(...)``, with the same per-(micro-batch, stage, layer) key
+      ``k = jax.random.fold_in(pj.stage_key(key, i, s), j)``, reseeded as a held stream is:
+      ``rngs = nnx.Rngs(dropout=k); nnx.reseed(rngs, dropout=k)`` (one stream per name in
+      ``rng_collection`` and the streams of a call's ``nnx.Rngs``). So a layer that draws once
+      gets the mask it would get holding the stream. The key is drawn as above (from the call's
+      ``rngs``, else the pipeline's own stream); with neither, such layers are called without
+      ``rngs``, as they would be outside the pipeline.
 
     BatchNorm: with ``deferred_batch_norm=True``, ``nnx.BatchNorm`` layers (also nested inside a
     layer) work as torchgpipe's deferred batch norm. In training (``use_running_average=False``)
@@ -107,6 +116,12 @@ class NNXPipeline(nnx.Module):
         ``pipe.eval()`` and ``pipe.train()`` set it.
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
         (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nnx.BatchNorm``).
+      carry: which part of each layer's output is the activation passed to the next layer (and
+        returned by the last): ``None``, the whole output; an int, the item of a tuple output
+        (``carry=1`` for layers that return ``(cache, x)``; other outputs pass whole); a str,
+        the entry of a dict output; or a function ``out -> activation``. With an int or a str
+        the other items are dropped, and they must hold no arrays (``ValueError``): collecting
+        auxiliary outputs is not supported yet.
       **pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked
         by it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``. Kept as the attribute ``pipeline_options``.
@@ -148,6 +163,7 @@ class NNXPipeline(nnx.Module):
         deferred_batch_norm: bool = False,
         use_running_average: bool | None = None,
         unbiased_variance: bool = False,
+        carry: common.Carry = None,
         **pipeline_options: Any,
     ):
         common.check_layers(layers, nnx.Module, "an nnx.Module", _NAME, ("flax.linen", "LinenPipeline"))
@@ -160,6 +176,7 @@ class NNXPipeline(nnx.Module):
             unbiased_variance=unbiased_variance,
             options=pipeline_options,
             owner=_NAME,
+            carry=carry,
         )
         self._stack = nnx.static(stack)
         self.pipeline_options = nnx.static(stack.options)
@@ -178,6 +195,9 @@ class NNXPipeline(nnx.Module):
             rest.append(r)
         self.graphdefs = tuple(graphdefs)
         self.calls = tuple(type(layer).__call__ for layer in layers)
+        # Which layers take `rngs=` at call time (current NNX style: `nnx.Dropout(rate)` holding no
+        # stream, called as `dropout(x, rngs=rngs)`): they receive an nnx.Rngs of their own key.
+        self.takes_rngs = tuple(_takes_rngs(call) for call in self.calls)
         # The rng stream names of each layer, all reseeded from the pipeline's key at every call.
         self.stream_names = tuple(
             tuple(sorted({v.tag for v in jax.tree.leaves(r, is_leaf=_is_var) if isinstance(v, nnx.RngKey)}))
@@ -231,7 +251,8 @@ class NNXPipeline(nnx.Module):
         side = {} if names is None else {"context": dict(context)}
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
-        engine = stack.pipeline(self._run_layer(det, ura), kwargs, names)  # built once per configuration
+        run = self._run_layer(det, ura, self._call_streams(rngs))
+        engine = stack.pipeline(run, kwargs, names)  # built once per configuration
         if not stack.deferred:
             return engine(self.stage_params(), x, self._key(rngs), **side)
         state = self.stage_batch_stats()
@@ -302,7 +323,7 @@ class NNXPipeline(nnx.Module):
             kwargs = common.route_kwargs(self.calls, flags)
             names = common.route_context(self.calls, context, flags)
             det = self.deterministic if deterministic is None else deterministic
-            run = self._run_layer(det, self.use_running_average)
+            run = self._run_layer(det, self.use_running_average, self._call_streams(rngs))
             f = stack.value_and_grad(run, loss_fn, kwargs, names)  # built once per configuration
             loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
             like = nnx.state(self, nnx.Param)
@@ -389,8 +410,9 @@ class NNXPipeline(nnx.Module):
     # -- internals --------------------------------------------------------------------------
 
     def _key(self, rngs) -> jax.Array | None:
-        if not any(self.stream_names):
-            return None  # no layer can draw random numbers from a stream
+        holders = any(self.stream_names)
+        if not holders and not any(self.takes_rngs):
+            return None  # no layer can draw random numbers
         if isinstance(rngs, nnx.Rngs):
             return rngs[self.rng_collection]()
         if isinstance(rngs, nnx.RngStream):
@@ -403,6 +425,8 @@ class NNXPipeline(nnx.Module):
                 f"{type(rngs).__name__}."
             )
         if self.rngs is None:
+            if not holders:  # layers that take `rngs` at call time get none, as unpipelined
+                return None
             holders = [index for index, names in enumerate(self.stream_names) if names]
             raise ValueError(
                 f"Layers {holders} hold rng streams, which the pipeline reseeds at every call from "
@@ -411,13 +435,31 @@ class NNXPipeline(nnx.Module):
             )
         return self.rngs()
 
-    def _run_layer(self, det: bool | None, ura: bool | None) -> _NNXLayers:
-        """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key."""
+    def _call_streams(self, rngs) -> tuple[str, ...]:
+        """The streams of the ``nnx.Rngs`` a layer that takes ``rngs`` receives: ``rng_collection``
+        and, when the call's ``rngs`` is an ``nnx.Rngs``, every stream it has."""
+        names = {self.rng_collection}
+        if isinstance(rngs, nnx.Rngs):
+            names.update(rngs)
+        return tuple(sorted(names))
+
+    def _run_layer(
+        self, det: bool | None, ura: bool | None, call_streams: tuple[str, ...] | None = None
+    ) -> _NNXLayers:
+        """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key.
+
+        ``call_streams``: the streams of the rngs given to layers that take ``rngs`` (``None``: those
+        of a call without an ``nnx.Rngs``, :meth:`_call_streams`)."""
+        if call_streams is None:
+            call_streams = self._call_streams(None)
         rest = []
         for state in self.layer_state:
             leaves, treedef = jax.tree.flatten(state)
             rest.append((treedef, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves)))
-        return _NNXLayers(self.graphdefs, tuple(rest), self.stream_names, det, ura, self._stack.deferred)
+        streams = tuple(call_streams if takes else () for takes in self.takes_rngs)
+        return _NNXLayers(
+            self.graphdefs, tuple(rest), self.stream_names, streams, det, ura, self._stack.deferred
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,12 +471,15 @@ class _NNXLayers:
     pipelines share one cached pipeline. It holds no arrays: a layer's rng state (its streams'
     keys and counts) is rebuilt as zeros of its shapes, since ``nnx.reseed`` overwrites all of it
     (keys and counts) before the layer runs (a layer with rng streams always receives a key: the
-    pipeline draws one at every call, ``NNXPipeline._key``).
+    pipeline draws one at every call, ``NNXPipeline._key``). A layer that takes ``rngs`` at call
+    time receives a new ``nnx.Rngs`` of the streams ``call_streams[index]``, reseeded from its
+    key the same way, when there is a key.
     """
 
     graphdefs: tuple[Any, ...]
     rest: tuple[tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]], ...]  # (treedef, shapes) per layer
     stream_names: tuple[tuple[str, ...], ...]
+    call_streams: tuple[tuple[str, ...], ...]  # per layer: the streams of its call-time rngs (or ())
     det: bool | None
     ura: bool | None
     deferred: bool
@@ -453,6 +498,11 @@ class _NNXLayers:
         if self.stream_names[index]:
             assert key is not None, "a layer with rng streams runs without a key"  # NNXPipeline._key
             nnx.reseed(layer, **{name: key for name in self.stream_names[index]})
+        if self.call_streams[index] and key is not None:  # `__call__(..., rngs=None)`: reseeded alike
+            streams = {name: key for name in self.call_streams[index]}
+            rngs = nnx.Rngs(**streams)
+            nnx.reseed(rngs, **streams)
+            kwargs = {**kwargs, "rngs": rngs}
         records: dict[tuple[str, ...], common.SownMoments] = {}
         for path, module in nnx.iter_graph(layer):
             if isinstance(module, nnx.BatchNorm):
@@ -462,7 +512,17 @@ class _NNXLayers:
                     raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
                 object.__setattr__(module, "__class__", _deferred_class(type(module)))
                 object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
-        return layer(x, **kwargs), records
+        try:
+            return layer(x, **kwargs), records
+        except ValueError as err:
+            if self.call_streams[index] and key is None and "rngs" in str(err):
+                err.add_note(
+                    f"pipejax.flax.NNXPipeline: layer {index} ({type(layer).__name__}) takes `rngs` at "
+                    "call time, and the pipeline had no key to give it: pass `rngs=` to the call (a "
+                    "key, an nnx.Rngs or an nnx.RngStream), or `rngs=nnx.Rngs(dropout=...)` to "
+                    "NNXPipeline(...), or turn dropout off (`deterministic=True`, `pipe.eval()`)."
+                )
+            raise
 
 
 _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
@@ -692,6 +752,14 @@ def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
     if isinstance(placed, NamedSharding) and placed.mesh == mesh:
         spec = tuple(placed.spec) + (None,) * (buffer.ndim - len(placed.spec))
     return {"out_sharding": spec, "mesh": mesh}
+
+
+def _takes_rngs(call: Any) -> bool:
+    """Whether a layer's ``__call__(self, x, ...)`` names an ``rngs`` parameter (not ``**kwargs``)."""
+    params = list(inspect.signature(call).parameters.values())
+    positional = [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY][:2]
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(p.name == "rngs" and p.kind in keyword and p.name not in positional for p in params)
 
 
 def _is_var(v) -> bool:
