@@ -36,17 +36,23 @@ collect_ignore = ["multihost_worker.py", "hessian_sharding_worker.py"]
 LONGEST_FIRST = (
     "test_train_transformer_lm_short",
     "test_demo_short",
-    "test_benchmark_quick[pipeline.py",
     "test_benchmark_quick[hessian.py",
-    "test_benchmark_quick[maxtext_style.py",
     "test_docs_code_runs[docs/pipeline.md]",
     "test_docs_code_runs[docs/flax.md]",
     "test_train_glow_digits_short",
-    "test_docs_site",
+    "test_benchmark_quick[pipeline.py",
+    "test_benchmark_quick[invertible.py",
+    "test_docs_code_runs[docs/invertible.md]",
+    "test_memory_benchmark_quick",
     "test_benchmark_quick[schedules.py",
+    "test_checkpoint_orbax_short",
+    "test_benchmark_quick[maxtext_style.py",
+    "test_hessian_spectrum_short",
     "test_docs_code_runs[docs/batchnorm.md]",
     "test_train_mlp_pipeline_short",
+    "test_hessian_during_training_short",
     "test_docs_code_runs[docs/balance.md]",
+    "test_docs_site",
 )
 
 
