@@ -1229,7 +1229,7 @@ QUICK = {
     "comp_many_chunks": 4,
     "comp_chunks_configs": (("mesh", "always"),),
     "comp_chunks_big_batch": 32,
-    "comp_xla_programs": 2,
+    "comp_xla_programs": 1,  # one child process: the smoke run proves the probe and its parser
     "comp_homo": (2, 2, 16, 8, 2, 1),
     "comp_homo_configs": (("none", "always"),),
     "local": (2, 16, 8, 2, 3),
