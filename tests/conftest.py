@@ -43,6 +43,8 @@ LONGEST_FIRST = (
     "test_benchmark_quick[pipeline.py",
     "test_benchmark_quick[invertible.py",
     "test_docs_code_runs[docs/invertible.md]",
+    "test_without_wrappers_dropout_off_equals_the_model",  # tests/test_flax_gemma.py, ~35 CPU s each
+    "test_dropout_on_uses_call_time_rngs_with_the_documented_keys",
     "test_memory_benchmark_quick",
     "test_benchmark_quick[schedules.py",
     "test_checkpoint_orbax_short",
