@@ -26,7 +26,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
-from pipejax.flax import LinenPipeline, NNXPipeline, on_mesh
+from pipejax.flax import LinenPipeline, NNXPipeline, on_mesh, restore_target
+from tests.test_flax_recompile import Counter
 
 ocp = pytest.importorskip("orbax.checkpoint")  # the optional extra pipejax[checkpoint]
 
@@ -132,3 +133,68 @@ def test_nnx_state_restores_without_the_mesh(tmp_path):
     nnx.update(fresh, ckpt.restore(tmp_path / "nnx", abstract))
     np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(fresh, x), y, **TOL)
     jax.tree.map(np.testing.assert_array_equal, fresh.layer_params(), model.layer_params())
+
+
+def test_nnx_model_and_optimizer_restore_onto_the_mesh(tmp_path):
+    """The recipe of docs/flax.md: the train state's shapes from ``nnx.eval_shape`` of the
+    builder (nothing materialised), made a target on the mesh with ``restore_target``; restored,
+    every array is bitwise the saved one with the saved sharding, and training continues bitwise
+    as the uninterrupted run, without compiling the train step again."""
+    # (optax's bias correction raises a python float to an int32 power: standard promotion)
+    with jax.numpy_dtype_promotion("standard"):
+        mesh4 = jax.make_mesh((4,), ("stage",))
+        tx = optax.adam(1e-2)  # one optax object: nnx.Optimizer's graphdef holds it
+
+        def build(seed):
+            model = NNXPipeline(
+                [NBlock(nnx.Rngs(seed + i)) for i in range(4)], num_stages=4, chunks=4, mesh=mesh4
+            )
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x, t):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - t) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        x = jax.random.normal(jax.random.key(0), (BATCH, W), F)
+        t = jnp.cos(x)
+        model, optimizer = build(0)
+        for _ in range(2):  # the second step runs the steady-state program (the first reads the
+            step(model, optimizer, x, t)  # state as built, some of it off the mesh: see on_mesh)
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(tmp_path / "nnx", nnx.state((model, optimizer)))
+        ckpt.wait_until_finished()
+
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(10)))
+        with pytest.raises(ValueError, match="AbstractMesh"):  # why the helper exists
+            ckpt.restore(tmp_path / "nnx", abstract)
+        restored = ckpt.restore(tmp_path / "nnx", restore_target(abstract, mesh4))
+        model2, optimizer2 = nnx.merge(graphdef, restored)
+        saved = jax.tree.leaves(nnx.state((model, optimizer)))
+        got = jax.tree.leaves(nnx.state((model2, optimizer2)))
+        assert len(saved) == len(got)
+        for a, b in zip(saved, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+            assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
+        stage_leaf = jax.tree.leaves(nnx.state(model2, nnx.Param))[0]
+        assert stage_leaf.sharding.spec[0] == "stage"
+        # training continues as the uninterrupted run, with the train step compiled already
+        compiles = Counter()  # XLA compilations from here on
+        compiles.active = True
+        for _ in range(2):
+            assert float(step(model2, optimizer2, x, t)) == float(step(model, optimizer, x, t))
+        compiles.active = False
+        assert compiles.count == 0
+
+
+def test_restore_target_refuses_a_state_built_for_another_mesh():
+    mesh2 = jax.make_mesh((2,), ("pipe",))
+    mesh4 = jax.make_mesh((4,), ("stage",))
+    shapes = {
+        "w": jax.ShapeDtypeStruct((4, 3), F, sharding=jax.NamedSharding(mesh4.abstract_mesh, P("stage")))
+    }
+    with pytest.raises(ValueError, match=r"\['w'\].*no axis 'stage'.*\('pipe',\)"):
+        restore_target(shapes, mesh2)
+    with pytest.raises(TypeError, match=r"must be a jax\.sharding\.Mesh"):
+        restore_target(shapes, "stage")

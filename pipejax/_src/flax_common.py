@@ -526,6 +526,67 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(put, tree)
 
 
+def restore_target(tree: PyTree, mesh: Mesh) -> PyTree:
+    """An orbax restore target on ``mesh`` for a train state's shapes: every leaf a
+    ``jax.ShapeDtypeStruct`` with a ``NamedSharding`` of ``mesh``.
+
+    The shapes of a model built for a mesh come from ``nnx.eval_shape`` (or ``jax.eval_shape``)
+    without materialising it, but their shardings name an ``AbstractMesh``, which orbax cannot
+    restore to (``_device_assignment is not implemented``), and leaves created outside any
+    sharding rule (the optimizer's step count, rng counters) have none. This gives each leaf its
+    own ``PartitionSpec`` on the concrete ``mesh`` (the stage-sharded pipeline parameters stay
+    split over the stage axis), and replicates the leaves that have none. Each process then
+    reads only the shards it holds. Concrete arrays are accepted too (their specs are kept).
+
+    Args:
+      tree: a pytree of ``jax.ShapeDtypeStruct`` or arrays: e.g. ``nnx.state((model,
+        optimizer))`` of ``nnx.eval_shape(build)``, or ``jax.eval_shape`` of a Linen ``init``.
+      mesh: the mesh to restore onto: the one the model is built for.
+
+    Returns:
+      ``tree`` with the same structure, each leaf a ``jax.ShapeDtypeStruct`` on ``mesh``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: a leaf's ``PartitionSpec`` names an axis that ``mesh`` lacks (the state was
+        built for another mesh).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from pipejax.flax import restore_target
+      >>> mesh = jax.make_mesh((2,), ("stage",))
+      >>> split = NamedSharding(mesh.abstract_mesh, P("stage"))  # as eval_shape gives it
+      >>> shapes = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=split),
+      ...           "step": jax.ShapeDtypeStruct((), jnp.int32)}
+      >>> target = restore_target(shapes, mesh)
+      >>> target["w"].sharding.spec, target["step"].sharding.spec
+      (P('stage',), P())
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            "`mesh` of restore_target must be a jax.sharding.Mesh (the mesh to restore onto, e.g. "
+            f"`jax.make_mesh((4,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}."
+        )
+
+    def one(path, a):
+        sharding = getattr(a, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+        named = {n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)}
+        missing = sorted(named - set(mesh.axis_names))
+        if missing:
+            raise ValueError(
+                f"Leaf {jax.tree_util.keystr(path) or '<root>'} of restore_target's `tree` is "
+                f"sharded as {spec}, but `mesh` has no axis {', '.join(map(repr, missing))} (its "
+                f"axes: {mesh.axis_names}). Build the abstract state for the mesh you restore onto "
+                "(the same `mesh=`), or restore on the saved mesh and re-cut the stages "
+                "(`to_sequential` / `from_sequential`)."
+            )
+        return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline never runs
     raise AssertionError("placeholder stage called")
 

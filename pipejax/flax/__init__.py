@@ -6,6 +6,7 @@ sequential form of the same layers. See ``docs/flax.md``.
 """
 
 from pipejax._src.flax_common import on_mesh as on_mesh
+from pipejax._src.flax_common import restore_target as restore_target
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
 from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
@@ -18,5 +19,6 @@ __all__ = [
     "StagePartitioned",
     "on_mesh",
     "restack",
+    "restore_target",
     "unstack",
 ]
