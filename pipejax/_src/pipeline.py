@@ -111,6 +111,7 @@ def pipeline(
     repeats: int = 1,
     data_axis_name: str | None = None,
     param_specs: Any = None,
+    tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -264,6 +265,7 @@ def pipeline(
         repeats=repeats,
         data_axis_name=data_axis_name,
         param_specs=param_specs,
+        tied=tied,
     )
 
 
@@ -285,8 +287,10 @@ class Pipeline:
         repeats: int = 1,
         data_axis_name: str | None = None,
         param_specs: Any = None,
+        tied: Any = None,
     ):
         self.homogeneous, self.stages = options.check_stages(stages, num_stages)
+        self.tied = options.check_tied(tied, len(self.stages))
         self.num_stages = len(self.stages)
         repeats = options.check_schedule(schedule, repeats, self.num_stages)
         self.schedule_name = schedule
@@ -638,6 +642,7 @@ class Pipeline:
         mask = call.mask if self.stateful else None  # stateless stages take no mask
         schedule = sched.circular(self.num_devices, call.num_micro, self.repeats)
         splits = self._splits(params)
+        params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
         params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
         param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
         cfg = engine.Config(
