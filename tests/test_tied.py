@@ -126,10 +126,11 @@ def test_placed_params(data, schedule):
     _close(from_stages(g.unpack()), g_ref)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_homogeneous_stages(schedule):
+@pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_homogeneous_stages(schedule, repeats):
     """Homogeneous stages: the stage picks the row of the stacked leaf; rows 0 and 3 of ``w``
-    are one weight, ``sum_s`` of the model equals the model with row 3 replaced by row 0."""
+    are one weight: the model with row 3 replaced by row 0. With ``repeats=2`` on 2 devices the
+    parameters are ``place``d device-major, ``(2, 2, ...)``, stage ``r n + d`` at ``[r, d]``."""
     k = jax.random.split(jax.random.key(1), 3)
     w = jax.random.normal(k[0], (4, D, D))
     w = w.at[3].set(w[0])
@@ -144,11 +145,19 @@ def test_homogeneous_stages(schedule):
         return jnp.mean(sq(h, t))
 
     g_ref = jax.grad(reference)(w[:3])
+    mesh = jax.make_mesh((4 // repeats,), ("stage",), devices=jax.devices()[: 4 // repeats])
     pipe = pj.pipeline(
-        layer, num_stages=4, chunks=2, mesh=_mesh(), schedule=schedule, tied=[[(0, "w"), (3, ("w",))]]
+        layer,
+        num_stages=4,
+        chunks=2,
+        mesh=mesh,
+        schedule=schedule,
+        repeats=repeats,
+        tied=[[(0, "w"), (3, ("w",))]],
     )
-    _, g = pipe.value_and_grad(sq)({"w": w}, x, t)
-    g = np.asarray(g["w"])
+    params = {"w": w} if repeats == 1 else pipe.place({"w": w})
+    _, g = pipe.value_and_grad(sq)(params, x, t)
+    g = np.asarray(g["w"]).reshape(w.shape)
     np.testing.assert_array_equal(g[0], g[3])
     _close(g[:3], g_ref)
 

@@ -205,6 +205,16 @@ def pipeline(
         the pipeline's program and its gradient reduce-scattered; shard it over the data axis
         alone. :meth:`Pipeline.place` lays parameters out this way. See docs/pipeline.md,
         "Pipelines in bigger meshes".
+      tied: weights shared between stages, kept as one copy per holding stage (Megatron's
+        embedding shared by the first and last stage), or ``None``. A list of groups, each a
+        list of ``(stage, path)`` pairs naming one copy: ``path`` is the copy's leaf in that
+        stage's parameters, a ``'/'``-separated string of its keys or a tuple of them
+        (homogeneous stages: a path in one stage's pytree; the stage picks the row), e.g.
+        ``[[(0, "embed"), (3, "head/table")]]``. Every copy's gradient (and tangent) is the sum
+        over its group, under every schedule and every JAX derivative, while no value changes:
+        copies that start equal stay bitwise equal under identical optimizer updates. The
+        copies must start equal; the pipeline does not check. See docs/pipeline.md, "Tied
+        weights across stages".
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
