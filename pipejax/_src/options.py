@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import checks, compat, stage_forms
+from pipejax._src import checks, compat, placement, stage_forms
 from pipejax._src import schedule as sched
 from pipejax._src.placement import StageParams
 
@@ -216,3 +216,71 @@ def check_params_shape(params, pipe: Any, name: str = "params") -> None:
 
 def is_concrete(a) -> bool:
     return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
+def check_tied(tied, num_stages) -> tuple[tuple[tuple[int, tuple[str, ...]], ...], ...]:
+    """``tied`` as groups of ``(stage, path)`` members, a path as a tuple of its keys as strings.
+
+    The structure is checked here, at construction; that each path names an array leaf of the
+    stage's parameters, and that a group's leaves agree in shape and dtype, is checked when the
+    parameters are seen (:func:`pipejax._src.stage_forms.tie`).
+    """
+    if tied is None:
+        return ()
+    example = '`tied=[[(0, "embed"), (3, "unembed")]]`'
+    if isinstance(tied, (str, bytes)) or not isinstance(tied, Sequence):
+        raise TypeError(
+            "`tied` must be a list of groups, each a list of `(stage, path)` pairs naming the "
+            f"copies of one weight (e.g. {example}), but got {type(tied).__name__} {tied!r}."
+        )
+    groups, seen = [], {}
+    for g, group in enumerate(tied):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or len(group) < 2:
+            raise ValueError(
+                f"`tied[{g}]` must be a list of at least two `(stage, path)` pairs, the copies of one "
+                f"weight on different stages (e.g. {example}), but got {group!r}."
+            )
+        members = []
+        for i, member in enumerate(group):
+            where = f"`tied[{g}][{i}]`"
+            if isinstance(member, (str, bytes)) or not isinstance(member, Sequence) or len(member) != 2:
+                raise ValueError(
+                    f"{where} must be a pair `(stage, path)`, the stage's index and the path of the "
+                    f"copy in that stage's parameters (e.g. {example}), but got {member!r}."
+                )
+            stage = placement.stage_index(member[0], num_stages, name=f"tied[{g}][{i}][0]")
+            path = tied_path(member[1], where)
+            if stage in [s for s, _ in members]:
+                raise ValueError(
+                    f"{where} names stage {stage} again: the copies of one tied weight live on "
+                    f"different stages (a stage holds one copy), but `tied[{g}]` is {group!r}. "
+                    "Keep one member per stage."
+                )
+            if (stage, path) in seen:
+                raise ValueError(
+                    f"{where} names the leaf {'/'.join(path)!r} of stage {stage}, which `tied"
+                    f"[{seen[stage, path]}]` names too; a leaf belongs to one group. Merge the two "
+                    "groups into one."
+                )
+            seen[stage, path] = g
+            members.append((stage, path))
+        groups.append(tuple(members))
+    return tuple(groups)
+
+
+def tied_path(path, where) -> tuple[str, ...]:
+    """A tied leaf's path in its stage's parameters, as its keys (dict keys, sequence indices,
+    attribute names), each as a string: from a ``'/'``-separated string or a tuple of keys."""
+    if isinstance(path, str):
+        keys = tuple(path.split("/"))
+    elif isinstance(path, (tuple, list)) and all(isinstance(k, (str, int)) for k in path):
+        keys = tuple(str(k) for k in path)
+    else:
+        keys = ()
+    if not keys or "" in keys:
+        raise ValueError(
+            f"{where}: the path of a tied leaf must be a '/'-separated string of its keys in the "
+            "stage's parameters (e.g. `'embed/table'`, `'layers/0/w'`) or a tuple of its keys "
+            f"(e.g. `('embed', 'table')`, `('layers', 0, 'w')`), but got {path!r}."
+        )
+    return keys

@@ -111,6 +111,7 @@ def pipeline(
     repeats: int = 1,
     data_axis_name: str | None = None,
     param_specs: Any = None,
+    tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -204,6 +205,16 @@ def pipeline(
         the pipeline's program and its gradient reduce-scattered; shard it over the data axis
         alone. :meth:`Pipeline.place` lays parameters out this way. See docs/pipeline.md,
         "Pipelines in bigger meshes".
+      tied: weights shared between stages, kept as one copy per holding stage (Megatron's
+        embedding shared by the first and last stage), or ``None``. A list of groups, each a
+        list of ``(stage, path)`` pairs naming one copy: ``path`` is the copy's leaf in that
+        stage's parameters, a ``'/'``-separated string of its keys or a tuple of them
+        (homogeneous stages: a path in one stage's pytree; the stage picks the row), e.g.
+        ``[[(0, "embed"), (3, "head/table")]]``. Every copy's gradient (and tangent) is the sum
+        over its group, under every schedule and every JAX derivative, while no value changes:
+        copies that start equal stay bitwise equal under identical optimizer updates. The
+        copies must start equal; the pipeline does not check. See docs/pipeline.md, "Tied
+        weights across stages".
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -264,6 +275,7 @@ def pipeline(
         repeats=repeats,
         data_axis_name=data_axis_name,
         param_specs=param_specs,
+        tied=tied,
     )
 
 
@@ -285,8 +297,10 @@ class Pipeline:
         repeats: int = 1,
         data_axis_name: str | None = None,
         param_specs: Any = None,
+        tied: Any = None,
     ):
         self.homogeneous, self.stages = options.check_stages(stages, num_stages)
+        self.tied = options.check_tied(tied, len(self.stages))
         self.num_stages = len(self.stages)
         repeats = options.check_schedule(schedule, repeats, self.num_stages)
         self.schedule_name = schedule
@@ -638,6 +652,7 @@ class Pipeline:
         mask = call.mask if self.stateful else None  # stateless stages take no mask
         schedule = sched.circular(self.num_devices, call.num_micro, self.repeats)
         splits = self._splits(params)
+        params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
         params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
         param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
         cfg = engine.Config(

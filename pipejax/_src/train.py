@@ -248,6 +248,9 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
         )
     table = sched.training(name, pipe.num_stages, num_micro, pipe.repeats if pipe.mesh is not None else 1)
     splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
+    # tied copies: the same values; the gradients come back summed over each group (the transpose
+    # of the tie), and a tangent of one copy reaches every copy (jvp of this step: HVPs)
+    params, untie = jax.vjp(lambda p: stage_forms.tie(pipe, p), params)
     runner, to_user = jax.vjp(lambda p: stage_forms.runner_form(pipe, p, splits), params)
     param_specs = None if pipe.mesh is None else stage_forms.full_specs(pipe, runner, splits)
     state_r = stage_forms.runner_form(pipe, state) if pipe.stateful else None
@@ -285,11 +288,21 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     if weights is not None:  # sums of losses and gradients over the batch's total weight
         loss = loss / totals[1]
         grads = jax.tree.map(lambda g: g / totals[1].astype(g.dtype) if _inexact(g) else g, grads)
-    if _same_form(params, runner):  # already the engine's form (e.g. `place`d): keep its sharding
-        return loss, grads, counts, stats
-    # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
-    # unstacks or reshapes the stage axis, so the grads must not be split over stages there
-    return loss, to_user(compat.replicate(grads))[0], counts, stats
+    if not _same_form(params, runner):
+        # another form (a list of pytrees, or (S, ...) for (v, n, ...)): undo the conversion, which
+        # unstacks or reshapes the stage axis, so the grads must not be split over stages there;
+        # the engine's form (e.g. `place`d) is kept with its sharding
+        grads = to_user(compat.replicate(grads))[0]
+    if pipe.tied:  # each copy's gradient: the sum over its group (typed as the copies, for the vjp)
+        grads = untie(jax.tree.map(_typed_as, grads, params))[0]
+    return loss, grads, counts, stats
+
+
+def _typed_as(g, p):
+    """``g`` with the sharding type of ``p`` (Explicit axes type them; values unchanged)."""
+    if not any(getattr(jax.typeof(p).sharding, "spec", ())):
+        return compat.replicate(g)
+    return compat.like(g, p)
 
 
 def _per_stage_state(pipe, state):
