@@ -224,6 +224,7 @@ class Stack:
         options: Mapping[str, Any],
         owner: str,
         carry: Carry = None,
+        leaf_keys: tuple[str, ...] = (),
     ):
         for name, value in (
             ("deferred_batch_norm", deferred_batch_norm),
@@ -233,6 +234,9 @@ class Stack:
                 raise TypeError(f"`{name}` must be a bool, but got {value!r}.")
         self.sizes = stage_sizes(num_layers, balance, num_stages)
         self.options = check_options(options, owner)
+        if self.options.get("tied") is not None:  # layers' terms -> the pipeline's stages' terms
+            tied = layer_tied(self.options["tied"], self.sizes, owner, leaf_keys)
+            self.options = Options({**self.options, "tied": tied})
         self.deferred = deferred_batch_norm
         self.unbiased = unbiased_variance
         self.owner = owner
@@ -524,6 +528,54 @@ def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
         return a
 
     return jax.tree.map(put, tree)
+
+
+def layer_tied(tied: Any, sizes: Sequence[int], owner: str, leaf_keys: tuple[str, ...]) -> tuple:
+    """An adapter's ``tied=`` (groups of ``(layer, path)``: a layer's index and the copy's path in
+    that layer's parameters) as :func:`pipejax.pipeline`'s (groups of ``(stage, path)``, a path
+    in the stage's parameters: the layer's place in its stage, then the path, then
+    ``leaf_keys``, e.g. NNX's ``value`` of a ``Param``).
+
+    Raises:
+      TypeError, ValueError, IndexError: the pipeline's own checks of the groups (:func:`options.check_tied`),
+        in layers' terms, with a note; and for two copies in layers of one stage.
+    """
+    from pipejax._src import options as opts
+
+    num_layers = sum(sizes)
+    try:
+        groups = opts.check_tied(tied, num_layers)
+    except (TypeError, ValueError, IndexError) as err:
+        err.add_note(
+            f"{owner}'s `tied` names layers, not stages: each pair is `(layer, path)`, the layer's "
+            f"index among the {num_layers} layers and the copy's path in that layer's parameters, "
+            'e.g. `tied=[[(0, "embedding"), (5, "table")]]`.'
+        )
+        raise
+    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    out = []
+    for g, group in enumerate(groups):
+        stages = [stage_of[layer] for layer, _ in group]
+        if len(set(stages)) < len(stages):
+            raise ValueError(
+                f"`tied[{g}]` of {owner} ties layers {[layer for layer, _ in group]}, but two of them "
+                f"are in one stage (the stages hold layers {_ranges(sizes)}): a stage holds one copy "
+                "of a tied weight. Let those layers share one module, or cut the stages between them "
+                "(`balance=`)."
+            )
+        out.append(
+            tuple(
+                (stage_of[layer], (str(layer - firsts[stage_of[layer]]), *path, *leaf_keys))
+                for layer, path in group
+            )
+        )
+    return tuple(out)
+
+
+def _ranges(sizes: Sequence[int]) -> str:
+    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return ", ".join(f"{a}-{a + n - 1}" if n > 1 else f"{a}" for a, n in zip(firsts, sizes, strict=True))
 
 
 def restore_target(tree: PyTree, mesh: Mesh) -> PyTree:

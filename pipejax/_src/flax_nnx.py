@@ -177,6 +177,7 @@ class NNXPipeline(nnx.Module):
             options=pipeline_options,
             owner=_NAME,
             carry=carry,
+            leaf_keys=("value",),  # a parameter leaf is a Param's value
         )
         self._stack = nnx.static(stack)
         self.pipeline_options = nnx.static(stack.options)
