@@ -32,6 +32,27 @@ def dense(p, x, key):
     return jnp.tanh(x @ p["w"] + p["b"][None])
 
 
+def model(cfg, r, **kw):
+    """``(pipeline, params, reference)``: ``cfg["num_stages"]`` dense stages, homogeneous
+    (stacked parameters, one width) or heterogeneous (``cfg["widths"]`` at the boundaries), and
+    the composition of the same stages on the whole batch."""
+    n = cfg["num_stages"]
+    if cfg["homogeneous"]:
+        width = cfg["widths"][0]
+        params = {
+            "w": jnp.asarray(r.normal(size=(n, width, width))),
+            "b": jnp.asarray(r.normal(size=(n, width))),
+        }
+        reference = lambda p, x: models.compose((dense,) * n, models.unstack(p, n), x)
+        return pj.pipeline(dense, num_stages=n, **kw), params, reference
+    params = [
+        {"w": jnp.asarray(r.normal(size=(a, b))), "b": jnp.asarray(r.normal(size=(b,)))}
+        for a, b in itertools.pairwise(cfg["widths"])
+    ]
+    reference = lambda p, x: models.compose((dense,) * n, p, x)
+    return pj.pipeline([dense] * n, **kw), params, reference
+
+
 @st.composite
 def configs(draw):
     num_stages = draw(st.integers(1, 4))
@@ -69,24 +90,8 @@ def test_pipeline_equals_composition(cfg):
     n, r = cfg["num_stages"], np.random.default_rng(cfg["seed"])
     mesh = jax.make_mesh((n,), ("stage",)) if cfg["mesh"] else None
     kw = {"chunks": cfg["chunks"], "checkpoint": cfg["checkpoint"], "mesh": mesh}
-    if cfg["homogeneous"]:
-        width = cfg["widths"][0]
-        params = {
-            "w": jnp.asarray(r.normal(size=(n, width, width))),
-            "b": jnp.asarray(r.normal(size=(n, width))),
-        }
-        apply = pj.pipeline(dense, num_stages=n, **kw)
-        stages, per_stage = (dense,) * n, models.unstack(params, n)
-        reference = lambda p, x: models.compose(stages, models.unstack(p, n), x)
-    else:
-        widths = cfg["widths"]
-        params = [
-            {"w": jnp.asarray(r.normal(size=(a, b))), "b": jnp.asarray(r.normal(size=(b,)))}
-            for a, b in itertools.pairwise(widths)
-        ]
-        apply = pj.pipeline([dense] * n, **kw)
-        per_stage = params
-        reference = lambda p, x: models.compose((dense,) * n, p, x)
+    apply, params, reference = model(cfg, r, **kw)
+    per_stage = models.unstack(params, n) if cfg["homogeneous"] else params
     x = jnp.asarray(r.normal(size=(cfg["batch"], cfg["widths"][0])))
 
     y = apply(params, x)
@@ -172,7 +177,7 @@ def test_value_and_grad_equals_composition_under_every_schedule(cfg):
     """``Pipeline.value_and_grad`` under a drawn schedule equals ``jax.value_and_grad`` of the
     composed stages on the whole batch (the loss: the mean of per-example losses); a drawn
     configuration that breaks a documented rule is refused with a message naming it."""
-    n, r = cfg["num_stages"], np.random.default_rng(cfg["seed"])
+    r = np.random.default_rng(cfg["seed"])
     mesh = None
     if cfg["mesh"]:
         shape, names = (
@@ -183,24 +188,8 @@ def test_value_and_grad_equals_composition_under_every_schedule(cfg):
     kw["schedule"] = cfg["name"]
     if cfg["data"]:
         kw["data_axis_name"] = "data"
-    if cfg["homogeneous"]:
-        width = cfg["widths"][0]
-        params = {
-            "w": jnp.asarray(r.normal(size=(n, width, width))),
-            "b": jnp.asarray(r.normal(size=(n, width))),
-        }
-        pipe = pj.pipeline(dense, num_stages=n, **kw)
-        reference = lambda p, x: models.compose((dense,) * n, models.unstack(p, n), x)
-        out_width = width
-    else:
-        widths = cfg["widths"]
-        params = [
-            {"w": jnp.asarray(r.normal(size=(a, b))), "b": jnp.asarray(r.normal(size=(b,)))}
-            for a, b in itertools.pairwise(widths)
-        ]
-        pipe = pj.pipeline([dense] * n, **kw)
-        reference = lambda p, x: models.compose((dense,) * n, p, x)
-        out_width = widths[-1]
+    pipe, params, reference = model(cfg, r, **kw)
+    out_width = cfg["widths"][0] if cfg["homogeneous"] else cfg["widths"][-1]
     x = jnp.asarray(r.normal(size=(cfg["batch"], cfg["widths"][0])))
     t = jnp.asarray(r.normal(size=(cfg["batch"], out_width)))
     loss_fn = lambda y, t: jnp.sum(jnp.sin(y) * t, axis=-1)
