@@ -3,8 +3,10 @@
 The model (written for this test, in the style of current NNX decoders) has what made the issue's
 user add wrapper layers:
 
-* an embedder, three decoder blocks and a head (a final RMSNorm and an **untied** unembedding:
-  tying it to the embedder, one weight on the first and the last stage, is out of scope here);
+* an embedder, three decoder blocks and a head: a final RMSNorm and the unembedding **tied** to
+  the embedder's table (Gemma's ``embedder.decode``). The model holds one table; pipelined, the
+  head (last stage) holds a copy of it, made one weight with ``tied=`` (each copy's gradient is
+  the sum, the gradient of the one table);
 * blocks with pre-RMSNorm attention, local (sliding window) on blocks 0 and 2, global on block 1,
   rotary positions, and a gated MLP; the positions and the attention mask reach every block
   through ``context=`` as the keyword arguments ``segment_pos=`` and ``attn_mask=``, and the
@@ -127,31 +129,41 @@ class Embedder(nnx.Module):
         return self.embed(tokens) * D**0.5
 
 
-class Head(nnx.Module):
-    """The final norm and the unembedding, untied from the embedder (tied weights: not in scope)."""
+def unembed(x, table):
+    return x @ table.T  # logits against the embedding table
 
-    def __init__(self, rngs):
-        self.final_norm = RMSNorm(rngs)
-        self.unembed = nnx.Linear(D, V, use_bias=False, param_dtype=F, rngs=rngs)
+
+class Head(nnx.Module):
+    """The pipeline's last layer: the model's final norm, and its own copy of the embedding table
+    (tied to the embedder's with ``tied=``: on another stage, it must be a copy)."""
+
+    def __init__(self, final_norm, table):
+        self.final_norm = final_norm
+        self.table = nnx.Param(table)
 
     def __call__(self, x):
-        return self.unembed(self.final_norm(x))
+        return unembed(self.final_norm(x), self.table[...])
 
 
 class GemmaLike(nnx.Module):
     def __init__(self, rngs):
         self.embedder = Embedder(rngs)
         self.blocks = nnx.List([Block(window, rngs) for window in WINDOWS])
-        self.head = Head(rngs)
+        self.final_norm = RMSNorm(rngs)
 
     def layers(self):
-        return [self.embedder, *self.blocks, self.head]
+        """The layers to pipeline: the head gets a copy of the table (see ``TIED``)."""
+        return [self.embedder, *self.blocks, Head(self.final_norm, self.embedder.embed.embedding[...])]
 
     def __call__(self, tokens, segment_pos, attn_mask, rngs=None):
         x = self.embedder(tokens)
         for block in self.blocks:
             _, x = block(x, segment_pos, None, attn_mask, rngs=rngs)
-        return self.head(x)
+        return unembed(self.final_norm(x), self.embedder.embed.embedding[...])  # one table
+
+
+# the embedder's table (layer 0) and the head's copy (layer 4, the other stage): one weight
+TIED = [[(0, "embed/embedding"), (4, "table")]]
 
 
 def weighted_ce(logits, targets):
@@ -192,14 +204,17 @@ def mean_loss(out):
 
 
 def layer_grads(model, grads):
-    """The per-layer Param states of a gradient of ``model`` (as ``pipe.layer_params`` gives them)."""
+    """The per-layer Param states of a gradient of ``model`` (as ``pipe.layer_params`` gives them;
+    the head's table copy gets the one table's gradient, what each tied copy must get)."""
     copy = nnx.clone(model)
     nnx.update(copy, grads)
     return [nnx.state(layer, nnx.Param) for layer in copy.layers()]
 
 
 def pipeline_of(model, mesh, **options):
-    return NNXPipeline(model.layers(), balance=BALANCE, chunks=CHUNKS, mesh=mesh, carry=1, **options)
+    return NNXPipeline(
+        model.layers(), balance=BALANCE, chunks=CHUNKS, mesh=mesh, carry=1, tied=TIED, **options
+    )
 
 
 def pipelined(pipe, schedule, tokens, context, targets, *, deterministic, key=None):
