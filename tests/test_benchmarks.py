@@ -44,6 +44,7 @@ def run_quick(script: str, *args: str) -> str:
             "maxtext_style.py",
             ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),
         ),
+        ("gpu.py", ("One device:", "composed (jax.value_and_grad)", "1f1b always")),  # any backend
     ],
 )
 def test_benchmark_quick(script, headings):
