@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import pipejax as pj  # noqa: E402
-from benchmarks._common import interleaved_times, kib, normal, table  # noqa: E402
+import pipejax as pj
+from benchmarks._common import interleaved_times, kib, normal, table
 
 
 def stage(p, x, key):
@@ -105,7 +105,9 @@ def main() -> None:
         loss = float(loss)
         ref_loss = loss if ref_loss is None else ref_loss
         mem = c.memory_analysis()
-        rows.append([label, f"{secs:.2f}", kib(mem.temp_size_in_bytes), f"{abs(loss - ref_loss) / abs(ref_loss):.1e}"])
+        rows.append(
+            [label, f"{secs:.2f}", kib(mem.temp_size_in_bytes), f"{abs(loss - ref_loss) / abs(ref_loss):.1e}"]
+        )
     times = interleaved_times(compiled, (params, x, t), rounds=rounds)
     ref = times["composed (jax.value_and_grad)"]
     for row in rows:
