@@ -241,9 +241,9 @@ def _from_layers(pipe, layers, balance):
 def _target(pipe, layers, balance):
     if not pipe.homogeneous:
         return _hetero_target(pipe, layers, balance)
+    per_stage = _per_stage(pipe, layers)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layers)
-    per_stage = _per_stage(pipe, layers)
     _, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, 1), 1)
     return jax.tree.map(lambda a, spec: _struct(a, NamedSharding(pipe.mesh, spec)), layers, layer_specs)
 
