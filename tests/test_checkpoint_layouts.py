@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pipejax as pj
@@ -177,8 +176,11 @@ def test_round_trip_is_exact_and_the_result_is_placed():
     for name in ("4", "2", "2tp", "het13"):
         pipe, balance, layers = layout(name)
         placed = pj.from_layers(pipe, layers, balance=balance)
-        stages = pj.partition([layer] * L, balance).group(layers) if balance else None
-        reference = pipe.place(stages if balance else jax.tree.map(lambda a: a.reshape(pipe.num_stages, -1, *a.shape[1:]), layers))
+        if balance:
+            stages = pj.partition([layer] * L, balance).group(layers)
+        else:
+            stages = jax.tree.map(lambda a, n=pipe.num_stages: a.reshape(n, -1, *a.shape[1:]), layers)
+        reference = pipe.place(stages)
         for a, r in zip(jax.tree.leaves(placed), jax.tree.leaves(reference), strict=True):
             assert a.sharding.is_equivalent_to(r.sharding, a.ndim), (name, a.sharding, r.sharding)
             np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
@@ -192,7 +194,7 @@ def test_restored_arrays_carry_the_target_shardings_and_nothing_moves(tmp_path):
     pipe, _, state = start("4", opt)
     with jax.transfer_guard("disallow_explicit"):  # no device_put, no device-to-device copy
         save(pipe, state, tmp_path / "ckpt")
-    pipe_b, params_b, layers, target = restore("2tp", opt, tmp_path / "ckpt")
+    pipe_b, _, layers, target = restore("2tp", opt, tmp_path / "ckpt")
     for a, t in zip(jax.tree.leaves(layers), jax.tree.leaves(target), strict=True):
         assert a.sharding == t.sharding
     w = layers["params"]["w"]  # (4, D, D) over ("stage", -, "model"): 2 layers, half the columns

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import compat
-from pipejax._src import stage_forms
+from pipejax._src import compat, stage_forms
 from pipejax._src.balance import _check_balance
 from pipejax._src.layout import Container, Layout
 from pipejax._src.placement import StageParams
@@ -79,7 +78,9 @@ def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
     return _map(tree, params, lambda p: _to_layers(pipe, p))
 
 
-def from_layers(pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None) -> PyTree:
+def from_layers(
+    pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
+) -> PyTree:
     """Layer-form parameters (or a train state holding them) laid out for ``pipe``.
 
     The inverse of :func:`to_layers` for any layout: ``(L, ...)`` leaves become ``(S, L / S,
@@ -213,7 +214,9 @@ def _to_layers(pipe, params):
         if lead == 2:  # stages r n + d on device d: not contiguous in layer order
             return _moved(a, shape, NamedSharding(pipe.mesh, layer_spec))
         a = _put(a, NamedSharding(pipe.mesh, stage_spec))
-        return _reshard_local(a, (a.shape[0] * a.shape[1], *a.shape[2:]), NamedSharding(pipe.mesh, layer_spec))
+        return _reshard_local(
+            a, (a.shape[0] * a.shape[1], *a.shape[2:]), NamedSharding(pipe.mesh, layer_spec)
+        )
 
     return jax.tree.map(one, params, stage_specs, layer_specs)
 
@@ -233,7 +236,9 @@ def _from_layers(pipe, layers, balance):
             shape = (pipe.repeats, pipe.num_devices, per_stage, *a.shape[1:])
             return _moved(a, shape, NamedSharding(pipe.mesh, stage_spec))
         a = _put(a, NamedSharding(pipe.mesh, layer_spec))
-        return _reshard_local(a, (pipe.num_stages, per_stage, *a.shape[1:]), NamedSharding(pipe.mesh, stage_spec))
+        return _reshard_local(
+            a, (pipe.num_stages, per_stage, *a.shape[1:]), NamedSharding(pipe.mesh, stage_spec)
+        )
 
     return jax.tree.map(one, layers, stage_specs, layer_specs)
 
@@ -343,7 +348,11 @@ def _moved(a, shape, sharding):
     """``a`` reshaped to ``shape`` on ``sharding`` by XLA (device to device, on a mesh with Auto
     axes: Explicit axes refuse reshapes of sharded dimensions)."""
     auto = compat.auto_mesh(sharding.mesh)
-    a = jax.device_put(a, NamedSharding(auto, a.sharding.spec)) if isinstance(a.sharding, NamedSharding) else a
+    a = (
+        jax.device_put(a, NamedSharding(auto, a.sharding.spec))
+        if isinstance(a.sharding, NamedSharding)
+        else a
+    )
     out = jax.jit(lambda x: x.reshape(shape), out_shardings=NamedSharding(auto, sharding.spec))(a)
     return jax.device_put(out, sharding)
 
@@ -447,7 +456,9 @@ def _even(num_layers, num_stages):
 
 
 def _layouts(pipe, stages):
-    structs = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), st) for st in stages]
+    structs = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), st) for st in stages
+    ]
     splits = pipe._splits(structs)
     layouts = tuple(Layout.of(st) for st in structs)
     if splits is not None:
@@ -492,18 +503,22 @@ def _unpack_on_devices(pipe, params: StageParams):
         d, r = _coords(pipe, s)
         sub = _stage_mesh(pipe.mesh, pipe.axis_name, d)
         shardings = _layer_shardings(pipe, s, layout)
-        structs = jax.tree.map(lambda st, sh: jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=sh), layout.structs(), shardings)
+        structs = jax.tree.map(
+            lambda st, sh: jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=sh), layout.structs(), shardings
+        )
         mine = set(_local(pipe, sub.devices.flat))
         if not mine:  # another process's stage: an array of which this process holds nothing
-            stages.append(jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(a.shape, a.sharding, []), structs))
+            stages.append(
+                jax.tree.map(
+                    lambda a: jax.make_array_from_single_device_arrays(a.shape, a.sharding, []), structs
+                )
+            )
             continue
         rows = []
         for b, spec in zip(params.buffers, params.container.slot_specs((pipe.axis_name,)), strict=True):
             row_shape = (1, *b.shape[2 if major else 1 :])
             sharding = NamedSharding(sub, spec)
-            pieces = [
-                (sh.data[r] if major else sh.data) for sh in b.addressable_shards if sh.device in mine
-            ]
+            pieces = [(sh.data[r] if major else sh.data) for sh in b.addressable_shards if sh.device in mine]
             rows.append(jax.make_array_from_single_device_arrays(row_shape, sharding, pieces))
         unpack = jax.jit(
             lambda rows, layout=layout: params.container.unpack(tuple(x[0] for x in rows), layout),
@@ -529,7 +544,8 @@ def _pack_on_devices(pipe, stages):
             continue
         stage = jax.tree.map(lambda a, sh: _put(a, sh), stage, _layer_shardings(pipe, s, layout))
         pack = jax.jit(
-            lambda p, layout=layout: tuple(b[None] for b in container.pack(p, layout)), out_shardings=shardings
+            lambda p, layout=layout: tuple(b[None] for b in container.pack(p, layout)),
+            out_shardings=shardings,
         )
         rows.append(pack(stage))
     circular = pipe.repeats > 1 and pipe.num_devices > 1
