@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "test_memory_benchmark_quick",
     "test_benchmark_quick[schedules.py",
     "test_checkpoint_orbax_short",
+    "test_checkpoint_layouts_short",
     "test_benchmark_quick[maxtext_style.py",
     "test_hessian_spectrum_short",
     "test_docs_code_runs[docs/batchnorm.md]",
