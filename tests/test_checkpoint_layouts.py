@@ -230,6 +230,18 @@ def test_circular_layout_round_trips():
         assert a.shape == r.shape and a.sharding.is_equivalent_to(r.sharding, a.ndim)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
     jax.tree.map(np.testing.assert_array_equal, pj.to_layers(pipe, placed), layers)
+    target = pj.layers_target(pipe, layers)  # device d reads layers 2d, 2d + 1; XLA moves them
+    restored = jax.device_put(layers, jax.tree.map(lambda t: t.sharding, target))
+    jax.tree.map(np.testing.assert_array_equal, pj.from_layers(pipe, restored), placed)
+    # heterogeneous stages, one layer each: device d holds stages d and d + 2
+    het = pj.pipeline(pj.partition([layer] * L, [1] * L).stages, mesh=mesh, schedule="circular", repeats=2)
+    listed = unstack(layers)
+    packed = pj.from_layers(het, listed, balance=[1] * L)
+    reference = het.place([[p] for p in listed])
+    for a, r in zip(packed.buffers, reference.buffers, strict=True):
+        assert a.shape == r.shape and a.sharding.is_equivalent_to(r.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    jax.tree.map(np.testing.assert_array_equal, pj.to_layers(het, packed), listed)
 
 
 # --- errors -------------------------------------------------------------------------------------

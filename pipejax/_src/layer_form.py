@@ -227,7 +227,7 @@ def _from_layers(pipe, layers, balance):
     per_stage = _per_stage(pipe, layers)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: jnp.reshape(a, (pipe.num_stages, per_stage, *jnp.shape(a)[1:])), layers)
-    lead = 2 if pipe.repeats > 1 and pipe.num_devices > 1 else 1
+    lead = _lead(pipe)
     stage_specs, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
 
     def one(a, stage_spec, layer_spec):
@@ -249,8 +249,20 @@ def _target(pipe, layers, balance):
     per_stage = _per_stage(pipe, layers)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layers)
-    _, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, 1), 1)
+    lead = _lead(pipe)
+    _, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
     return jax.tree.map(lambda a, spec: _struct(a, NamedSharding(pipe.mesh, spec)), layers, layer_specs)
+
+
+def _lead(pipe):
+    """How many leading stage axes ``place`` gives stacked stages on ``pipe``'s mesh."""
+    if pipe.repeats > 1 and pipe.num_devices == 1:
+        raise NotImplementedError(
+            f"The pipeline runs {pipe.repeats} circular repeats on a stage axis of one device; "
+            "moving its parameters to and from the layer form is not supported. Run it without a "
+            "mesh (`mesh=None`), or on a stage axis of several devices."
+        )
+    return 2 if pipe.repeats > 1 else 1
 
 
 def _check_layer_axis(params, lead):
