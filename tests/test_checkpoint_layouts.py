@@ -13,6 +13,7 @@ stages from `pj.partition` with balance [2, 2] or [1, 3]. The 2-process case is
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -31,6 +32,7 @@ ocp = pytest.importorskip("orbax.checkpoint")  # the optional extra pipejax[chec
 optax = pytest.importorskip("optax")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+OPT = optax.adam(1e-2)
 L, D, B = 4, 4, 8  # layers, width, batch
 RTOL = 1e-12  # float64, other layouts (see the module docstring)
 
@@ -65,6 +67,7 @@ def unstack(layers):
 TP_SPECS = {"w": P(None, None, "model"), "b": P(None, "model")}
 
 
+@functools.cache  # one pipeline (and train step, below) per layout: each compiles once per module
 def layout(name):
     """``(pipe, balance, layers)``: the pipeline of layout ``name``, its balance (heterogeneous
     stages), and the initial layers in its layer form (stacked, or a list of per-layer trees)."""
@@ -89,6 +92,7 @@ def data():
     return [(jnp.asarray(r.normal(size=(B, D))), jnp.asarray(r.normal(size=(B, D)))) for _ in range(4)]
 
 
+@functools.cache
 def make_step(pipe, opt):
     grad = pipe.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))
 
@@ -150,7 +154,7 @@ def flat_layers(pipe, params):
     [("4", "4"), ("4", "2"), ("2", "4"), ("2", "2tp"), ("het22", "het13")],
 )
 def test_training_continues_in_another_layout(before, after, tmp_path):
-    opt = optax.adam(1e-2)
+    opt = OPT
     batches = data()
     pipe_a, _, state = start(before, opt)
     step_a = make_step(pipe_a, opt)
@@ -190,7 +194,7 @@ def test_round_trip_is_exact_and_the_result_is_placed():
 
 def test_restored_arrays_carry_the_target_shardings_and_nothing_moves(tmp_path):
     """Each device reads its own blocks; converting to and from the layer form moves no data."""
-    opt = optax.adam(1e-2)
+    opt = OPT
     pipe, _, state = start("4", opt)
     with jax.transfer_guard("disallow_explicit"):  # no device_put, no device-to-device copy
         save(pipe, state, tmp_path / "ckpt")
