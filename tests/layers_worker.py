@@ -14,6 +14,9 @@ is saved in layer form with orbax (each process writing the shards it holds), re
   under B, only its half of each sharded dimension);
 - each process wrote its own data files (orbax's per-process OCDBT folders);
 - the losses and parameters after 2 more steps equal those of A trained on (float64, 1e-12).
+
+Then heterogeneous stages (``pj.partition``) move between balances across the processes in
+memory (see ``listed_layers``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,36 @@ def layers_held(a):
     return sorted({i for s in a.addressable_shards for i in range(*s.index[0].indices(a.shape[0]))})
 
 
+def layer(p, x, key):
+    return jnp.tanh(x @ p["w"] + p["b"][None])
+
+
+def listed_layers(devices) -> None:
+    """Heterogeneous stages across processes, moved in memory (orbax refuses to save an array
+    that lives on one process's devices only, as a listed layer of a one-host stage does): 4
+    stages of one layer on 4 devices -> balance [2, 2] on a mesh with one device per process.
+    Each process unpacks and packs only its own stages."""
+    mesh_a = jax.make_mesh((4,), ("stage",), devices=devices)
+    mesh_b = jax.make_mesh((2,), ("stage",), devices=[devices[0], devices[2]])
+    pipe_a = pj.pipeline(pj.partition([layer] * L, [1, 1, 1, 1]).stages, chunks=2, mesh=mesh_a)
+    pipe_b = pj.pipeline(pj.partition([layer] * L, [2, 2]).stages, chunks=2, mesh=mesh_b)
+    init = init_layers()
+    listed = [jax.tree.map(lambda a, i=i: a[i], init) for i in range(L)]
+    params_a = pj.from_layers(pipe_a, listed, balance=[1, 1, 1, 1])
+    layers = pj.to_layers(pipe_a, params_a)
+    mine = [i for i, one in enumerate(layers) if jax.tree.leaves(one)[0].addressable_shards]
+    check(mine == [2 * me, 2 * me + 1], f"process {me} holds listed layers {mine}")
+    params_b = pj.from_layers(pipe_b, layers, balance=[2, 2])
+    x = np.random.default_rng(2).normal(size=(B, D))
+    on = lambda mesh: jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
+    y_a = multihost_utils.process_allgather(pipe_a(params_a, on(mesh_a)), tiled=True)
+    y_b = multihost_utils.process_allgather(pipe_b(params_b, on(mesh_b)), tiled=True)
+    check(
+        np.allclose(y_a, y_b, rtol=RTOL, atol=0),
+        "listed layers, balance [1, 1, 1, 1] -> [2, 2]: same outputs",
+    )
+
+
 def main(folder: Path) -> int:
     devices = jax.devices()  # process 0's two devices first
     mesh_a = jax.make_mesh((4,), ("stage",), devices=devices)
@@ -160,6 +193,7 @@ def main(folder: Path) -> int:
         for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
     )
     check(same, "parameters after the move equal layout A's")
+    listed_layers(devices)
     if failures:
         print(f"process {me}: FAILED {failures}", flush=True)
         return 1

@@ -50,7 +50,9 @@ def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
     device). Heterogeneous stages in :func:`pipejax.partition`'s form (a list of per-stage
     sequences of layer pytrees, or the :class:`pipejax.StageParams` that ``place`` made of it)
     become the flat list of layer pytrees, each unpacked on its own stage's devices. Nothing is
-    gathered on one device.
+    gathered on one device. (With several processes, orbax refuses to save an array held by
+    one process's devices only, as a listed layer of a one-process stage is; the stacked form
+    has no such arrays.)
 
     Args:
       pipe: the :class:`pipejax.Pipeline` the parameters are laid out for.
@@ -522,7 +524,10 @@ def _unpack_on_devices(pipe, params: StageParams):
         if not mine:  # another process's stage: an array of which this process holds nothing
             stages.append(
                 jax.tree.map(
-                    lambda a: jax.make_array_from_single_device_arrays(a.shape, a.sharding, []), structs
+                    lambda a: jax.make_array_from_single_device_arrays(
+                        a.shape, a.sharding, [], dtype=a.dtype
+                    ),
+                    structs,
                 )
             )
             continue
