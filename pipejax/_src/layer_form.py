@@ -374,7 +374,7 @@ def _moved(a, shape, sharding):
 # --- heterogeneous stages -----------------------------------------------------------------------
 
 
-def _stage_lists(pipe, params):
+def _stage_lists(params):
     if isinstance(params, StageParams):
         return None
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
@@ -397,7 +397,7 @@ def _check_stage_layers(stage, s):
 
 
 def _unstage(pipe, params):
-    lists = _stage_lists(pipe, params)
+    lists = _stage_lists(params)
     if lists is not None:
         return [layer for s, stage in enumerate(lists) for layer in _check_stage_layers(stage, s)]
     if pipe.mesh is None or not _on_mesh(params, pipe.mesh):  # not placed on the mesh: as it is
@@ -505,7 +505,7 @@ def _layer_shardings(pipe, s, layout):
     return jax.tree.unflatten(layout.treedef, specs)
 
 
-def _local(pipe, devices):
+def _local(devices):
     return [d for d in devices if d.process_index == jax.process_index()]
 
 
@@ -520,7 +520,7 @@ def _unpack_on_devices(pipe, params: StageParams):
         structs = jax.tree.map(
             lambda st, sh: jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=sh), layout.structs(), shardings
         )
-        mine = set(_local(pipe, sub.devices.flat))
+        mine = set(_local(sub.devices.flat))
         if not mine:  # another process's stage: an array of which this process holds nothing
             stages.append(
                 jax.tree.map(
@@ -556,7 +556,7 @@ def _pack_on_devices(pipe, stages):
         d, _ = _coords(pipe, s)
         sub = _stage_mesh(pipe.mesh, pipe.axis_name, d)
         shardings = tuple(NamedSharding(sub, spec) for spec in container.slot_specs(lead))
-        if not _local(pipe, sub.devices.flat):
+        if not _local(sub.devices.flat):
             rows.append(None)
             continue
         stage = jax.tree.map(lambda a, sh: _put(a, sh), stage, _layer_shardings(pipe, s, layout))
