@@ -6,7 +6,8 @@ under A. Same layout: bitwise. Another layout: float64 to 1e-12 (relative; the s
 are the same, but XLA may fuse a stage of 2 layers differently from 2 stages of 1).
 
 The layouts: 4 or 2 homogeneous stages (each stage's layers stacked, `(S, L / S, ...)`), 2
-stages with a tensor-parallel `param_specs` on a ("stage", "model") mesh, and heterogeneous
+stages with a tensor-parallel `param_specs` on a ("stage", "model") mesh, 2 stages without a
+mesh (one device), and heterogeneous
 stages from `pj.partition` with balance [2, 2] or [1, 3]. The 2-process case is
 `tests/layers_worker.py`, started by `test_two_processes_move_their_own_shards`.
 """
@@ -76,6 +77,8 @@ def layout(name):
         n = int(name)
         mesh = jax.make_mesh((n,), ("stage",), devices=devs[:n])
         return pj.pipeline(stacked_stage, num_stages=n, chunks=2, mesh=mesh), None, init_layers()
+    if name == "none":  # one device, no mesh: e.g. to evaluate a checkpoint
+        return pj.pipeline(stacked_stage, num_stages=2, chunks=2), None, init_layers()
     if name == "2tp":
         auto = (jax.sharding.AxisType.Auto,) * 2  # XLA partitions each stage over "model"
         mesh = jax.make_mesh((2, 2), ("stage", "model"), devices=devs[:4], axis_types=auto)
@@ -120,6 +123,8 @@ def train(step, state, batches):
 def start(name, opt):
     pipe, balance, layers = layout(name)
     params = pj.from_layers(pipe, layers, balance=balance)
+    if pipe.mesh is None:
+        return pipe, balance, {"params": params, "opt_state": opt.init(params)}
     with jax.set_mesh(pipe.mesh):
         state = {"params": params, "opt_state": opt.init(params)}
     return pipe, balance, state
@@ -151,7 +156,7 @@ def flat_layers(pipe, params):
 
 @pytest.mark.parametrize(
     "before, after",
-    [("4", "4"), ("4", "2"), ("2", "4"), ("2", "2tp"), ("het22", "het13")],
+    [("4", "4"), ("4", "2"), ("2", "4"), ("2", "2tp"), ("2tp", "none"), ("het22", "het13")],
 )
 def test_training_continues_in_another_layout(before, after, tmp_path):
     opt = OPT
@@ -177,7 +182,7 @@ def test_training_continues_in_another_layout(before, after, tmp_path):
 
 def test_round_trip_is_exact_and_the_result_is_placed():
     """from_layers gives what place gives (values and shardings); to_layers gives back the layers."""
-    for name in ("4", "2", "2tp", "het13"):
+    for name in ("4", "2", "2tp", "none", "het13"):
         pipe, balance, layers = layout(name)
         placed = pj.from_layers(pipe, layers, balance=balance)
         if balance:
