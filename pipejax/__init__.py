@@ -18,6 +18,9 @@ from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
 from pipejax._src.keys import layer_key as layer_key
+from pipejax._src.layer_form import from_layers as from_layers
+from pipejax._src.layer_form import layers_target as layers_target
+from pipejax._src.layer_form import to_layers as to_layers
 from pipejax._src.memory import MemoryEstimate as MemoryEstimate
 from pipejax._src.memory import MemoryReport as MemoryReport
 from pipejax._src.memory import Residual as Residual
@@ -73,11 +76,13 @@ __all__ = [
     "circular_bubble_fraction",
     "circular_schedule",
     "dropout",
+    "from_layers",
     "gpipe_bubble_fraction",
     "gpipe_schedule",
     "interleaved_one_f_one_b_schedule",
     "layer_costs",
     "layer_key",
+    "layers_target",
     "memory_estimate",
     "memory_report",
     "merge_microbatches",
@@ -91,6 +96,7 @@ __all__ = [
     "split_microbatches",
     "stage_key",
     "timeline_inputs_held",
+    "to_layers",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",
 ]

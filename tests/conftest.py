@@ -26,7 +26,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # A script that the multi-host test starts in launched processes, not a test module: importing it
 # (pytest's --doctest-modules imports every module) would call pipejax.launch.initialize().
-collect_ignore = ["multihost_worker.py", "hessian_sharding_worker.py"]
+collect_ignore = ["multihost_worker.py", "hessian_sharding_worker.py", "layers_worker.py"]
 
 # The longest tests, longest first (CPU seconds in BUILD_NOTES.md, "Seventh session: suite time");
 # each entry is the start of a test's name. scripts/test.sh runs `pytest -n 2 --maxschedchunk=1`: the
@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "test_memory_benchmark_quick",
     "test_benchmark_quick[schedules.py",
     "test_checkpoint_orbax_short",
+    "test_checkpoint_layouts_short",
     "test_benchmark_quick[maxtext_style.py",
     "test_hessian_spectrum_short",
     "test_docs_code_runs[docs/batchnorm.md]",

@@ -166,6 +166,20 @@ def test_checkpoint_orbax_short(tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpoint_layouts_short(tmp_path):
+    pytest.importorskip("orbax.checkpoint")  # the optional extra pipejax[checkpoint]
+    script = ROOT / "examples" / "checkpoint_layouts.py"
+    proc = run_python([str(script), "--short", "--out", str(tmp_path / "ckpt")])
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    for same in ("4 stages", "balance [4, 4]"):
+        assert f"{same}: losses bitwise equal to the uninterrupted run" in out, out
+    moved = re.findall(r"^(.*): losses .* max relative difference (\S+)$", out, re.M)
+    assert [name for name, _ in moved] == ["2 stages x 2 data", "2 stages x 2 model", "balance [3, 5]"], out
+    assert all(float(err) <= 1e-6 for _, err in moved) and "checks passed" in out, out
+
+
+@pytest.mark.slow
 def test_hessian_spectrum_short(tmp_path):
     png = tmp_path / "density.png"
     proc = run_python([str(ROOT / "examples" / "hessian_spectrum.py"), "--short", "--out", str(png)])
@@ -232,4 +246,3 @@ def test_demo_rejects_bad_options():
     assert proc.returncode == 2 and "--stages must be >= 1, got 0" in proc.stderr, proc.stderr
     proc = run_python(["-m", "pipejax.demo", "--stages", "64"], timeout=120)
     assert proc.returncode == 2 and "--stages 64 needs 64 devices" in proc.stderr, proc.stderr
-

@@ -55,6 +55,12 @@ def is_explicit(mesh: Mesh, axis_name: str) -> bool:
     return types[axis_name] == AxisType.Explicit
 
 
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis Auto (the same devices and names): programs that reshape
+    dimensions sharded over Explicit axes run there, XLA choosing the communication."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def constrain(tree: Any, mesh: Mesh, spec: PartitionSpec, axis_name: str) -> Any:
     """Gives every leaf of ``tree`` the sharding ``NamedSharding(mesh, spec)`` inside ``jit``.
 

@@ -1,0 +1,593 @@
+"""The layout-independent form of stage parameters: the model's layers.
+
+A pipeline layout (the number of stages, the balance, the mesh, ``param_specs``) is a way of
+cutting the model's *layers* into stages and sharding them. The layers themselves do not depend
+on it, so a checkpoint saved in layer form restores into any layout:
+
+- **homogeneous stages** hold their layers stacked on the axis after the stage axis, each leaf
+  ``(S, k, ...)`` (``(v, n, k, ...)`` as ``place`` lays out the circular schedule); the layer
+  form merges the two axes, ``(L, ...)`` with ``L = S k``, layer ``s k + j`` being layer ``j`` of
+  stage ``s``. On a mesh it is sharded over the stage axis in blocks of ``k`` layers (and over
+  the other axes as ``param_specs`` says), so converting either way is a reshape of each
+  device's own shard: nothing moves between devices.
+- **heterogeneous stages** in :func:`pipejax.partition`'s form hold a sequence of per-layer
+  pytrees each; the layer form is the flat list of those (:meth:`pipejax.Partition.ungroup`), and
+  ``balance`` groups it again. On a mesh each layer's leaves live on the devices of its stage
+  only (a mesh with the stage axis cut to that one stage), sharded as ``param_specs`` says, and
+  every stage is packed or unpacked on its own devices.
+
+Orbax (tensorstore) restores a saved global array into any target sharding, each process
+reading only the chunks its devices hold; :func:`layers_target` gives that target for a
+layout. So: ``to_layers`` -> save; restore with ``layers_target`` -> ``from_layers``. Optax
+states mirror the parameters, so every subtree of a train state with the parameters' structure
+(the moments) is converted the same way; the rest (step counts) is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from pipejax._src import compat, stage_forms
+from pipejax._src.balance import _check_balance
+from pipejax._src.layout import Container, Layout
+from pipejax._src.placement import StageParams
+
+PyTree = Any
+
+
+def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
+    """Stage parameters (or a train state holding them) in the layout-independent layer form.
+
+    Homogeneous stages: every leaf ``(S, k, ...)`` (or ``(v, n, k, ...)``) becomes ``(L, ...)``,
+    sharded over the stage axis in blocks of ``k`` layers, so each device reshapes its own shard
+    (the circular layout's stages are not contiguous per device: XLA moves them, device to
+    device). Heterogeneous stages in :func:`pipejax.partition`'s form (a list of per-stage
+    sequences of layer pytrees, or the :class:`pipejax.StageParams` that ``place`` made of it)
+    become the flat list of layer pytrees, each unpacked on its own stage's devices. Nothing is
+    gathered on one device. (With several processes, orbax refuses to save an array held by
+    one process's devices only, as a listed layer of a one-process stage is; the stacked form
+    has no such arrays.)
+
+    Args:
+      pipe: the :class:`pipejax.Pipeline` the parameters are laid out for.
+      tree: the parameters, or a pytree holding them (``{"params": p, "opt_state": s}``).
+      params: the parameters inside ``tree``: every subtree of ``tree`` with their structure
+        and leaf shapes (the parameters, an optimizer's moments) is converted, the rest left
+        as it is. ``None``: ``tree`` is the parameters.
+
+    Returns:
+      ``tree`` with the parameters (and their likes) in layer form.
+
+    Raises:
+      ValueError, TypeError: if a homogeneous leaf has no layer axis, ``param_specs`` shards the
+        layer axis, or a heterogeneous stage's parameters are not a sequence of layers.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> def stage(p, x, key):  # two layers per stage, stacked on axis 0 of p
+      ...     return x * p[0] * p[1]
+      >>> pipe = pj.pipeline(stage, num_stages=2)
+      >>> pj.to_layers(pipe, jnp.array([[1.0, 2.0], [3.0, 4.0]])).tolist()
+      [1.0, 2.0, 3.0, 4.0]
+    """
+    return _map(tree, params, lambda p: _to_layers(pipe, p))
+
+
+def from_layers(
+    pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
+) -> PyTree:
+    """Layer-form parameters (or a train state holding them) laid out for ``pipe``.
+
+    The inverse of :func:`to_layers` for any layout: ``(L, ...)`` leaves become ``(S, L / S,
+    ...)`` (homogeneous stages; ``(v, n, k, ...)`` for the circular schedule on a mesh), a list
+    of layer pytrees becomes ``balance``'s per-stage lists (heterogeneous stages; a
+    :class:`pipejax.StageParams` on a mesh, packed on each stage's own devices). On a mesh the
+    result is what ``pipe.place`` would give, ``param_specs`` included. Layers already sharded
+    as :func:`layers_target` says (restored with it) are reshaped in place; others are first
+    moved there with ``jax.device_put``.
+
+    Args:
+      pipe: the :class:`pipejax.Pipeline` to lay the parameters out for.
+      tree: layer-form parameters, or a pytree holding them.
+      params: the layer-form parameters inside ``tree`` (see :func:`to_layers`); ``None``:
+        ``tree`` is the parameters.
+      balance: heterogeneous stages: the number of layers in each stage (as for
+        :func:`pipejax.partition`); ignored for homogeneous stages, which share the layers
+        equally.
+
+    Returns:
+      ``tree`` with the parameters (and their likes) in ``pipe``'s form.
+
+    Raises:
+      ValueError, TypeError: if the layer count does not fit the layout (``S`` does not divide
+        ``L``; ``balance`` missing or not summing to ``L``).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> def stage(p, x, key):
+      ...     return x * jnp.prod(p)
+      >>> layers = jnp.array([1.0, 2.0, 3.0, 4.0])
+      >>> pj.from_layers(pj.pipeline(stage, num_stages=2), layers).tolist()
+      [[1.0, 2.0], [3.0, 4.0]]
+      >>> pj.from_layers(pj.pipeline(stage, num_stages=4), layers).tolist()
+      [[1.0], [2.0], [3.0], [4.0]]
+    """
+    return _map(tree, params, lambda p: _from_layers(pipe, p, balance))
+
+
+def layers_target(
+    pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
+) -> PyTree:
+    """An orbax restore target: layer-form shapes with the shardings ``pipe``'s layout gives them.
+
+    Each leaf becomes a ``jax.ShapeDtypeStruct`` whose sharding is where :func:`from_layers`
+    reads that leaf without moving it: the stage axis in blocks of ``L / S`` layers
+    (homogeneous), or the devices of the layer's stage (heterogeneous), with ``param_specs`` on
+    the other axes. Restoring into it, each process reads only the chunks its devices hold.
+    Leaves other than the parameters and their likes (step counts) are replicated on the mesh.
+    Without a mesh, everything goes to the first device.
+
+    Args:
+      pipe: the :class:`pipejax.Pipeline` to restore for.
+      tree: the layer form's shapes (``jax.ShapeDtypeStruct`` or arrays), e.g. ``jax.eval_shape``
+        of the function that initialises the layers (and the optimizer state of them): the layer
+        form does not depend on the layout.
+      params, balance: as for :func:`from_layers`.
+
+    Returns:
+      ``tree`` with every leaf a ``jax.ShapeDtypeStruct`` with a sharding.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> mesh = jax.make_mesh((2,), ("stage",))
+      >>> pipe = pj.pipeline(lambda p, x, key: x, num_stages=2, mesh=mesh)
+      >>> shapes = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+      >>> pj.layers_target(pipe, shapes)["w"].sharding.spec
+      P('stage',)
+    """
+    other = _replicated(pipe)
+    return _map(tree, params, lambda p: _target(pipe, p, balance), other=lambda a: _struct(a, other))
+
+
+# --- the parameters inside a train state ---------------------------------------------------------
+
+
+def _map(tree, params, convert, other=lambda a: a):
+    """``convert`` applied to every subtree of ``tree`` shaped like ``params``; ``other`` to the
+    remaining leaves."""
+    if params is None:
+        return convert(tree)
+    treedef = jax.tree.structure(params)
+    shapes = [jnp.shape(a) for a in jax.tree.leaves(params)]
+
+    def like(t):
+        if jax.tree.structure(t) != treedef:
+            return False
+        return [jnp.shape(a) for a in jax.tree.leaves(t)] == shapes
+
+    marked = jax.tree.map(lambda t: _Mark(t) if like(t) else t, tree, is_leaf=like)
+    return jax.tree.map(
+        lambda t: convert(t.tree) if isinstance(t, _Mark) else other(t),
+        marked,
+        is_leaf=lambda t: isinstance(t, _Mark),
+    )
+
+
+class _Mark:
+    """A parameters-shaped subtree, held as one leaf while the rest of the tree is mapped."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+
+def _replicated(pipe):
+    if pipe.mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(pipe.mesh, PartitionSpec())
+
+
+def _struct(a, sharding):
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding)
+
+
+# --- homogeneous stages -------------------------------------------------------------------------
+
+
+def _to_layers(pipe, params):
+    if not pipe.homogeneous:
+        return _unstage(pipe, params)
+    lead = 2 if stage_forms.is_device_major(pipe, params) else 1
+    _check_layer_axis(params, lead)
+    if pipe.mesh is None:
+        return jax.tree.map(lambda a: jnp.reshape(a, (-1, *jnp.shape(a)[lead + 1 :])), params)
+    stage_specs, layer_specs = _specs(pipe, params, lead)
+
+    def one(a, stage_spec, layer_spec):
+        shape = (-1, *a.shape[lead + 1 :])
+        if lead == 2:  # stages r n + d on device d: not contiguous in layer order
+            return _moved(a, shape, NamedSharding(pipe.mesh, layer_spec))
+        a = _put(a, NamedSharding(pipe.mesh, stage_spec))
+        return _reshard_local(
+            a, (a.shape[0] * a.shape[1], *a.shape[2:]), NamedSharding(pipe.mesh, layer_spec)
+        )
+
+    return jax.tree.map(one, params, stage_specs, layer_specs)
+
+
+def _from_layers(pipe, layers, balance):
+    if not pipe.homogeneous:
+        return _restage(pipe, layers, balance)
+    per_stage = _per_stage(pipe, layers)
+    if pipe.mesh is None:
+        return jax.tree.map(lambda a: jnp.reshape(a, (pipe.num_stages, per_stage, *jnp.shape(a)[1:])), layers)
+    lead = _lead(pipe)
+    stage_specs, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
+
+    def one(a, stage_spec, layer_spec):
+        a = jnp.asarray(a)
+        if lead == 2:
+            shape = (pipe.repeats, pipe.num_devices, per_stage, *a.shape[1:])
+            return _moved(a, shape, NamedSharding(pipe.mesh, stage_spec))
+        a = _put(a, NamedSharding(pipe.mesh, layer_spec))
+        return _reshard_local(
+            a, (pipe.num_stages, per_stage, *a.shape[1:]), NamedSharding(pipe.mesh, stage_spec)
+        )
+
+    return jax.tree.map(one, layers, stage_specs, layer_specs)
+
+
+def _target(pipe, layers, balance):
+    if not pipe.homogeneous:
+        return _hetero_target(pipe, layers, balance)
+    per_stage = _per_stage(pipe, layers)
+    if pipe.mesh is None:
+        return jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layers)
+    lead = _lead(pipe)
+    _, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
+    return jax.tree.map(lambda a, spec: _struct(a, NamedSharding(pipe.mesh, spec)), layers, layer_specs)
+
+
+def _lead(pipe):
+    """How many leading stage axes ``place`` gives stacked stages on ``pipe``'s mesh."""
+    if pipe.repeats > 1 and pipe.num_devices == 1:
+        raise NotImplementedError(
+            f"The pipeline runs {pipe.repeats} circular repeats on a stage axis of one device; "
+            "moving its parameters to and from the layer form is not supported. Run it without a "
+            "mesh (`mesh=None`), or on a stage axis of several devices."
+        )
+    return 2 if pipe.repeats > 1 else 1
+
+
+def _check_layer_axis(params, lead):
+    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if jnp.ndim(a) <= lead:
+            raise ValueError(
+                f"Leaf {jax.tree_util.keystr(path) or '<root>'} of the stage parameters has shape "
+                f"{jnp.shape(a)}: no layer axis after the stage axis. The layer form of homogeneous "
+                "stages needs each stage's layers stacked on the axis after the stage axis, "
+                "`(num_stages, layers_per_stage, ...)`; give a stage of one layer a layer axis of "
+                "size 1 (`a[:, None]`)."
+            )
+
+
+def _per_stage(pipe, layers):
+    """Layers per stage (homogeneous), checking that the stages share the layers equally."""
+    counts = {}
+    for path, a in jax.tree_util.tree_flatten_with_path(layers)[0]:
+        if jnp.ndim(a) == 0:
+            raise ValueError(
+                f"Layer-form leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar; layer-form "
+                "leaves of homogeneous stages have the layer axis first, `(num_layers, ...)`."
+            )
+        counts.setdefault(jnp.shape(a)[0], jax.tree_util.keystr(path) or "<root>")
+    if len(counts) != 1:
+        shown = ", ".join(f"{path}: {n}" for n, path in counts.items())
+        raise ValueError(
+            f"The layer-form leaves disagree on the number of layers (axis 0): {shown}. Every "
+            "leaf of homogeneous layers has the layer axis first, one entry per layer."
+        )
+    (num_layers,) = counts
+    if num_layers % pipe.num_stages:
+        divisors = [s for s in range(1, num_layers + 1) if num_layers % s == 0]
+        raise ValueError(
+            f"The layers ({num_layers}, axis 0 of every layer-form leaf) do not divide among the "
+            f"pipeline's {pipe.num_stages} homogeneous stages: each stage holds the same number of "
+            f"layers. Use a number of stages that divides {num_layers} (one of {divisors}), or "
+            "heterogeneous stages (`pj.partition(layers, balance)`) for an uneven cut."
+        )
+    return num_layers // pipe.num_stages
+
+
+def _staged_structs(pipe, layers, per_stage, lead):
+    stage_lead = (pipe.repeats, pipe.num_devices) if lead == 2 else (pipe.num_stages,)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((*stage_lead, per_stage, *jnp.shape(a)[1:]), jnp.result_type(a)),
+        layers,
+    )
+
+
+def _specs(pipe, staged, lead):
+    """Per leaf: its ``PartitionSpec`` in stage form, and in layer form (the layer axis joins the
+    stage axis, so its own entry must be ``None``)."""
+    splits = pipe._splits(staged)
+    stage_specs = stage_forms.leaf_specs(pipe, staged, splits)
+    lead_entries = (pipe.axis_name,) if pipe.num_devices > 1 or lead == 1 else (None,)
+
+    def layer_spec(path, a, spec):
+        rest = tuple(spec)[lead:]
+        if rest and rest[0] is not None:
+            raise ValueError(
+                f"`param_specs` shards the layer axis (dimension 0 of a stage's leaf "
+                f"{jax.tree_util.keystr(path) or '<root>'}, spec {PartitionSpec(*rest)}) over "
+                f"{rest[0]!r}; the layer form joins that axis to the stage axis, so it must be "
+                "whole inside a stage. Shard another dimension."
+            )
+        return PartitionSpec(*lead_entries, *rest[1:])
+
+    layer_specs = jax.tree_util.tree_map_with_path(layer_spec, staged, stage_specs)
+    return stage_specs, layer_specs
+
+
+def _put(a, sharding):
+    """``a`` on ``sharding`` (already there: unchanged, nothing moves)."""
+    a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
+    if a.sharding.is_equivalent_to(sharding, a.ndim):
+        return a
+    return jax.device_put(a, sharding)
+
+
+def _reshard_local(a, shape, sharding):
+    """``a`` reshaped to ``shape``, each device reshaping its own shard (no communication).
+
+    ``sharding`` must give every device the shard that its shard of ``a`` reshapes to: true
+    here, where the two leading axes merge (or split) and only the first is sharded.
+    """
+    pieces = []
+    for shard in a.addressable_shards:
+        local = sharding.shard_shape(shape)
+        pieces.append(shard.data.reshape(local))
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+def _moved(a, shape, sharding):
+    """``a`` reshaped to ``shape`` on ``sharding`` by XLA (device to device, on a mesh with Auto
+    axes: Explicit axes refuse reshapes of sharded dimensions)."""
+    auto = compat.auto_mesh(sharding.mesh)
+    a = (
+        jax.device_put(a, NamedSharding(auto, a.sharding.spec))
+        if isinstance(a.sharding, NamedSharding)
+        else a
+    )
+    out = jax.jit(lambda x: x.reshape(shape), out_shardings=NamedSharding(auto, sharding.spec))(a)
+    return jax.device_put(out, sharding)
+
+
+# --- heterogeneous stages -----------------------------------------------------------------------
+
+
+def _stage_lists(params):
+    if isinstance(params, StageParams):
+        return None
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(
+            f"Heterogeneous stage parameters must be a list with one entry per stage or a "
+            f"StageParams, but got {type(params).__name__}."
+        )
+    return list(params)
+
+
+def _check_stage_layers(stage, s):
+    if isinstance(stage, (str, bytes)) or not isinstance(stage, Sequence):
+        raise TypeError(
+            f"Stage {s}'s parameters are a {type(stage).__name__}, not a sequence of layer "
+            "parameters. The layer form of heterogeneous stages needs `pj.partition`'s form: "
+            "each stage's parameters a list (or tuple) of its layers' parameter pytrees "
+            "(`part.group(layer_params)`)."
+        )
+    return list(stage)
+
+
+def _unstage(pipe, params):
+    lists = _stage_lists(params)
+    if lists is not None:
+        return [layer for s, stage in enumerate(lists) for layer in _check_stage_layers(stage, s)]
+    if pipe.mesh is None or not _on_mesh(params, pipe.mesh):  # not placed on the mesh: as it is
+        stages = params.unpack()
+    else:
+        stages = _unpack_on_devices(pipe, params)
+    return [layer for s, stage in enumerate(stages) for layer in _check_stage_layers(stage, s)]
+
+
+def _on_mesh(params, mesh):
+    return all(
+        isinstance(b, jax.Array) and b.sharding.device_set == set(mesh.devices.flat) for b in params.buffers
+    )
+
+
+def _restage(pipe, layers, balance):
+    layers = list(_check_layer_list(layers))
+    sizes = _check_balance_for(pipe, balance, len(layers))
+    offsets = np.cumsum((0, *sizes)).tolist()
+    stages = [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(sizes))]
+    if pipe.mesh is None:
+        return stages
+    return _pack_on_devices(pipe, stages)
+
+
+def _hetero_target(pipe, layers, balance):
+    layers = list(_check_layer_list(layers))
+    sizes = _check_balance_for(pipe, balance, len(layers))
+    if pipe.mesh is None:
+        return [jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layer) for layer in layers]
+    offsets = np.cumsum((0, *sizes)).tolist()
+    stages = [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(sizes))]
+    layouts = _layouts(pipe, stages)
+    out = []
+    for s, (stage, layout) in enumerate(zip(stages, layouts, strict=True)):
+        shardings = _layer_shardings(pipe, s, layout)
+        out.extend(jax.tree.map(_struct, stage, shardings))
+    return out
+
+
+def _check_layer_list(layers):
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(
+            "The layer form of heterogeneous stages is a list with one parameter pytree per layer, "
+            f"but got {type(layers).__name__}."
+        )
+    return layers
+
+
+def _check_balance_for(pipe, balance, num_layers):
+    if balance is None:
+        raise TypeError(
+            f"`balance` is None, but the pipeline's stages are heterogeneous: give the number of "
+            f"layers in each of its {pipe.num_stages} stages, summing to the {num_layers} layers "
+            f"(e.g. `balance={_even(num_layers, pipe.num_stages)}`), as for `pj.partition`."
+        )
+    sizes = _check_balance(balance, num_layers)
+    if len(sizes) != pipe.num_stages:
+        raise ValueError(
+            f"`balance` {list(sizes)} has {len(sizes)} stages, but the pipeline has "
+            f"{pipe.num_stages}; give one entry per stage (e.g. "
+            f"`balance={_even(num_layers, pipe.num_stages)}`)."
+        )
+    return sizes
+
+
+def _even(num_layers, num_stages):
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def _layouts(pipe, stages):
+    structs = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), st) for st in stages
+    ]
+    splits = pipe._splits(structs)
+    layouts = tuple(Layout.of(st) for st in structs)
+    if splits is not None:
+        layouts = tuple(
+            lay._replace(splits=sp) if any(sp) else lay for lay, sp in zip(layouts, splits, strict=True)
+        )
+    return layouts
+
+
+def _stage_mesh(mesh: Mesh, axis: str, d: int) -> Mesh:
+    """The devices of stage coordinate ``d``: ``mesh`` with its stage axis cut to that one
+    entry, Auto axes (a stage's packing reshapes dimensions sharded over its other axes)."""
+    devices = np.take(mesh.devices, [d], axis=mesh.axis_names.index(axis))
+    return compat.auto_mesh(Mesh(devices, mesh.axis_names))
+
+
+def _coords(pipe, s):
+    """Stage ``s``'s device coordinate on the stage axis, and its row there (circular)."""
+    n = pipe.num_devices
+    return (s % n, s // n) if pipe.repeats > 1 and n > 1 else (s, None)
+
+
+def _layer_shardings(pipe, s, layout):
+    d, _ = _coords(pipe, s)
+    mesh = _stage_mesh(pipe.mesh, pipe.axis_name, d)
+    specs = [
+        NamedSharding(mesh, PartitionSpec(*stage_forms.split_spec(split, len(shape))))
+        for shape, split in zip(layout.shapes, layout.leaf_splits(), strict=True)
+    ]
+    return jax.tree.unflatten(layout.treedef, specs)
+
+
+def _local(devices):
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+def _unpack_on_devices(pipe, params: StageParams):
+    """Every stage's parameter pytree, unpacked on that stage's devices from their own shards."""
+    major = any(params.device_major())
+    stages = []
+    for s, layout in enumerate(params.layouts):
+        d, r = _coords(pipe, s)
+        sub = _stage_mesh(pipe.mesh, pipe.axis_name, d)
+        shardings = _layer_shardings(pipe, s, layout)
+        structs = jax.tree.map(
+            lambda st, sh: jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=sh), layout.structs(), shardings
+        )
+        mine = set(_local(sub.devices.flat))
+        if not mine:  # another process's stage: an array of which this process holds nothing
+            stages.append(
+                jax.tree.map(
+                    lambda a: jax.make_array_from_single_device_arrays(
+                        a.shape, a.sharding, [], dtype=a.dtype
+                    ),
+                    structs,
+                )
+            )
+            continue
+        rows = []
+        for b, spec in zip(params.buffers, params.container.slot_specs((pipe.axis_name,)), strict=True):
+            row_shape = (1, *b.shape[2 if major else 1 :])
+            sharding = NamedSharding(sub, spec)
+            pieces = [(sh.data[r] if major else sh.data) for sh in b.addressable_shards if sh.device in mine]
+            rows.append(jax.make_array_from_single_device_arrays(row_shape, sharding, pieces))
+        unpack = jax.jit(
+            lambda rows, layout=layout: params.container.unpack(tuple(x[0] for x in rows), layout),
+            out_shardings=shardings,
+        )
+        stages.append(unpack(tuple(rows)))
+    return stages
+
+
+def _pack_on_devices(pipe, stages):
+    """The :class:`StageParams` ``pipe.place(stages)`` gives, packed stage by stage on each
+    stage's own devices and assembled from those shards."""
+    layouts = _layouts(pipe, stages)
+    container = Container.for_layouts(layouts)
+    lead = (pipe.axis_name,)
+    rows = []  # per stage: its buffers' rows, (1, ...) on its devices
+    for s, (stage, layout) in enumerate(zip(stages, layouts, strict=True)):
+        d, _ = _coords(pipe, s)
+        sub = _stage_mesh(pipe.mesh, pipe.axis_name, d)
+        shardings = tuple(NamedSharding(sub, spec) for spec in container.slot_specs(lead))
+        if not _local(sub.devices.flat):
+            rows.append(None)
+            continue
+        stage = jax.tree.map(lambda a, sh: _put(a, sh), stage, _layer_shardings(pipe, s, layout))
+        pack = jax.jit(
+            lambda p, layout=layout: tuple(b[None] for b in container.pack(p, layout)),
+            out_shardings=shardings,
+        )
+        rows.append(pack(stage))
+    circular = pipe.repeats > 1 and pipe.num_devices > 1
+    lead_shape = (pipe.repeats, pipe.num_devices) if circular else (pipe.num_stages,)
+    specs = container.slot_specs(pipe._stage_lead())
+    buffers = []
+    for k, (shape, spec) in enumerate(zip(container.slot_shapes(lead_shape), specs, strict=True)):
+        sharding = NamedSharding(pipe.mesh, spec)
+        pieces = []
+        for device in sharding.addressable_devices:
+            if circular:
+                d = _stage_coord(pipe, device)
+                stack = [_shard_on(rows[r * pipe.num_devices + d][k], device) for r in range(pipe.repeats)]
+                pieces.append(jnp.stack(stack))  # (repeats, 1, ...): column d
+            else:
+                pieces.append(_shard_on(rows[_stage_coord(pipe, device)][k], device))
+        buffers.append(jax.make_array_from_single_device_arrays(shape, sharding, pieces))
+    return StageParams(tuple(buffers), container, layouts)
+
+
+def _stage_coord(pipe, device):
+    where = np.argwhere(pipe.mesh.devices == device)[0]
+    return int(where[pipe.mesh.axis_names.index(pipe.axis_name)])
+
+
+def _shard_on(a, device):
+    (shard,) = [sh for sh in a.addressable_shards if sh.device == device]
+    return shard.data
