@@ -10,7 +10,8 @@ a mesh):
   output included; outputs of another kind (an array, for an index) pass whole;
 * Linen: ``init`` (which runs the layers in sequence) and ``apply`` both select;
 * the errors: a bad ``carry`` (``TypeError``), an index or key the output lacks, dropped parts
-  that hold arrays (an aux loss would be lost: refused, collecting them is not supported yet),
+  that hold arrays (an aux loss would be lost: refused without ``aux=``, which collects them;
+  see ``tests/test_flax_aux.py``),
   and a tuple with ``None`` passed on without ``carry`` (the message says to use ``carry=``).
 """
 
@@ -122,7 +123,11 @@ def test_bad_carry_is_a_type_error(carry):
             r"`carry='h'` selects the entry 'h' .* layer 0 returned a dict with the keys "
             r"\['cache', 'step', 'x'\]",
         ),
-        ("aux", 0, r"Layer 0 returned .*item 1 would be dropped, but it holds arrays.* not supported yet"),
+        (
+            "aux",
+            0,
+            r"Layer 0 returned .*item 1 would be dropped, but it holds arrays.* only with the `aux=` option",
+        ),
     ],
     ids=["index-out-of-range", "missing-key", "dropped-aux-loss"],
 )

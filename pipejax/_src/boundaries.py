@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pipejax._src import checks
+from pipejax._src import aux_outputs, checks
 from pipejax._src.layout import Layout, is_weak
 from pipejax._src.placement import StageParams
 
@@ -54,16 +54,8 @@ def stage_output(
         out = jax.eval_shape(lambda a, kw: stage(*a, **kw), args, kwargs)
     except Exception as err:
         raise stage_error(err, s, in_struct) from err
-    stats = None
-    if pipe.stateful:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(
-                f"Stage {s} returned {out!r}, but the pipeline is stateful, so every stage must "
-                "return a pair `(y, stats)`: the activation for the next stage and a pytree of "
-                "per-micro-batch statistics without the batch axis (None if it has none), e.g. "
-                "`return y, None`."
-            )
-        out, stats = out  # (eval_shape has already rejected leaves that are not arrays)
+    # (eval_shape has already rejected leaves that are not arrays)
+    out, stats = aux_outputs.split_output(out, s, pipe.stateful, pipe.aux is not None)
     if not jax.tree.leaves(out):
         raise ValueError(
             f"Stage {s} returned {out!r}, which holds no arrays. A stage must return the "

@@ -45,8 +45,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 
+from pipejax._src import aux_outputs, compat, keys
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import compat, keys
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout
 from pipejax._src.schedule import Schedule
@@ -67,6 +67,7 @@ class Config(NamedTuple):
     # other axes are XLA's to place, and micro-batches of the inputs are read pinned replicated
     # over them (see :func:`read`)
     inner_axes: bool = False
+    aux: bool = False  # stages also return aux outputs, carried as stats (see `aux_outputs`)
 
 
 class Inputs(NamedTuple):
@@ -130,15 +131,14 @@ def named(tree):
 
 def stage_call(cfg: Config, s: int):
     """Stage ``s`` as ``f(params, x, key, state, side) -> (y, stats)``, ``side = (mask, context)``
-    of the micro-batch; stats ``None`` when stateless; ``context=`` passed only when given."""
+    of the micro-batch; stats ``None`` when stateless (with ``aux``: the aux outputs, or
+    ``(stats, aux)``); ``context=`` passed only when given."""
     stage = cfg.stages[s]
 
     def call(p, x, key, state, side):
         mask, context = side
         kwargs = {} if context is None else {"context": context}
-        if cfg.stateful:
-            return tuple(stage(p, x, key, state, mask, **kwargs))
-        return stage(p, x, key, **kwargs), None
+        return aux_outputs.call(stage, cfg.stateful, cfg.aux, p, x, key, state, mask, kwargs)
 
     return call
 

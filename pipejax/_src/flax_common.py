@@ -80,7 +80,9 @@ _OWN = {
 
 
 class RunLayer(Protocol):
-    """Layer ``index`` as a pure function: ``(y, records)`` from its variables, input, key and kwargs.
+    """Layer ``index`` as a pure function: ``(y, records, sown)`` from its variables, input, key and
+    kwargs; ``sown``: the values the layer sowed (NNX ``nnx.Intermediate``, Linen's
+    ``'intermediates'`` collection) as a dict, ``{}`` when none.
 
     It compares and hashes by value (a frozen dataclass of static configuration, no arrays): it is
     part of the key under which :func:`program` caches the pipeline that runs it.
@@ -94,7 +96,7 @@ class RunLayer(Protocol):
         key: jax.Array | None,
         mask: jax.Array | None,
         kwargs: Mapping[str, Any],
-    ) -> tuple[PyTree, dict[tuple[str, ...], SownMoments]]: ...
+    ) -> tuple[PyTree, dict[tuple[str, ...], SownMoments], PyTree]: ...
 
 
 def pipeline_option_names() -> tuple[str, ...]:
@@ -243,6 +245,13 @@ class Stack:
         self.carry = check_carry(carry, owner)
         # The pipeline's own validation of every option (mesh, schedule, repeats, data axis, ...).
         self.placer = pipeline([_no_stage] * len(self.sizes), stateful=self.deferred, **self.options)
+        self.aux = self.placer.aux  # collect layers' auxiliary outputs and sown values
+        if self.aux is not None and self.placer.per_example_keys:
+            raise NotImplementedError(
+                f"{owner} with `aux={self.aux!r}` does not support `per_example_keys=True`: "
+                "per-example keys run each layer row by row, and aux outputs are values of the "
+                "whole micro-batch. Drop one of the two."
+            )
         if self.deferred and self.placer.per_example_keys:
             raise NotImplementedError(
                 f"{owner} with `deferred_batch_norm=True` does not support `per_example_keys=True`: "
@@ -344,13 +353,39 @@ class Stack:
             kwargs_per_layer = [{}] * self.num_layers
         if context_per_layer is None:
             context_per_layer = [()] * self.num_layers
+        collect = self.aux is not None
         steps = [
-            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]), self.carry)
+            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]), self.carry, collect)
             for i in range(self.num_layers)
         ]
         part = partition(steps, self.sizes)
-        stages = [_stateful(st) if self.deferred else _stateless(st) for st in part.stages]
+        wrap = _stateful if self.deferred else _stateless
+        stages = [wrap(st, collect) for st in part.stages]
         return pipeline(stages, stateful=self.deferred, **self.options)
+
+    def layer_aux(self, aux_per_stage: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The pipeline's aux (per stage, a tuple over its layers) as a list over all layers."""
+        return [a for stage in aux_per_stage for a in stage]
+
+    def check_aux_loss(self, aux_loss: Any) -> Any:
+        """``aux_loss`` (per layer) checked, as the stage-level function the pipeline applies: the
+        sum of ``aux_loss(a)`` over the stage's layers whose aux ``a`` holds arrays (a ``None``
+        result adds nothing)."""
+        if aux_loss is None:
+            return None
+        if not callable(aux_loss):
+            raise TypeError(
+                f"`aux_loss` of {self.owner}.value_and_grad must be a callable `aux_loss(aux) -> "
+                "scalar`, applied to the aux outputs of each layer and micro-batch, but got "
+                f"{type(aux_loss).__name__} {aux_loss!r}."
+            )
+        if self.aux is None:
+            raise ValueError(
+                f"`aux_loss` was given, but {self.owner} was built without `aux=`, so it collects no "
+                "auxiliary outputs of its layers. Build it with `aux='mean'` (or 'sum', 'stack'), "
+                "or drop `aux_loss`."
+            )
+        return _StageAuxLoss(aux_loss)
 
     def check_trainable(self, loss_fn: Any) -> None:
         """Raises for what the adapters' ``value_and_grad`` does not support (see :meth:`value_and_grad`).
@@ -378,6 +413,7 @@ class Stack:
         loss_fn: Callable[[PyTree, PyTree], jax.Array],
         kwargs_per_layer: Sequence[Mapping[str, Any]],
         context_per_layer: Sequence[Sequence[str]] | None,
+        aux_loss: Any = None,
     ) -> Callable[..., tuple[jax.Array, StageParams]]:
         """``f(params, x, targets, key, context=None) -> (loss, grads)``: a training step of the
         layers, run by the pipeline's schedule (the core of both adapters' ``value_and_grad``).
@@ -398,12 +434,17 @@ class Stack:
         Args:
           run_layer, kwargs_per_layer, context_per_layer: as for :meth:`pipeline`.
           loss_fn: ``loss_fn(outputs, targets) -> losses``, shape ``(batch,)``.
+          aux_loss: what :meth:`check_aux_loss` returned, or ``None``. With ``aux=``, ``f``
+            returns ``((loss, aux per layer), grads)``.
         """
-        step = program(self, run_layer, kwargs_per_layer, context_per_layer, loss_fn)
+        step = program(self, run_layer, kwargs_per_layer, context_per_layer, loss_fn, aux_loss)
 
         def f(params, x, targets, key, context=None):
             side = {} if context_per_layer is None else {"context": dict(context)}
-            return step(params, x, targets, key, **side)
+            out, grads = step(params, x, targets, key, **side)
+            if self.aux is None:
+                return out, grads
+            return (out[0], self.layer_aux(out[1])), grads
 
         return f
 
@@ -433,6 +474,7 @@ def program(
     kwargs_per_layer: Sequence[Mapping[str, Any]] | None,
     context_per_layer: Sequence[Sequence[str]] | None,
     loss_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+    aux_loss: Any = None,
 ) -> Any:
     """The pipeline :meth:`Stack.build` makes (with ``loss_fn``: its ``value_and_grad`` step),
     built once per configuration and shared by every call of both adapters.
@@ -458,7 +500,7 @@ def program(
     if kwargs_per_layer is not None:
         kwargs = tuple(tuple(sorted(kw.items())) for kw in kwargs_per_layer)
     context = None if context_per_layer is None else tuple(tuple(names) for names in context_per_layer)
-    return _lookup(stack, run_layer, kwargs, context, loss_fn)
+    return _lookup(stack, run_layer, kwargs, context, loss_fn, aux_loss)
 
 
 def _lookup(*key: Any) -> Any:
@@ -469,9 +511,10 @@ def _lookup(*key: Any) -> Any:
     return _cached(*key)
 
 
-def _build(stack: Stack, run_layer: RunLayer, kwargs: Any, context: Any, loss_fn: Any) -> Any:
+def _build(stack: Stack, run_layer: RunLayer, kwargs: Any, context: Any, loss_fn: Any, aux_loss: Any) -> Any:
     if loss_fn is not None:
-        return _lookup(stack, run_layer, kwargs, context, None).value_and_grad(loss_fn)
+        forward = _lookup(stack, run_layer, kwargs, context, None, None)
+        return forward.value_and_grad(loss_fn, aux_loss=aux_loss)
     return stack.build(run_layer, None if kwargs is None else [dict(kw) for kw in kwargs], context)
 
 
@@ -644,15 +687,21 @@ def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline n
 
 
 def _layer_step(
-    run_layer: RunLayer, index: int, kwargs: Mapping[str, Any], names: tuple[str, ...], carry: Carry
+    run_layer: RunLayer,
+    index: int,
+    kwargs: Mapping[str, Any],
+    names: tuple[str, ...],
+    carry: Carry,
+    collect: bool = False,
 ):
     """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, context,
-    records)``: it reads the side inputs ``names`` of the micro-batch's ``context`` as keyword
-    arguments, passes on the part of its output that ``carry`` selects (:func:`select_carry`), and
-    passes the context on unchanged to the stage's next layer."""
+    records, auxes)``: it reads the side inputs ``names`` of the micro-batch's ``context`` as
+    keyword arguments, passes on the part of its output that ``carry`` selects
+    (:func:`select_carry`), and passes the context on unchanged to the stage's next layer. With
+    ``collect`` (the ``aux=`` option) it adds its aux outputs to ``auxes`` (:func:`layer_aux`)."""
 
     def step(variables, state, key):
-        h, mask, context, records = state
+        h, mask, context, records, auxes = state
         side = {name: context[name] for name in names}
         if key is not None and _batched(key):  # per-example keys: the layer row by row
 
@@ -661,9 +710,9 @@ def _layer_step(
                 y = run_layer(index, variables, _lead(row), k, None, kw)[0]
                 return _first(select_carry(carry, index, y))
 
-            return jax.vmap(one)(h, key, side), mask, context, (*records, {})
+            return jax.vmap(one)(h, key, side), mask, context, (*records, {}), auxes
         try:
-            y, rec = run_layer(index, variables, h, key, mask, {**kwargs, **side})
+            y, rec, sown = run_layer(index, variables, h, key, mask, {**kwargs, **side})
         except (TypeError, ValueError) as err:
             hint = _carry_hint(carry, index, h, err)
             if hint is None:
@@ -672,25 +721,60 @@ def _layer_step(
                 raise type(err)(hint) from err
             err.add_note(hint)
             raise
-        return select_carry(carry, index, y), mask, context, (*records, rec or {})
+        if not collect:
+            return select_carry(carry, index, y), mask, context, (*records, rec or {}), auxes
+        h, rest = split_carry(carry, index, y, collect=True)
+        return h, mask, context, (*records, rec or {}), (*auxes, layer_aux(rest, sown))
 
     return step
 
 
-def _stateless(stage):
+def layer_aux(rest: Any, sown: Mapping[str, Any]) -> dict[str, Any]:
+    """A layer's aux outputs: ``{"outputs": the rest of its output (what ``carry=`` did not pass
+    on), "intermediates": what it sowed}``, each key present only when it holds arrays."""
+    aux = {}
+    if any(_is_array(a) for a in jax.tree.leaves(rest)):
+        aux["outputs"] = rest
+    if jax.tree.leaves(sown):
+        aux["intermediates"] = sown
+    return aux
+
+
+class _StageAuxLoss:
+    """A per-layer ``aux_loss`` as the pipeline's per-stage one: the sum over the stage's layers
+    with aux outputs (``None`` results add nothing; ``None`` when nothing does). Equal by the
+    wrapped function, so the cached training step is found again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, stage_aux):
+        values = [self.fn(a) for a in stage_aux if jax.tree.leaves(a)]
+        values = [v for v in values if v is not None]
+        return sum(values[1:], values[0]) if values else None
+
+    def __eq__(self, other):
+        return isinstance(other, _StageAuxLoss) and other.fn is self.fn
+
+    def __hash__(self):
+        return hash(("stage-aux-loss", id(self.fn)))
+
+
+def _stateless(stage, collect=False):
     def run(params, x, key, context=None):
-        y, _, _, _ = stage([{"params": p} for p in params], (x, None, context, ()), key)
-        return y
+        y, _, _, _, auxes = stage([{"params": p} for p in params], (x, None, context, (), ()), key)
+        return (y, auxes) if collect else y
 
     return run
 
 
-def _stateful(stage):
+def _stateful(stage, collect=False):
     def run(params, x, key, state, mask, context=None):
         state = (None,) * len(params) if state is None else state  # (no layer has statistics)
         variables = [{"params": p, "batch_stats": st} for p, st in zip(params, state, strict=True)]
-        y, _, _, records = stage(variables, (x, mask, context, ()), key)
-        return y, tuple(r or None for r in records)
+        y, _, _, records, auxes = stage(variables, (x, mask, context, (), ()), key)
+        stats = tuple(r or None for r in records)
+        return (y, stats, auxes) if collect else (y, stats)
 
     return run
 
@@ -851,7 +935,14 @@ def check_carry(carry: Any, owner: str) -> Carry:
 
 
 def select_carry(carry: Carry, index: int, out: Any) -> Any:
-    """The activation layer ``index`` passes on, from its output ``out`` and ``carry``.
+    """The activation layer ``index`` passes on, from its output ``out`` and ``carry`` (the rest
+    must hold no arrays; see :func:`split_carry`)."""
+    return split_carry(carry, index, out)[0]
+
+
+def split_carry(carry: Carry, index: int, out: Any, collect: bool = False) -> tuple[Any, Any]:
+    """``(activation, rest)``: the part of layer ``index``'s output ``out`` that ``carry`` selects,
+    and the rest (``None`` when nothing is dropped).
 
     * ``None``: ``out`` itself;
     * an int ``k``: ``out[k]`` if ``out`` is a tuple or a list; any other output (an array, a
@@ -859,20 +950,22 @@ def select_carry(carry: Carry, index: int, out: Any) -> Any:
     * a str ``k``: ``out[k]`` if ``out`` is a dict (a ``Mapping``); any other output whole;
     * a callable: ``carry(out)``, for every output (the function decides what is dropped).
 
-    With an int or a str, the rest of ``out`` is dropped, which is allowed only when it holds no
-    arrays (``None``, Python values): an auxiliary output that is an array (an aux loss, a cache,
-    sown values) would be lost silently, and collecting such outputs is not supported yet.
+    With an int or a str, the rest of ``out`` (a tuple of the other items; a dict of the other
+    entries) is returned (``collect``: the ``aux=`` option collects it as the layer's aux
+    outputs); without ``collect`` it must hold no arrays (``None``, Python values): an
+    auxiliary output that is an array (an aux loss, a cache) would be lost silently.
 
     Raises:
-      ValueError: an index or key that ``out`` does not have, or dropped parts holding arrays.
+      ValueError: an index or key that ``out`` does not have, or (without ``collect``) dropped
+        parts holding arrays.
     """
     if carry is None:
-        return out
+        return out, None
     if callable(carry):
-        return carry(out)
+        return carry(out), None
     if isinstance(carry, int):
         if not isinstance(out, (tuple, list)):
-            return out
+            return out, None
         if not -len(out) <= carry < len(out):
             raise ValueError(
                 f"`carry={carry}` selects item {carry} of each layer's tuple output, but layer {index} "
@@ -882,10 +975,10 @@ def select_carry(carry: Carry, index: int, out: Any) -> Any:
             )
         kept = carry % len(out)
         dropped = {f"item {k}": v for k, v in enumerate(out) if k != kept}
-        chosen = out[kept]
+        chosen, rest = out[kept], tuple(v for k, v in enumerate(out) if k != kept)
     else:
         if not isinstance(out, Mapping):
-            return out
+            return out, None
         if carry not in out:
             raise ValueError(
                 f"`carry={carry!r}` selects the entry {carry!r} of each layer's dict output, but layer "
@@ -893,19 +986,20 @@ def select_carry(carry: Carry, index: int, out: Any) -> Any:
                 "the key of the activation, or a function `carry=lambda out: ...`."
             )
         dropped = {f"entry {k!r}": v for k, v in out.items() if k != carry}
-        chosen = out[carry]
+        chosen, rest = out[carry], {k: v for k, v in out.items() if k != carry}
     arrays = [name for name, v in dropped.items() if any(_is_array(a) for a in jax.tree.leaves(v))]
-    if arrays:
+    if arrays and not collect:
         raise ValueError(
             f"Layer {index} returned {_describe(out)}: with `carry={carry!r}` its "
             f"{', '.join(arrays)} would be dropped, but {'it holds' if len(arrays) == 1 else 'they hold'} "
-            "arrays. A pipeline passes on only the activation and drops the rest of a layer's output; "
-            "collecting auxiliary outputs (aux losses, sown values, caches) is not supported yet, so "
-            "the drop is allowed only for parts without arrays (a cache of None). Return only the "
-            "activation (or None beside it) in this call, or, if these outputs are not needed, drop "
-            "them explicitly with a function: `carry=lambda out: out[...]`."
+            "arrays. A pipeline passes on only the activation; the rest of a layer's output is "
+            "collected only with the `aux=` option ('stack', 'sum' or 'mean'), which returns it "
+            "beside the output (`y, aux = pipe(x)`), so without it the drop is allowed only for "
+            "parts without arrays (a cache of None). Build the pipeline with `aux='mean'` to "
+            "collect them, return only the activation (or None beside it), or, if these outputs "
+            "are not needed, drop them explicitly with a function: `carry=lambda out: out[...]`."
         )
-    return chosen
+    return chosen, rest
 
 
 def _carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> str | None:

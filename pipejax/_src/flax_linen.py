@@ -86,8 +86,9 @@ class LinenPipeline(nn.Module):
     ``"params"`` rng) and lays them out with
     :meth:`pipejax.Pipeline.place`. The output of ``init`` is that sequential run's (equal to the
     pipeline's up to rounding when deterministic), so ``init`` never compiles the pipeline.
-    Layers that create collections other than ``"params"`` and ``"batch_stats"`` (caches,
-    intermediates) raise ``NotImplementedError``.
+    Layers that create collections other than ``"params"``, ``"batch_stats"`` and
+    ``"intermediates"`` (sown values, which ``aux=`` collects per call; ``init`` drops them), such
+    as caches, raise ``NotImplementedError``.
 
     BatchNorm: with ``deferred_batch_norm=True``, ``nn.BatchNorm`` layers (also nested inside a
     layer) work as torchgpipe's deferred batch norm. In training each micro-batch is normalised
@@ -118,12 +119,16 @@ class LinenPipeline(nn.Module):
         returned by the last), in ``apply`` and ``init`` alike: ``None``, the whole output; an
         int, the item of a tuple output (``carry=1`` for layers that return ``(cache, x)``;
         other outputs pass whole); a str, the entry of a dict output; or a function ``out ->
-        activation``. With an int or a str the other items are dropped, and they must hold no
-        arrays (``ValueError``): collecting auxiliary outputs is not supported yet.
+        activation``. With an int or a str the other items are not passed on: without ``aux=``
+        they must hold no arrays (``ValueError``); with it they are collected.
       pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked by
         it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
-        ``data_axis_name``, ``per_example_keys``. Pass them as keyword arguments,
-        ``LinenPipeline(layers, balance=[2, 2], chunks=4, mesh=mesh)``; they are collected here.
+        ``data_axis_name``, ``per_example_keys``, ``aux``. With ``aux="stack"``, ``"sum"`` or
+        ``"mean"`` ``apply`` returns ``(y, aux)``, ``aux`` a list with one dict per layer:
+        ``"outputs"`` (what ``carry=`` did not pass on) and ``"intermediates"`` (what it sowed
+        with ``self.sow("intermediates", ...)``), per micro-batch reduced as ``aux`` says.
+        Pass them as keyword arguments, ``LinenPipeline(layers, balance=[2, 2], chunks=4,
+        mesh=mesh)``; they are collected here.
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -190,10 +195,12 @@ class LinenPipeline(nn.Module):
                         "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
                     )
                 )
-            return engine(params, x, key, **side)
+            out = engine(params, x, key, **side)
+            return out if stack.aux is None else (out[0], stack.layer_aux(out[1]))
         state = self.get_variable("batch_stats", "stages")
         state = None if state is None else _check_packed(state, "batch_stats")
-        y, stats = engine(params, x, key, state=state, **side)
+        out = engine(params, x, key, state=state, **side)
+        y, stats = out[:2]
         new = None if state is None else stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: update its statistics once
             if not self.is_mutable_collection("batch_stats"):
@@ -204,10 +211,10 @@ class LinenPipeline(nn.Module):
                     "returned batch_stats, or evaluate with `use_running_average=True`."
                 )
             self.put_variable("batch_stats", "stages", stack_box(stack, new))
-        return y
+        return y if stack.aux is None else (y, stack.layer_aux(out[2]))
 
     @nn.nowrap
-    def value_and_grad(self, loss_fn: Any) -> Any:
+    def value_and_grad(self, loss_fn: Any, *, aux_loss: Any = None) -> Any:
         """A training step of this module that returns the loss and its gradient, run by its schedule.
 
         Returns ``step(variables, x, targets, *, rngs=None, context=None, **flags) -> (loss,
@@ -229,15 +236,21 @@ class LinenPipeline(nn.Module):
         first and last layers; stages may differ): the step differentiates with respect to the
         module's parameters only. Call ``step`` under ``jax.jit`` (as a train step), or eagerly.
 
+        With ``aux=`` (the layers' auxiliary outputs), ``step`` returns ``((loss, aux),
+        grads)``, ``aux`` a list with one entry per layer, and ``aux_loss`` adds their losses
+        exactly as :meth:`pipejax.flax.NNXPipeline.value_and_grad` describes.
+
         Args:
           loss_fn: ``loss_fn(outputs, targets) -> losses`` of shape ``(batch,)``.
+          aux_loss: ``aux_loss(aux_of_one_layer) -> scalar or None``, or ``None`` (needs ``aux=``).
 
         Returns:
           ``step`` as described above.
 
         Raises:
-          TypeError: if ``loss_fn`` is not callable.
-          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
+          TypeError: if ``loss_fn`` or ``aux_loss`` is not callable.
+          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned); an
+            ``aux_loss`` without ``aux=``.
 
         Examples:
           >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -258,6 +271,7 @@ class LinenPipeline(nn.Module):
         """
         stack = self._stack()
         stack.check_trainable(loss_fn)
+        stage_aux_loss = stack.check_aux_loss(aux_loss)
         calls = [type(layer).__call__ for layer in self.layers]
         run = _LinenLayers(tuple(self._layers()), self.rng_collection, stack.deferred)
 
@@ -271,7 +285,7 @@ class LinenPipeline(nn.Module):
                     )
                 )
             packed = _stage_params_of(variables)
-            f = stack.value_and_grad(run, loss_fn, kwargs, names)  # built once per configuration
+            f = stack.value_and_grad(run, loss_fn, kwargs, names, stage_aux_loss)  # built once
             loss, grads = f(packed, x, targets, self._call_key(variables, rngs), context)
             box = variables["params"]["stages"]
             if isinstance(box, nn.meta.AxisMetadata):
@@ -431,8 +445,9 @@ class LinenPipeline(nn.Module):
         for index, (layer, kw) in enumerate(zip(self._layers(), kwargs, strict=True)):
             k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
             out, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
-            h = common.select_carry(stack.carry, index, out)
+            h = common.split_carry(stack.carry, index, out, collect=stack.aux is not None)[0]
             variables = unfreeze(variables)
+            variables.pop("intermediates", None)  # sown values: collected per call with `aux=`
             _check_collections(index, layer, variables, self.deferred_batch_norm)
             params.append(variables.get("params", {}))
             state.append(variables.get("batch_stats", {}))
@@ -554,7 +569,7 @@ class _LinenLayers:
         records: dict[tuple[str, ...], common.SownMoments] = {}
         try:
             with nn.intercept_methods(_batch_norm_interceptor(mask, self.deferred, index, records)):
-                y = layers[index].apply(variables, x, rngs=rngs, **kwargs)
+                y, sown = layers[index].apply(variables, x, rngs=rngs, mutable=["intermediates"], **kwargs)
         except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeParamNotFoundError) as err:
             err.add_note(
                 f"pipejax.flax.LinenPipeline: layer {index} ({type(layers[index]).__name__}) has no such "
@@ -563,7 +578,7 @@ class _LinenLayers:
                 "parameters."
             )
             raise
-        return y, records
+        return y, records, unfreeze(sown).get("intermediates", {})
 
 
 def _unboxed(tree: Any) -> Any:

@@ -120,11 +120,16 @@ class NNXPipeline(nnx.Module):
         returned by the last): ``None``, the whole output; an int, the item of a tuple output
         (``carry=1`` for layers that return ``(cache, x)``; other outputs pass whole); a str,
         the entry of a dict output; or a function ``out -> activation``. With an int or a str
-        the other items are dropped, and they must hold no arrays (``ValueError``): collecting
-        auxiliary outputs is not supported yet.
+        the other items are not passed on: without ``aux=`` they must hold no arrays
+        (``ValueError``); with it they are collected.
       **pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked
         by it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
-        ``data_axis_name``, ``per_example_keys``. Kept as the attribute ``pipeline_options``.
+        ``data_axis_name``, ``per_example_keys``, ``aux``. With ``aux="stack"``, ``"sum"`` or
+        ``"mean"`` a call returns ``(y, aux)``, ``aux`` a list with one dict per layer of what
+        the layer produced beside its activation, per micro-batch reduced as ``aux`` says:
+        ``"outputs"`` (what ``carry=`` did not pass on) and ``"intermediates"`` (what it sowed
+        with ``self.sow(nnx.Intermediate, ...)``); see :meth:`value_and_grad`'s ``aux_loss``.
+        Kept as the attribute ``pipeline_options``.
 
     Raises:
       TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax.md``), and
@@ -255,16 +260,18 @@ class NNXPipeline(nnx.Module):
         run = self._run_layer(det, ura, self._call_streams(rngs))
         engine = stack.pipeline(run, kwargs, names)  # built once per configuration
         if not stack.deferred:
-            return engine(self.stage_params(), x, self._key(rngs), **side)
+            out = engine(self.stage_params(), x, self._key(rngs), **side)
+            return out if stack.aux is None else (out[0], stack.layer_aux(out[1]))
         state = self.stage_batch_stats()
-        y, stats = engine(self.stage_params(), x, self._key(rngs), state=state, **side)
+        out = engine(self.stage_params(), x, self._key(rngs), state=state, **side)
+        y, stats = out[:2]
         new = stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: its statistics change once
             for var, buffer in zip(self.packed_batch_stats, new.buffers, strict=True):
                 var[...] = buffer
-        return y
+        return y if stack.aux is None else (y, stack.layer_aux(out[2]))
 
-    def value_and_grad(self, loss_fn: Any) -> Any:
+    def value_and_grad(self, loss_fn: Any, *, aux_loss: Any = None) -> Any:
         """A training step of this module that returns the loss and its gradient, run by its schedule.
 
         Returns ``step(x, targets, *, deterministic=None, rngs=None, context=None, **flags) ->
@@ -289,15 +296,25 @@ class NNXPipeline(nnx.Module):
         module's parameters only. Inside ``nnx.jit``, call ``model.value_and_grad(loss_fn)`` on
         the model the jitted function receives (not on one captured from outside).
 
+        With ``aux=`` (the layers' auxiliary outputs, see the class docstring), ``step`` returns
+        ``((loss, aux), grads)``, ``aux`` a list with one entry per layer, and ``aux_loss``
+        adds their losses: ``aux_loss(a)`` is called on the aux ``a`` of each layer and
+        micro-batch (a dict with ``"outputs"`` and/or ``"intermediates"``; return ``None``
+        for a layer without a loss), and the loss gains ``sum_l sum_i w_i aux_loss(a_li)``,
+        ``w_i`` micro-batch ``i``'s share of the batch's real examples, under every schedule
+        (:meth:`pipejax.Pipeline.value_and_grad`).
+
         Args:
           loss_fn: ``loss_fn(outputs, targets) -> losses`` of shape ``(batch,)``.
+          aux_loss: ``aux_loss(aux_of_one_layer) -> scalar or None``, or ``None`` (needs ``aux=``).
 
         Returns:
           ``step`` as described above.
 
         Raises:
-          TypeError: if ``loss_fn`` is not callable.
-          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned).
+          TypeError: if ``loss_fn`` or ``aux_loss`` is not callable.
+          ValueError: with ``deferred_batch_norm=True`` (no statistics are returned); an
+            ``aux_loss`` without ``aux=``.
 
         Examples:
           >>> import jax, jax.numpy as jnp
@@ -319,13 +336,14 @@ class NNXPipeline(nnx.Module):
         """
         stack = self._stack
         stack.check_trainable(loss_fn)
+        stage_aux_loss = stack.check_aux_loss(aux_loss)
 
         def step(x, targets, *, deterministic=None, rngs=None, context=None, **flags):
             kwargs = common.route_kwargs(self.calls, flags)
             names = common.route_context(self.calls, context, flags)
             det = self.deterministic if deterministic is None else deterministic
             run = self._run_layer(det, self.use_running_average, self._call_streams(rngs))
-            f = stack.value_and_grad(run, loss_fn, kwargs, names)  # built once per configuration
+            f = stack.value_and_grad(run, loss_fn, kwargs, names, stage_aux_loss)  # built once
             loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
             like = nnx.state(self, nnx.Param)
             return loss, jax.tree.unflatten(jax.tree.structure(like), list(grads.buffers))
@@ -514,7 +532,11 @@ class _NNXLayers:
                 object.__setattr__(module, "__class__", _deferred_class(type(module)))
                 object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
         try:
-            return layer(x, **kwargs), records
+            if hasattr(nnx, "capture"):  # sown values (`self.sow(nnx.Intermediate, ...)`): the layer's aux
+                y, sown = nnx.capture(layer, nnx.Intermediate)(x, **kwargs)
+            else:  # flax before nnx.capture: sow stores into the layer
+                y, sown = layer(x, **kwargs), nnx.pop(layer, nnx.Intermediate)
+            return y, records, nnx.to_pure_dict(sown)
         except ValueError as err:
             if self.call_streams[index] and key is None and "rngs" in str(err):
                 err.add_note(

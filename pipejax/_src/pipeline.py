@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import boundaries as bnd
 from pipejax._src import (
+    aux_outputs,
     checks,
     compat,
     engine,
@@ -67,6 +67,7 @@ from pipejax._src import (
     stage_forms,
     train,
 )
+from pipejax._src import boundaries as bnd
 from pipejax._src import schedule as sched
 from pipejax._src.placement import StageParams, stage_index
 from pipejax._src.placement import pack as pack_params
@@ -112,6 +113,7 @@ def pipeline(
     data_axis_name: str | None = None,
     param_specs: Any = None,
     tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
+    aux: str | None = None,
 ) -> Pipeline:
     """Builds a GPipe pipeline over ``stages``.
 
@@ -215,6 +217,17 @@ def pipeline(
         copies that start equal stay bitwise equal under identical optimizer updates. The
         copies must start equal; the pipeline does not check. See docs/pipeline.md, "Tied
         weights across stages".
+      aux: ``None``, or how the stages' auxiliary outputs are returned: ``"stack"``, ``"sum"``
+        or ``"mean"``. A stage then returns ``(y, aux)`` (stateful: ``(y, stats, aux)``),
+        ``aux`` a pytree of arrays of one micro-batch (an aux loss, router statistics), and the
+        call returns ``(y, aux)`` (stateful: ``(y, stats, aux)``), ``aux`` per stage as stats
+        are: every micro-batch's value stacked on a leading axis ``m`` (``"stack"``), their sum
+        (``"sum"``), or ``sum_i w_i aux_i`` with ``w_i = n_i / B``, micro-batch ``i``'s real
+        rows over the batch size (``"mean"``: the mean over micro-batches of an even cut;
+        padding rows do not count). Recorded where stats are, in every schedule's loop, and
+        differentiable; :meth:`Pipeline.value_and_grad`'s ``aux_loss`` adds losses of them. A
+        stage that must leave the padding rows out of its own mean is built ``stateful`` (it
+        then reads the row mask). See docs/pipeline.md, "Auxiliary outputs".
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -256,6 +269,16 @@ def pipeline(
       >>> apply(params, jnp.arange(4.0)).tolist(), apply.schedule(4).bubble_fraction()
       ([0.0, 24.0, 48.0, 72.0], 0.2)
 
+      Auxiliary outputs: each stage also returns a value per micro-batch (here its mean
+      output), averaged over the micro-batches by their real rows:
+
+      >>> def reports(p, x, key):
+      ...     y = x * p
+      ...     return y, jnp.mean(y)
+      >>> y, aux = pj.pipeline([reports, reports], chunks=2, aux="mean")([2.0, 10.0], jnp.arange(4.0))
+      >>> [float(a) for a in aux]
+      [3.0, 30.0]
+
     References:
       Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
       Parallelism", NeurIPS 2019. Kim et al., "torchgpipe: On-the-fly Pipeline Parallelism for
@@ -276,6 +299,7 @@ def pipeline(
         data_axis_name=data_axis_name,
         param_specs=param_specs,
         tied=tied,
+        aux=aux,
     )
 
 
@@ -298,8 +322,10 @@ class Pipeline:
         data_axis_name: str | None = None,
         param_specs: Any = None,
         tied: Any = None,
+        aux: str | None = None,
     ):
         self.homogeneous, self.stages = options.check_stages(stages, num_stages)
+        self.aux = aux_outputs.check_mode(aux)
         self.tied = options.check_tied(tied, len(self.stages))
         self.num_stages = len(self.stages)
         repeats = options.check_schedule(schedule, repeats, self.num_stages)
@@ -389,7 +415,12 @@ class Pipeline:
         params, (x, context), key, state = self._commit(params, (x, context), key, state)
         return self._jitted(params, x, key, state, context)
 
-    def value_and_grad(self, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
+    def value_and_grad(
+        self,
+        loss_fn: Callable[[PyTree, PyTree], jax.Array],
+        *,
+        aux_loss: Callable[[PyTree], jax.Array] | None = None,
+    ) -> Callable[..., Any]:
         """A training step that returns the loss and its gradient, computed by this schedule.
 
         ``loss_fn(outputs, targets)`` gives one loss per example (``outputs`` and ``targets`` with
@@ -408,6 +439,24 @@ class Pipeline:
         pipeline's, so every schedule gives the same loss and gradients (up to the order of
         float sums), and ``jax.jvp`` of ``f`` gives Hessian-vector products.
 
+        Auxiliary outputs (a pipeline built with ``aux=``): ``f`` returns ``((loss, aux),
+        grads)`` (stateful: ``((loss, stats, aux), grads)``), ``aux`` reduced as the forward
+        call reduces it, and ``aux_loss(aux) -> scalar`` (or ``None``: nothing), applied to the
+        aux of each (stage, micro-batch), adds ``sum_s sum_i w_i aux_loss(aux_si)`` to the loss,
+        ``w_i = n_i / B`` as for ``aux="mean"``: the same loss and gradients under every
+        schedule (the training schedules seed the aux loss's cotangent in each stage's backward
+        slot). With a ``loss_fn`` that returns ``(losses, weights)``, ``aux_loss`` needs
+        ``"gpipe"`` or ``"circular"``.
+
+        Args:
+          loss_fn: ``loss_fn(outputs, targets) -> losses`` (or ``(losses, weights)``).
+          aux_loss: ``aux_loss(aux_of_one_stage_and_micro_batch) -> scalar``, or ``None``.
+
+        Raises:
+          TypeError: ``loss_fn`` or ``aux_loss`` is not callable.
+          ValueError: ``aux_loss`` for a pipeline without ``aux=``, or one that does not
+            return a scalar.
+
         Examples:
           >>> import jax, jax.numpy as jnp
           >>> import pipejax as pj
@@ -424,7 +473,7 @@ class Pipeline:
           1f1b 268.0 188.0
           zb-h1 268.0 188.0
         """
-        return train.value_and_grad(self, loss_fn)
+        return train.value_and_grad(self, loss_fn, aux_loss)
 
     def place(self, params: Any) -> Any:
         """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
@@ -647,6 +696,19 @@ class Pipeline:
         return Cut(p, num_micro, xs, microbatch.row_mask(p), cs, ts, key_struct)
 
     def _apply(self, params, x, key, state, context=None):
+        y, stats, aux, mask = self._forward(params, x, key, state, context)
+        if self.aux is not None:
+            aux = aux_outputs.reduce(self.aux, aux, mask, microbatch.batch_size(x), self.homogeneous)
+        return self._returned(y, stats, aux)
+
+    def _returned(self, y, stats, aux):
+        """What a call returns: ``y``, ``(y, stats)``, ``(y, aux)`` or ``(y, stats, aux)``."""
+        out = (y,) + ((stats,) if self.stateful else ()) + ((aux,) if self.aux is not None else ())
+        return out if len(out) > 1 else y
+
+    def _forward(self, params, x, key, state, context=None):
+        """``(y, stats, aux (m, ...) per stage, mask bool[m, b])``: the forward loop's results,
+        aux unreduced (``None`` when off)."""
         call = self._cut(x, key, context)
         plan, xs, cs, key_struct = call.plan, call.xs, call.cs, call.key_struct
         mask = call.mask if self.stateful else None  # stateless stages take no mask
@@ -663,6 +725,7 @@ class Pipeline:
             self.axis_name,
             self.data_axis_name,
             inner_axes=param_specs is not None,
+            aux=self.aux is not None,
         )
         local = self.mesh is None
         if self.homogeneous:
@@ -692,7 +755,8 @@ class Pipeline:
         if plan.padding:  # dropping padding rows cuts across a data axis's Explicit sharding
             ys = compat.replicate(ys)
         y = microbatch.merge(ys, plan)
-        return (y, stats) if self.stateful else y
+        stats, aux = aux_outputs.split(stats, self.stateful, self.aux is not None, self.homogeneous)
+        return y, stats, aux, call.mask
 
 
 class Cut(NamedTuple):

@@ -52,9 +52,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options, stage_forms
 from pipejax._src import boundaries as bnd
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import checks, compat, engine, microbatch, options, stage_forms
 from pipejax._src import schedule as sched
 from pipejax._src.layout import Container, Layout, is_weak
 from pipejax._src.placement import StageParams
@@ -62,9 +62,14 @@ from pipejax._src.placement import StageParams
 PyTree = Any
 
 
-def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Callable[..., Any]:
+def value_and_grad(
+    pipe,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    aux_loss: Callable[[PyTree], jax.Array] | None = None,
+) -> Callable[..., Any]:
     """``f(params, x, targets, key=None, *, context=None) -> (loss, grads)`` for ``pipe``; see
     :meth:`pipejax.Pipeline.value_and_grad`."""
+    aux_loss = aux_outputs.check_aux_loss(aux_loss, pipe)
     if not callable(loss_fn):
         raise TypeError(
             f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
@@ -74,19 +79,33 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
 
     def traced(params, x, targets, key, context, state):
         if owns_backward:
-            loss, grads, _, stats = _run(pipe, loss_fn, params, x, targets, key, context, state)
+            loss, grads, _, stats, aux = _run(
+                pipe, loss_fn, params, x, targets, key, context, state, aux_loss
+            )
+            return (pipe._returned(loss, stats, aux), grads)
+        if pipe.aux is None:
+            side = {} if context is None else {"context": context}
+            if pipe.stateful:
+                side["state"] = state
+
+            def loss_of(p):
+                out = pipe(p, x, key, **side)
+                y, stats = out if pipe.stateful else (out, None)
+                return mean_loss(loss_fn, y, targets), stats
+
+            (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
             return ((loss, stats), grads) if pipe.stateful else (loss, grads)
-        side = {} if context is None else {"context": context}
-        if pipe.stateful:
-            side["state"] = state
+        batch = microbatch.batch_size(x)
 
-        def loss_of(p):
-            out = pipe(p, x, key, **side)
-            y, stats = out if pipe.stateful else (out, None)
-            return mean_loss(loss_fn, y, targets), stats
+        def loss_aux(p):  # the aux loss from the records of every (stage, micro-batch)
+            y, stats, aux, mask = pipe._forward(p, x, key, state, context)
+            loss = mean_loss(loss_fn, y, targets)
+            extra = aux_outputs.total(aux_loss, aux, mask, batch, pipe.homogeneous)
+            loss = loss if extra is None else loss + extra.astype(loss.dtype)
+            return loss, (stats, aux_outputs.reduce(pipe.aux, aux, mask, batch, pipe.homogeneous))
 
-        (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return ((loss, stats), grads) if pipe.stateful else (loss, grads)
+        (loss, (stats, aux)), grads = jax.value_and_grad(loss_aux, has_aux=True)(params)
+        return (pipe._returned(loss, stats, aux), grads)
 
     jitted = jax.jit(traced)
 
@@ -108,7 +127,8 @@ def value_and_grad(pipe, loss_fn: Callable[[PyTree, PyTree], jax.Array]) -> Call
 
     f.__doc__ = (
         f"(loss, grads) of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`; "
-        "((loss, stats), grads) for a stateful pipeline."
+        "((loss, stats), grads) for a stateful pipeline, ((loss, aux), grads) with `aux=`, "
+        "((loss, stats, aux), grads) with both."
     )
     return f
 
@@ -208,9 +228,10 @@ class _Variant(NamedTuple):
     stage: int | None = None  # the stage, when one variant runs one stage; None: a homogeneous role
 
 
-def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
-    """``(loss, grads, counts int[n, 3], stats)`` of one training step on ``pipe.schedule_name``'s
-    table; ``stats`` as the forward call of a stateful pipeline returns them (``None`` otherwise)."""
+def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_loss=None):
+    """``(loss, grads, counts int[n, 3], stats, aux)`` of one training step on
+    ``pipe.schedule_name``'s table; ``stats`` and ``aux`` as the forward call of a stateful or
+    ``aux`` pipeline returns them (``None`` otherwise)."""
     # the per-call plan, once: side inputs and targets are cut as x (each slot's stage reads its
     # micro-batch's rows); num_micro per data shard
     call = pipe._cut(x, key, context, targets, stream=False)
@@ -267,6 +288,14 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
     _, weights = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
     )
+    if weights is not None and aux_loss is not None:
+        raise NotImplementedError(
+            f"`aux_loss` with a `loss_fn` that returns `(losses, weights)` is not supported under "
+            f"`schedule={pipe.schedule_name!r}` yet: this schedule divides its gradients by the "
+            "batch's total weight only after the last micro-batch, when the aux losses' gradients "
+            "are already summed in. Return one loss per example (a mean over the batch), or train "
+            "with `schedule='gpipe'` (or 'circular'), whose `value_and_grad` supports both."
+        )
     cfg = engine.Config(
         pipe.stages,
         pipe.stateful,
@@ -275,11 +304,14 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
         pipe.axis_name,
         None,
         inner_axes=param_specs is not None,
+        aux=pipe.aux is not None,
     )
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
-    prog.param_specs = param_specs
+    prog.param_specs, prog.aux_loss = param_specs, aux_loss
     if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
-        prog.state, prog.stats_layouts = compat.replicate(_per_stage_state(pipe, state)), stats_layouts
+        prog.state = compat.replicate(_per_stage_state(pipe, state))
+    if _records(pipe):  # the layouts of each stage's records (stats, aux outputs or both)
+        prog.stats_layouts = stats_layouts
     if pipe.mesh is None:
         totals, grads, counts, stats = prog.local(runner)
     else:
@@ -295,7 +327,15 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None):
         grads = to_user(compat.replicate(grads))[0]
     if pipe.tied:  # each copy's gradient: the sum over its group (typed as the copies, for the vjp)
         grads = untie(jax.tree.map(_typed_as, grads, params))[0]
-    return loss, grads, counts, stats
+    stats, aux = aux_outputs.split(stats, pipe.stateful, pipe.aux is not None, pipe.homogeneous)
+    if aux is not None:
+        aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.homogeneous)
+    return loss, grads, counts, stats, aux
+
+
+def _records(pipe) -> bool:
+    """Whether the stages report per-(stage, micro-batch) records: stats, aux outputs or both."""
+    return pipe.stateful or pipe.aux is not None
 
 
 def _typed_as(g, p):
@@ -368,6 +408,9 @@ class _Program:
         # stateful stages: every stage's state (a list, or stacked on a stage axis), read whole on
         # every device; the layouts of each stage's stats
         self.state, self.stats_layouts = None, None
+        # `value_and_grad(..., aux_loss=)`: each slot adds w_i aux_loss(aux) to the loss (and seeds
+        # its cotangent in B and W), see `_extra`; None: no aux loss
+        self.aux_loss = None
 
     # -- the slots, on typed values ---------------------------------------------------------
 
@@ -385,13 +428,20 @@ class _Program:
         ``context=``, if any; a stateful stage also reads its state and the row mask)."""
         key, rows, s = k
         kwargs = {} if rows is None else {"context": rows}
-        if not self.cfg.stateful:
-            return v.fn(p, x, key, **kwargs), None
-        if not self.pipe.homogeneous:  # a heterogeneous stage (static): its own entry
+        state = None
+        if self.cfg.stateful and not self.pipe.homogeneous:  # a heterogeneous stage (static): its own entry
             state = self.state[v.stage]
-        else:  # homogeneous: row `s` of the stacked state
+        elif self.cfg.stateful:  # homogeneous: row `s` of the stacked state
             state = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), self.state)
-        return tuple(v.fn(p, x, key, state, mask, **kwargs))
+        return aux_outputs.call(v.fn, self.cfg.stateful, self.cfg.aux, p, x, key, state, mask, kwargs)
+
+    def _extra(self, stats, mask):
+        """The aux loss of a slot's (stage, micro-batch), ``w_i aux_loss(aux)`` (see
+        :mod:`pipejax._src.aux_outputs`), or ``None`` without one."""
+        if self.aux_loss is None:
+            return None
+        aux = stats[1] if self.cfg.stateful else stats
+        return aux_outputs.term(self.aux_loss, aux, mask, self.plan.batch)
 
     def _loss(self, y, t, mask):
         """``(loss, weight)`` of a micro-batch: the masked sum of its losses (times ``1 / batch``
@@ -404,11 +454,16 @@ class _Program:
         return loss, jnp.sum(jnp.where(mask, lax.stop_gradient(weights).astype(losses.dtype), zero))
 
     def forward(self, v: _Variant, prow, x, k, t, mask):
-        """``(y or None, loss contribution f[2] (loss, weight) or None, stats)``."""
+        """``(y or None, loss contribution f[2] (loss, weight) or None, stats)``; every stage
+        with an aux loss contributes it."""
         y, stats = self._stage(v, v.params_of(prow), x, k, mask)
+        extra = self._extra(stats, mask)
         if v.last:
-            return None, jnp.stack(self._loss(y, t, mask)), stats
-        return y, None, stats
+            loss, weight = self._loss(y, t, mask)
+            return None, jnp.stack([_plus(loss, extra), weight]), stats
+        if extra is None:
+            return y, None, stats
+        return y, jnp.stack([extra, jnp.zeros_like(extra)]), stats
 
     def save(self, v: _Variant, prow, x, k, t, mask):
         """F: ``(y or None, loss contribution or None, saved, stats)``; ``saved`` is what B and W
@@ -418,7 +473,11 @@ class _Program:
             y, dloss, stats = self.forward(v, prow, x, k, t, mask)
             return y, dloss, x, stats
         out, (weight, stats), saved = self._vjp(v, prow, x, k, t, mask)
-        return (None, jnp.stack([out, weight]), saved, stats) if v.last else (out, None, saved, stats)
+        if v.last:
+            return None, jnp.stack([out, weight]), saved, stats
+        if isinstance(out, _WithAux):  # the stage's aux loss joins the loss
+            return out.y, jnp.stack([out.extra, jnp.zeros_like(out.extra)]), saved, stats
+        return out, None, saved, stats
 
     def _residuals(self, v: _Variant, prow, x, k, t, mask):
         """``(value, (weight, stats), residual leaves, treedef)`` of the stage's (the last stage:
@@ -435,10 +494,11 @@ class _Program:
 
         def h(p, xf):
             y, stats = self._stage(v, p, rebuild(xf), k, mask)
+            extra = self._extra(stats, mask)
             if v.last:
                 loss, weight = self._loss(y, t, mask)
-                return loss, (weight, stats)
-            return y, (None, stats)
+                return _plus(loss, extra), (weight, stats)
+            return (y if extra is None else _WithAux(y, extra)), (None, stats)
 
         if self.policy is not None:
             h = ckpt.remat_for(self.policy)(h)
@@ -458,7 +518,8 @@ class _Program:
             def leaves(prow, x, k, t, mask):
                 out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
                 info["out"] = jax.tree.map(_struct, out)
-                info["axes"] = _axes(out)  # inside the shard_map: the axes it varies along
+                # inside the shard_map: the axes it (the aux loss beside y: that) varies along
+                info["axes"] = _axes(out.extra if isinstance(out, _WithAux) else out)
                 info["types"] = [_struct(a) for a in res]
                 return res
 
@@ -500,6 +561,9 @@ class _Program:
         )
         if v.last:  # the loss's seed, typed as the loss the pullback was traced with
             seed = compat.to_varying(jnp.ones(out.shape, out.dtype), self._meta[id(v)][4])
+        elif isinstance(out, _WithAux):  # the aux loss's seed beside the output's cotangent
+            one = compat.to_varying(jnp.ones(out.extra.shape, out.extra.dtype), self._meta[id(v)][4])
+            seed = _WithAux(_cotangent(g, out.y), one)
         else:
             seed = _cotangent(g, out)
         dp, dxf = back(seed)
@@ -515,8 +579,11 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(prow, xf):
-            y = self._stage(v, v.params_of(prow), rebuild(xf), k, mask)[0]
-            return self._loss(y, t, mask)[0] if v.last else y
+            y, stats = self._stage(v, v.params_of(prow), rebuild(xf), k, mask)
+            extra = self._extra(stats, mask)
+            if v.last:
+                return _plus(self._loss(y, t, mask)[0], extra)
+            return y if extra is None else _WithAux(y, extra)
 
         if wrt_params and wrt_input:
             out, back = jax.vjp(h, prow, xf)
@@ -524,7 +591,12 @@ class _Program:
             out, back = jax.vjp(lambda p: h(p, xf), prow)
         else:
             out, back = jax.vjp(lambda a: h(prow, a), xf)
-        seed = jnp.ones_like(out) if v.last else _cotangent(g, out)
+        if v.last:
+            seed = jnp.ones_like(out)
+        elif isinstance(out, _WithAux):  # the aux loss's seed beside the output's cotangent
+            seed = _WithAux(_cotangent(g, out.y), jnp.ones_like(out.extra))
+        else:
+            seed = _cotangent(g, out)
         cts = back(seed)
         dp = cts[0] if wrt_params else None
         dx = _fill(x, cts[-1]) if wrt_input else None
@@ -757,7 +829,7 @@ class _Program:
             )
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
-            prog.state = state
+            prog.state, prog.aux_loss = state, self.aux_loss
 
             def tick(dev, r):
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
@@ -915,7 +987,7 @@ def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
     ``lax.cond`` skips an idle slot."""
     saved = prog.saved_structs(v, prow)
     ident = lambda tree: tree
-    stats_layout = prog._stats_layout(v.stage) if prog.cfg.stateful else None
+    stats_layout = prog._stats_layout(v.stage) if _records(prog.pipe) else None
 
     def dispatch(working, s, make, idle, *args):
         return lax.cond(working, make(v), idle, *args)
@@ -945,7 +1017,7 @@ def _stats_container(pipe, layouts):
     of one slot as one value every stage's branch returns (heterogeneous: a flat container), and
     the ``(S, m, ...)`` buffer back as the stats of each stage (a list of ``(m, ...)`` pytrees;
     homogeneous: one pytree ``(S, m, ...)``, as the forward call returns them)."""
-    if not pipe.stateful:
+    if not _records(pipe):
         return (lambda tree: None), (lambda lead=(): None), (lambda acc: None)
     if pipe.homogeneous:
         return (lambda tree: tree), (lambda lead=(): engine.zeros(layouts, lead)), (lambda acc: acc)
@@ -963,6 +1035,18 @@ def _stats_container(pipe, layouts):
         return out
 
     return (lambda tree: box.pack(compat.replicate(tree))), box.zeros, unpack
+
+
+class _WithAux(NamedTuple):
+    """A stage's value with an aux loss (``value_and_grad(..., aux_loss=)``): its output and the
+    aux loss of its (stage, micro-batch), seeded with one in B and W."""
+
+    y: Any
+    extra: jax.Array
+
+
+def _plus(loss, extra):
+    return loss if extra is None else loss + extra.astype(loss.dtype)
 
 
 def _add_row(acc, r, delta):
