@@ -151,16 +151,35 @@ def stage_keys(cfg: Config, key, i, s, micro_size):
 
 
 def rows(schedule: Schedule):
-    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T], tick[T])``.
+    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], tick[T])``."""
+    micro, stage = schedule.table, schedule.stages()
+    tick = np.arange(schedule.num_ticks, dtype=np.int32)
+    return tuple(jnp.asarray(a) for a in (micro, stage, tick))
 
-    ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
-    ring at this tick (the circular schedule's next round).
+
+def loop_delay(schedule: Schedule) -> int:
+    """Ticks a micro-batch waits on device 0 between two rounds of the circular schedule.
+
+    Device 0 starts stage ``s >= D`` of micro-batch ``i`` a fixed number of ticks after the
+    last device's output of stage ``s - 1`` reached it: ``max(m, n) - n`` for
+    :func:`~pipejax._src.schedule.circular` (0 when ``m <= n``: it starts the tick it arrives).
+    So the loop buffer is a delay line, not a slot per micro-batch: ``delay + 1`` slots; a tick
+    writes what arrives into slot ``tick mod (delay + 1)`` and then reads slot ``(tick + 1) mod
+    (delay + 1)``, written ``delay`` ticks before. (Reading before writing would need only
+    ``delay`` slots, but XLA then copies the whole buffer every tick to keep the read's old
+    value: 2,658.7 KiB against 2,322.9 KiB per device at m = 32 on
+    ``benchmarks/maxtext_style.py``.) No buffer at all when the delay is 0.
     """
     micro, stage = schedule.table, schedule.stages()
-    back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
-    back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
-    tick = np.arange(schedule.num_ticks, dtype=np.int32)
-    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage, tick))
+    D = schedule.num_devices
+    done = {(int(micro[t, -1]), int(stage[t, -1])): t for t in range(len(micro)) if micro[t, -1] >= 0}
+    delays = {
+        t - done[int(micro[t, 0]), int(stage[t, 0]) - 1] - 1
+        for t in range(len(micro))
+        if micro[t, 0] >= 0 and stage[t, 0] >= D
+    }
+    assert len(delays) == 1 and min(delays) >= 0, f"not a delay line: {sorted(delays)}"
+    return delays.pop()
 
 
 # --- the stages: what a device computes at a tick ------------------------------------------------
@@ -353,10 +372,13 @@ _read_as.defjvp(_read_as_jvp, symbolic_zeros=True)
 
 
 def _row(tree, r, repeats):
-    """Row ``r`` of a device's ``(repeats, ...)`` stages: static for one repeat, named otherwise."""
+    """Row ``r`` of a device's stages: leaves ``(1, ...)`` for one repeat (static), ``(repeats,
+    1, ...)`` otherwise (named). The stage axis is dropped after the pick, in the tick: dropped
+    before the loop, XLA gave the ``(repeats, ...)`` parameters another layout than the loop's
+    and copied them (circular on ``benchmarks/maxtext_style.py``, m = 4: 722.1 -> 561.6 KiB)."""
     if repeats == 1:
         return jax.tree.map(lambda a: a[0], tree)
-    return named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), tree))
+    return named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False)[0], tree))
 
 
 # --- one tick of one device ----------------------------------------------------------------------
@@ -370,7 +392,8 @@ class Carry(NamedTuple):
     acc: Any  # the last stage's outputs, (m, ...): written on the last device only (None: the
     # outputs leave through MeshDevices' drain queue instead)
     stats: Any  # this device's stats, (v, m, ...)
-    loop: Any  # circular schedule: activations waiting for their next round (device 0)
+    loop: Any  # circular schedule: activations waiting for their next round (device 0), a
+    # delay line of `loop_delay + 1` slots; () when they start it the tick they arrive
 
 
 def device_tick(
@@ -382,15 +405,16 @@ def device_tick(
     ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh).
     ``safe``: what a bubble reads, for stages that compute their bubbles (a micro-batch of x)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
-    micro, stage, back_i, back_s, _ = tick_rows
+    micro, stage, tick = tick_rows
     i, s = micro[d], (stage[d] if static_stage is None else static_stage)
     inbox, loop, acc = carry.inbox, carry.loop, carry.acc
-    if v > 1 and _may_be(d, 0):
-        first = d == 0
-        arrived = first & (back_i >= 0) & (back_s < S - 1)  # a micro-batch back for another round
-        loop = write(loop, inbox, 0, clip(back_i, m), arrived)
-        again = first & (s >= D)  # device 0 starts a later round: its input waited in the loop
-        waiting = take(jax.tree.map(lambda a: a[0], loop), clip(i, m))
+    if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
+        # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
+        # with m <= n on what arrives now, the inbox itself (no buffer)
+        size = jax.tree.leaves(loop)[0].shape[0]
+        loop = jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox)
+        waiting = take(loop, (tick + 1) % size)
+        again = (d == 0) & (s >= D)
         inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
     if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
         inbox = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), fresh, inbox)
@@ -653,8 +677,6 @@ class MeshDevices:
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
         params, state = self.gather_data(inputs.params), inputs.state
-        if self.repeats > 1:  # (repeats, 1, ...) blocks -> the device's (repeats, ...) stages
-            params, state = jax.tree.map(lambda a: a[:, 0], (params, state))
         inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)
         stages = ctx.stages
 
@@ -671,7 +693,7 @@ class MeshDevices:
 
             def body(c, tick_rows):
                 c, queue, drain = c
-                j = tick_rows[4] % k
+                j = tick_rows[2] % k
                 fresh = stages.input_message(read(cfg, queue, j))
                 carry, out = device_tick(
                     ctx, d, inputs.params, inputs.state, c, tick_rows, step, fresh=fresh, safe=safe
@@ -682,7 +704,7 @@ class MeshDevices:
                         lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
                     )
                 if drain is not None:  # the last stage's output joins the drain queue
-                    done = jnp.asarray(finished)[tick_rows[4]]
+                    done = jnp.asarray(finished)[tick_rows[2]]
                     drain = self._drain(drain, stages.output(d, out[0]), done, d, D)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
@@ -696,7 +718,8 @@ class MeshDevices:
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
-        loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
+        delay = loop_delay(schedule) if ctx.v > 1 else 0
+        loop = stages.message_zeros(0, (delay + 1,))[0] if delay else ()
         drain, acc = None, _lead(stages.acc_zeros(m))
         if finished is not None:  # ceil(m / D) output slots per device instead of m
             drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
