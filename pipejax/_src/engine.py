@@ -169,6 +169,9 @@ def loop_delay(schedule: Schedule) -> int:
     ``delay`` slots, but XLA then copies the whole buffer every tick to keep the read's old
     value: 2,658.7 KiB against 2,322.9 KiB per device at m = 32 on
     ``benchmarks/maxtext_style.py``.) No buffer at all when the delay is 0.
+
+    >>> [loop_delay(sched.circular(4, m, 2)) for m in (2, 4, 8, 16)]
+    [0, 0, 4, 12]
     """
     micro, stage = schedule.table, schedule.stages()
     D = schedule.num_devices
