@@ -151,10 +151,23 @@ def stage_keys(cfg: Config, key, i, s, micro_size):
 
 
 def rows(schedule: Schedule):
-    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], tick[T])``."""
+    """The scan's per-tick input: one table ``int32[T, 2 D + 1]``, each row the tick's micro-batch
+    and stage of every device and the tick itself (split by :func:`split_row`).
+
+    One table, not a ``tick = arange(T)`` beside the others: XLA turns such a constant into an
+    ``iota`` computed into a buffer of its own, kept through both loops; the table stays a
+    constant of the program. A row is split where it is read, inside the checkpoints (the
+    stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
+    backward pass."""
     micro, stage = schedule.table, schedule.stages()
-    tick = np.arange(schedule.num_ticks, dtype=np.int32)
-    return tuple(jnp.asarray(a) for a in (micro, stage, tick))
+    tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
+    return jnp.asarray(np.concatenate([micro, stage, tick], axis=1).astype(np.int32))
+
+
+def split_row(row):
+    """A row of :func:`rows` as ``(micro[D], stage[D], tick)``."""
+    D = (row.shape[0] - 1) // 2
+    return row[:D], row[D : 2 * D], row[2 * D]
 
 
 def loop_delay(schedule: Schedule) -> int:
@@ -416,7 +429,7 @@ def device_tick(
     params,
     state,
     carry: Carry,
-    tick_rows,
+    row,
     step,
     static_stage=None,
     fresh=None,
@@ -431,12 +444,12 @@ def device_tick(
     ``bubbles_fresh``: a bubble reads ``fresh`` instead (a micro-batch of x on every device)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
 
-    def take_input(tick_rows, inbox, loop, fresh, safe):
-        i, s = at(tick_rows, d, static_stage)
+    def take_input(row, inbox, loop, fresh, safe):
+        i, s = at(row, d, static_stage)
         if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
             # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
             # with m <= n on what arrives now, the inbox itself (no buffer)
-            tick, size = tick_rows[2], jax.tree.leaves(loop)[0].shape[0]
+            tick, size = split_row(row)[2], jax.tree.leaves(loop)[0].shape[0]
             loop = jax.tree.map(
                 lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox
             )
@@ -450,27 +463,27 @@ def device_tick(
             inbox = jax.tree.map(lambda a, b: jnp.where(i < 0, a, b), safe, inbox)
         return inbox, loop
 
-    def put_output(tick_rows, acc, y):
-        i, s = at(tick_rows, d, static_stage)
+    def put_output(row, acc, y):
+        i, s = at(row, d, static_stage)
         return write(acc, y, 0, clip(i, m), (i >= 0) & (s == S - 1))
 
-    def put_stats(tick_rows, stats, new):
-        i, s = at(tick_rows, d, static_stage)
+    def put_stats(row, stats, new):
+        i, s = at(row, d, static_stage)
         return write(stats, new, _round(s, D, v), clip(i, m), i >= 0)
 
-    inbox, loop = recomputed(take_input)(tick_rows, carry.inbox, carry.loop, fresh, safe)
-    out = step(d, params, state, inbox, carry.prev, tick_rows, static_stage, fresh)
+    inbox, loop = recomputed(take_input)(row, carry.inbox, carry.loop, fresh, safe)
+    out = step(d, params, state, inbox, carry.prev, row, static_stage, fresh)
     acc = carry.acc
     if acc is not None and _may_be(d, D - 1):
-        acc = recomputed(put_output)(tick_rows, acc, ctx.stages.output(d, out[0]))
-    stats = recomputed(put_stats)(tick_rows, carry.stats, out[1])
+        acc = recomputed(put_output)(row, acc, ctx.stages.output(d, out[0]))
+    stats = recomputed(put_stats)(row, carry.stats, out[1])
     return Carry(None, out, acc, stats, loop), out
 
 
-def at(tick_rows, d, static_stage=None):
+def at(row, d, static_stage=None):
     """Device ``d``'s micro-batch and stage in the tick's row of the table (``static_stage``:
     the stage, when the phase runs one stage only)."""
-    micro, stage, _ = tick_rows
+    micro, stage, _ = split_row(row)
     pick = lambda a: (
         a[d]
         if isinstance(d, int)
@@ -515,14 +528,14 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         guard = (i >= 0, prev) if phase.guard else None
         return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard, fresh)
 
-    def step(d, params, state, inbox, prev, tick_rows, static_stage=None, fresh=None):
+    def step(d, params, state, inbox, prev, row, static_stage=None, fresh=None):
         # the micro-batch and stage are read from the tick's row inside the checkpoint, so the
         # backward pass reads that row again rather than a copy of them kept per tick (a static
         # stage stays static)
-        def g(params, state, xs, mask, key, inbox, prev, fresh, tick_rows):
-            return f(d, params, state, xs, mask, key, inbox, prev, fresh, *at(tick_rows, d, static_stage))
+        def g(params, state, xs, mask, key, inbox, prev, fresh, row):
+            return f(d, params, state, xs, mask, key, inbox, prev, fresh, *at(row, d, static_stage))
 
-        return phase.remat(g)(params, state, xs, mask, key, inbox, prev, fresh, tick_rows)
+        return phase.remat(g)(params, state, xs, mask, key, inbox, prev, fresh, row)
 
     return step
 
@@ -541,9 +554,10 @@ def _scan(schedule, phases, carry, tick, inputs: Inputs):
     batch at every tick, 13.7 -> 25.9 MiB per device at n = 4, m = 16 in
     ``benchmarks/pipeline.py``'s memory section.)
     """
-    all_rows = rows(schedule)
+    table = rows(schedule)
     for phase in phases:
-        carry, _ = lax.scan(tick(phase, inputs), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
+        body = tick(phase, inputs)
+        carry, _ = lax.scan(body, carry, table[phase.start : phase.stop])
     return carry
 
 
@@ -570,20 +584,20 @@ class LocalDevices:
             params, state = inputs.params, inputs.state
             step = make_step(cfg, ctx, inputs, phase, untyped, ident)
 
-            def one(d, inbox, acc, stats, tick_rows):
+            def one(d, inbox, acc, stats, row):
                 carry = Carry(inbox, None, acc, stats, ())
                 static = d if isinstance(d, int) else None
-                carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step, static)
+                carry, out = device_tick(ctx, d, params, state, carry, row, step, static)
                 return out[0], carry.acc, carry.stats
 
-            def body(c, tick_rows):
+            def body(c, row):
                 acc, stats = c
                 if self.stacked:  # an inner scan over the stages
 
                     def inner(c, per_stage):
                         inbox, acc = c
                         d, st = per_stage
-                        message, acc, st = one(d, inbox, acc, st, tick_rows)
+                        message, acc, st = one(d, inbox, acc, st, row)
                         return (message, acc), st
 
                     first = stages.message_zeros(0)[0]
@@ -591,7 +605,7 @@ class LocalDevices:
                     return (acc, stats), None
                 inbox, new = None, []
                 for d in range(S):
-                    inbox, acc, st = one(d, inbox, acc, stats[d], tick_rows)
+                    inbox, acc, st = one(d, inbox, acc, stats[d], row)
                     new.append(st)
                 return (acc, tuple(new)), None
 
@@ -755,9 +769,9 @@ class MeshDevices:
         def tick(phase, inputs):
             step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
-            def body(c, tick_rows):
+            def body(c, row):
                 c, queue, drain = c
-                j = tick_rows[2] % k
+                j = split_row(row)[2] % k
                 fresh = stages.input_message(read(cfg, queue, j))
                 carry, out = device_tick(
                     ctx,
@@ -765,7 +779,7 @@ class MeshDevices:
                     inputs.params,
                     inputs.state,
                     c,
-                    tick_rows,
+                    row,
                     step,
                     fresh=fresh,
                     safe=safe,
@@ -777,7 +791,7 @@ class MeshDevices:
                         lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
                     )
                 if drain is not None:  # the last stage's output joins the drain queue
-                    drain = self._drain(drain, stages.output(d, out[0]), pushes, tick_rows[2], d)
+                    drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
@@ -810,7 +824,7 @@ class MeshDevices:
             slots = jax.tree.leaves(drain)[0].shape[0]
             for i in range(m, slots * D):  # padding entries, so every output reaches its device
                 pad = self.pushes(np.array([i]), slots, D)
-                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), pad, 0, d)
+                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), pad, None, d)
             return drain, stats
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
@@ -840,9 +854,9 @@ class MeshDevices:
         code[:, -1] *= 2
         return code.astype(np.int32), (np.maximum(finished, 0) % k).astype(np.int32)
 
-    def _drain(self, queue, y, pushes, t, d):
+    def _drain(self, queue, y, pushes, row, d):
         """Puts output ``y`` into the drain queue as the tables ``pushes`` (:meth:`pushes`) say
-        at tick ``t``.
+        at the tick of ``row`` (a row of :func:`rows`; ``None``: the tables' first row).
 
         A device holds ``k = ceil(m / D)`` output slots. When the last device finishes micro-batch
         ``i``, every device takes slot ``i mod k`` from the device after it (one ``ppermute`` of one
@@ -851,22 +865,23 @@ class MeshDevices:
         padding entries up to ``k D``), so output ``i`` ends in slot ``i mod k`` of device
         ``i // k``: the queue is the outputs split over the stage axis, in order. The transpose
         sends cotangents back the same way; values are moved, never added, so they are bitwise
-        the last stage's. The slot and its update are :func:`recomputed` from ``t``; the
+        the last stage's. The slot and its update are :func:`recomputed` from ``row``; the
         code is one table entry (no predicate ``d == D - 1`` kept beside the loop).
         """
         D = pushes[0].shape[1]
 
-        def where_to(t):
+        def where_to(row):
+            t = 0 if row is None else split_row(row)[2]
             code = lax.dynamic_index_in_dim(
                 jnp.asarray(pushes[0])[t], d, keepdims=False, allow_negative_indices=False
             )
             return code, jnp.asarray(pushes[1])[t]
 
-        slot = recomputed(lambda t, queue: take(queue, where_to(t)[1]))(t, queue)
+        slot = recomputed(lambda row, queue: take(queue, where_to(row)[1]))(row, queue)
         moved = lax.ppermute(slot, self.cfg.axis_name, [(e, e - 1) for e in range(1, D)])
 
-        def put(t, queue, slot, moved, y):
-            code, j = where_to(t)
+        def put(row, queue, slot, moved, y):
+            code, j = where_to(row)
 
             def one(a, old, new, y):
                 return lax.dynamic_update_index_in_dim(
@@ -875,7 +890,7 @@ class MeshDevices:
 
             return jax.tree.map(one, queue, slot, moved, y)
 
-        return recomputed(put)(t, queue, slot, moved, y)
+        return recomputed(put)(row, queue, slot, moved, y)
 
 
 def _is_spec(x) -> bool:
