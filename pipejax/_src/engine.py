@@ -151,16 +151,51 @@ def stage_keys(cfg: Config, key, i, s, micro_size):
 
 
 def rows(schedule: Schedule):
-    """The scan's per-tick inputs: ``(micro[T, D], stage[T, D], back_micro[T], back_stage[T], tick[T])``.
+    """The scan's per-tick input: one table ``int32[T, 2 D + 1]``, each row the tick's micro-batch
+    and stage of every device and the tick itself (split by :func:`split_row`).
 
-    ``back_*`` is the last device's entry at the previous tick: what reaches device 0 over the
-    ring at this tick (the circular schedule's next round).
+    One table, not a ``tick = arange(T)`` beside the others: XLA turns such a constant into an
+    ``iota`` computed into a buffer of its own, kept through both loops; the table stays a
+    constant of the program. A row is split where it is read, inside the checkpoints (the
+    stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
+    backward pass."""
+    micro, stage = schedule.table, schedule.stages()
+    tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
+    return jnp.asarray(np.concatenate([micro, stage, tick], axis=1).astype(np.int32))
+
+
+def split_row(row):
+    """A row of :func:`rows` as ``(micro[D], stage[D], tick)``."""
+    D = (row.shape[0] - 1) // 2
+    return row[:D], row[D : 2 * D], row[2 * D]
+
+
+def loop_delay(schedule: Schedule) -> int:
+    """Ticks a micro-batch waits on device 0 between two rounds of the circular schedule.
+
+    Device 0 starts stage ``s >= D`` of micro-batch ``i`` a fixed number of ticks after the
+    last device's output of stage ``s - 1`` reached it: ``max(m, n) - n`` for
+    :func:`~pipejax._src.schedule.circular` (0 when ``m <= n``: it starts the tick it arrives).
+    So the loop buffer is a delay line, not a slot per micro-batch: ``delay + 1`` slots; a tick
+    writes what arrives into slot ``tick mod (delay + 1)`` and then reads slot ``(tick + 1) mod
+    (delay + 1)``, written ``delay`` ticks before. (Reading before writing would need only
+    ``delay`` slots, but XLA then copies the whole buffer every tick to keep the read's old
+    value: 2,658.7 KiB against 2,322.9 KiB per device at m = 32 on
+    ``benchmarks/maxtext_style.py``.) No buffer at all when the delay is 0.
+
+    >>> [loop_delay(sched.circular(4, m, 2)) for m in (2, 4, 8, 16)]
+    [0, 0, 4, 12]
     """
     micro, stage = schedule.table, schedule.stages()
-    back_micro = np.concatenate([[-1], micro[:-1, -1]]).astype(np.int32)
-    back_stage = np.concatenate([[0], stage[:-1, -1]]).astype(np.int32)
-    tick = np.arange(schedule.num_ticks, dtype=np.int32)
-    return tuple(jnp.asarray(a) for a in (micro, stage, back_micro, back_stage, tick))
+    D = schedule.num_devices
+    done = {(int(micro[t, -1]), int(stage[t, -1])): t for t in range(len(micro)) if micro[t, -1] >= 0}
+    delays = {
+        t - done[int(micro[t, 0]), int(stage[t, 0]) - 1] - 1
+        for t in range(len(micro))
+        if micro[t, 0] >= 0 and stage[t, 0] >= D
+    }
+    assert len(delays) == 1 and min(delays) >= 0, f"not a delay line: {sorted(delays)}"
+    return delays.pop()
 
 
 # --- the stages: what a device computes at a tick ------------------------------------------------
@@ -227,7 +262,7 @@ class Heterogeneous:
         not a ``cond`` around a ``switch``).
         """
         if self.switch:
-            r = s // self.D
+            r = _round(s, self.D, self.v)
             prow, srow = _row((params, state), r, self.v)
 
             def branch(t):
@@ -301,7 +336,8 @@ class Homogeneous:
         return message
 
     # On a mesh a bubble tick runs the stage on a micro-batch of x, delivered by the devices as
-    # its input (`device_tick`'s ``safe``), and its output goes only to other bubbles: no guard.
+    # its input (`device_tick`'s ``bubbles_fresh`` or ``safe``), and its output goes only to
+    # other bubbles: no guard.
     # A `lax.cond` guard made XLA carry the recomputed stage's intermediates out of the branch,
     # ~370 KiB more per device on benchmarks/maxtext_style.py (1,059.6 -> 689.6 KiB at m=4).
     computes_bubbles = True
@@ -318,7 +354,7 @@ class Homogeneous:
                 jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), (params, state))
             )
         else:
-            p, st = _row((params, state), s // self.D, self.v)
+            p, st = _row((params, state), _round(s, self.D, self.v), self.v)
         return vary(self.call(p, x, key_for(s), st, read(self.cfg, mask, ic)))
 
     def stats_rows(self, stats_by_device):
@@ -353,10 +389,23 @@ _read_as.defjvp(_read_as_jvp, symbolic_zeros=True)
 
 
 def _row(tree, r, repeats):
-    """Row ``r`` of a device's ``(repeats, ...)`` stages: static for one repeat, named otherwise."""
+    """Row ``r`` of a device's stages: leaves ``(1, ...)`` for one repeat (static), ``(repeats,
+    1, ...)`` otherwise (named). The stage axis is dropped after the pick, in the tick: dropped
+    before the loop, XLA gave the ``(repeats, ...)`` parameters another layout than the loop's
+    and copied them (circular on ``benchmarks/maxtext_style.py``, m = 4: 722.1 -> 561.6 KiB)."""
     if repeats == 1:
         return jax.tree.map(lambda a: a[0], tree)
-    return named(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), tree))
+    pick = lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False, allow_negative_indices=False)[0]
+    return named(jax.tree.map(pick, tree))
+
+
+def _round(s, D: int, v: int):
+    """The round ``s // D`` of stage ``s`` (``0 <= s < v D``), counted with comparisons: XLA
+    computes those again where the round is read, where a division (an expensive operation to
+    XLA) kept its result in a buffer of its own through the backward loop."""
+    if isinstance(s, int):
+        return s // D
+    return sum(((s >= r * D).astype(s.dtype) for r in range(2, v)), (s >= D).astype(s.dtype))
 
 
 # --- one tick of one device ----------------------------------------------------------------------
@@ -370,37 +419,87 @@ class Carry(NamedTuple):
     acc: Any  # the last stage's outputs, (m, ...): written on the last device only (None: the
     # outputs leave through MeshDevices' drain queue instead)
     stats: Any  # this device's stats, (v, m, ...)
-    loop: Any  # circular schedule: activations waiting for their next round (device 0)
+    loop: Any  # circular schedule: activations waiting for their next round (device 0), a
+    # delay line of `loop_delay + 1` slots; () when they start it the tick they arrive
 
 
 def device_tick(
-    ctx, d, params, state, carry: Carry, tick_rows, step, static_stage=None, fresh=None, safe=None
+    ctx,
+    d,
+    params,
+    state,
+    carry: Carry,
+    row,
+    step,
+    static_stage=None,
+    fresh=None,
+    safe=None,
+    bubbles_fresh=False,
 ):
     """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
     without the inbox (the devices object delivers the message) and its (message, stats).
     ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``).
     ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh).
-    ``safe``: what a bubble reads, for stages that compute their bubbles (a micro-batch of x)."""
+    ``safe``: what a bubble reads, for stages that compute their bubbles (a micro-batch of x);
+    ``bubbles_fresh``: a bubble reads ``fresh`` instead (a micro-batch of x on every device)."""
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
-    micro, stage, back_i, back_s, _ = tick_rows
-    i, s = micro[d], (stage[d] if static_stage is None else static_stage)
-    inbox, loop, acc = carry.inbox, carry.loop, carry.acc
-    if v > 1 and _may_be(d, 0):
-        first = d == 0
-        arrived = first & (back_i >= 0) & (back_s < S - 1)  # a micro-batch back for another round
-        loop = write(loop, inbox, 0, clip(back_i, m), arrived)
-        again = first & (s >= D)  # device 0 starts a later round: its input waited in the loop
-        waiting = take(jax.tree.map(lambda a: a[0], loop), clip(i, m))
-        inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
-    if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
-        inbox = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), fresh, inbox)
-    if safe is not None:  # a bubble computes on a micro-batch of x (see Homogeneous.compute)
-        inbox = jax.tree.map(lambda a, b: jnp.where(i < 0, a, b), safe, inbox)
-    out = step(d, params, state, inbox, carry.prev, i, s, fresh)
+
+    def take_input(row, inbox, loop, fresh, safe):
+        i, s = at(row, d, static_stage)
+        if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
+            # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
+            # with m <= n on what arrives now, the inbox itself (no buffer)
+            tick, size = split_row(row)[2], jax.tree.leaves(loop)[0].shape[0]
+            loop = jax.tree.map(
+                lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox
+            )
+            waiting = take(loop, (tick + 1) % size)
+            again = (d == 0) & (s >= D)
+            inbox = jax.tree.map(lambda a, b: jnp.where(again, a, b), waiting, inbox)
+        if fresh is not None:  # stage 0 reads its micro-batch from the message too (see MeshDevices)
+            first = (s == 0) | (i < 0) if bubbles_fresh else s == 0
+            inbox = jax.tree.map(lambda a, b: jnp.where(first, a, b), fresh, inbox)
+        if safe is not None:  # a bubble computes on a micro-batch of x (see Homogeneous.compute)
+            inbox = jax.tree.map(lambda a, b: jnp.where(i < 0, a, b), safe, inbox)
+        return inbox, loop
+
+    def put_output(row, acc, y):
+        i, s = at(row, d, static_stage)
+        return write(acc, y, 0, clip(i, m), (i >= 0) & (s == S - 1))
+
+    def put_stats(row, stats, new):
+        i, s = at(row, d, static_stage)
+        return write(stats, new, _round(s, D, v), clip(i, m), i >= 0)
+
+    inbox, loop = recomputed(take_input)(row, carry.inbox, carry.loop, fresh, safe)
+    out = step(d, params, state, inbox, carry.prev, row, static_stage, fresh)
+    acc = carry.acc
     if acc is not None and _may_be(d, D - 1):
-        acc = write(acc, ctx.stages.output(d, out[0]), 0, clip(i, m), (i >= 0) & (s == S - 1))
-    stats = write(carry.stats, out[1], s // D, clip(i, m), i >= 0)
+        acc = recomputed(put_output)(row, acc, ctx.stages.output(d, out[0]))
+    stats = recomputed(put_stats)(row, carry.stats, out[1])
     return Carry(None, out, acc, stats, loop), out
+
+
+def at(row, d, static_stage=None):
+    """Device ``d``'s micro-batch and stage in the tick's row of the table (``static_stage``:
+    the stage, when the phase runs one stage only)."""
+    micro, stage, _ = split_row(row)
+    pick = lambda a: (
+        a[d]
+        if isinstance(d, int)
+        else lax.dynamic_index_in_dim(a, d, keepdims=False, allow_negative_indices=False)
+    )
+    return pick(micro), (pick(stage) if static_stage is None else static_stage)
+
+
+def recomputed(fn):
+    """``fn``, a tick's data movement, under ``jax.checkpoint``: its selects and slot updates
+    take their predicates and indices from the tick's row of the table, and the backward pass
+    computes them again from that row (an input of the scan) instead of keeping each one per
+    tick. Each kept one is an array of ``T`` booleans or integers, with a buffer of its own:
+    few bytes, but on ``benchmarks/maxtext_style.py`` at m = 4 they were what put GPipe and
+    circular above the MaxText-style reference."""
+    return jax.checkpoint(fn, prevent_cse=False)
 
 
 def _may_be(d, target) -> bool:
@@ -429,12 +528,14 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         guard = (i >= 0, prev) if phase.guard else None
         return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard, fresh)
 
-    def step(d, params, state, inbox, prev, i, s, fresh=None):
-        if isinstance(s, int):  # a static stage stays static inside the checkpoint
-            g = phase.remat(lambda *a: f(d, *a, s))
-            return g(params, state, xs, mask, key, inbox, prev, fresh, i)
-        g = phase.remat(lambda *a: f(d, *a))
-        return g(params, state, xs, mask, key, inbox, prev, fresh, i, s)
+    def step(d, params, state, inbox, prev, row, static_stage=None, fresh=None):
+        # the micro-batch and stage are read from the tick's row inside the checkpoint, so the
+        # backward pass reads that row again rather than a copy of them kept per tick (a static
+        # stage stays static)
+        def g(params, state, xs, mask, key, inbox, prev, fresh, row):
+            return f(d, params, state, xs, mask, key, inbox, prev, fresh, *at(row, d, static_stage))
+
+        return phase.remat(g)(params, state, xs, mask, key, inbox, prev, fresh, row)
 
     return step
 
@@ -453,9 +554,10 @@ def _scan(schedule, phases, carry, tick, inputs: Inputs):
     batch at every tick, 13.7 -> 25.9 MiB per device at n = 4, m = 16 in
     ``benchmarks/pipeline.py``'s memory section.)
     """
-    all_rows = rows(schedule)
+    table = rows(schedule)
     for phase in phases:
-        carry, _ = lax.scan(tick(phase, inputs), carry, tuple(r[phase.start : phase.stop] for r in all_rows))
+        body = tick(phase, inputs)
+        carry, _ = lax.scan(body, carry, table[phase.start : phase.stop])
     return carry
 
 
@@ -482,20 +584,20 @@ class LocalDevices:
             params, state = inputs.params, inputs.state
             step = make_step(cfg, ctx, inputs, phase, untyped, ident)
 
-            def one(d, inbox, acc, stats, tick_rows):
+            def one(d, inbox, acc, stats, row):
                 carry = Carry(inbox, None, acc, stats, ())
                 static = d if isinstance(d, int) else None
-                carry, out = device_tick(ctx, d, params, state, carry, tick_rows, step, static)
+                carry, out = device_tick(ctx, d, params, state, carry, row, step, static)
                 return out[0], carry.acc, carry.stats
 
-            def body(c, tick_rows):
+            def body(c, row):
                 acc, stats = c
                 if self.stacked:  # an inner scan over the stages
 
                     def inner(c, per_stage):
                         inbox, acc = c
                         d, st = per_stage
-                        message, acc, st = one(d, inbox, acc, st, tick_rows)
+                        message, acc, st = one(d, inbox, acc, st, row)
                         return (message, acc), st
 
                     first = stages.message_zeros(0)[0]
@@ -503,7 +605,7 @@ class LocalDevices:
                     return (acc, stats), None
                 inbox, new = None, []
                 for d in range(S):
-                    inbox, acc, st = one(d, inbox, acc, stats[d], tick_rows)
+                    inbox, acc, st = one(d, inbox, acc, stats[d], row)
                     new.append(st)
                 return (acc, tuple(new)), None
 
@@ -653,8 +755,6 @@ class MeshDevices:
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         d = lax.axis_index(axis)
         params, state = self.gather_data(inputs.params), inputs.state
-        if self.repeats > 1:  # (repeats, 1, ...) blocks -> the device's (repeats, ...) stages
-            params, state = jax.tree.map(lambda a: a[:, 0], (params, state))
         inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)
         stages = ctx.stages
 
@@ -669,12 +769,21 @@ class MeshDevices:
         def tick(phase, inputs):
             step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
-            def body(c, tick_rows):
+            def body(c, row):
                 c, queue, drain = c
-                j = tick_rows[4] % k
+                j = split_row(row)[2] % k
                 fresh = stages.input_message(read(cfg, queue, j))
                 carry, out = device_tick(
-                    ctx, d, inputs.params, inputs.state, c, tick_rows, step, fresh=fresh, safe=safe
+                    ctx,
+                    d,
+                    inputs.params,
+                    inputs.state,
+                    c,
+                    row,
+                    step,
+                    fresh=fresh,
+                    safe=safe,
+                    bubbles_fresh=bubbles_fresh,
                 )
                 if streams:  # hand slot j on towards device 0
                     moved = lax.ppermute(take(queue, j), axis, [(e, e - 1) for e in range(1, D)])
@@ -682,24 +791,30 @@ class MeshDevices:
                         lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), queue, moved
                     )
                 if drain is not None:  # the last stage's output joins the drain queue
-                    done = jnp.asarray(finished)[tick_rows[4]]
-                    drain = self._drain(drain, stages.output(d, out[0]), done, d, D)
+                    drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
 
         streams = self.streams(ctx)
-        # a bubble's input (homogeneous stages): loop-invariant, so no per-tick residual
-        safe = stages.input_message(take(inputs.xs, 0)) if stages.computes_bubbles else None
+        # a bubble's input (homogeneous stages): the tick's micro-batch of x, which every device
+        # reads when every device holds x; when x is streamed a later device's queue slot may
+        # hold zeros, so a bubble there reads micro-batch 0 (loop-invariant: no per-tick residual)
+        bubbles_fresh = stages.computes_bubbles and not streams
+        safe = None
+        if stages.computes_bubbles and streams:
+            safe = stages.input_message(take(inputs.xs, 0))
         queue = inputs.xs  # (k, b, ...) of this device; all m micro-batches when not streamed
         k = jax.tree.leaves(queue)[0].shape[0] if streams else 1
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
-        loop = () if ctx.v == 1 else jax.tree.map(lambda a: a[None], stages.message_zeros(0, (m,))[0])
+        delay = loop_delay(schedule) if ctx.v > 1 else 0
+        loop = stages.message_zeros(0, (delay + 1,))[0] if delay else ()
         drain, acc = None, _lead(stages.acc_zeros(m))
         if finished is not None:  # ceil(m / D) output slots per device instead of m
             drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
+            pushes = self.pushes(finished, -(-m // D), D)
         init = Carry(message, (message, stat), acc, stages.message_zeros(0, (ctx.v, m))[1], loop)
         carry, queue, drain = _scan(
             schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs
@@ -708,7 +823,8 @@ class MeshDevices:
         if drain is not None:
             slots = jax.tree.leaves(drain)[0].shape[0]
             for i in range(m, slots * D):  # padding entries, so every output reaches its device
-                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), i, d, D)
+                pad = self.pushes(np.array([i]), slots, D)
+                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), pad, None, d)
             return drain, stats
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
@@ -728,8 +844,19 @@ class MeshDevices:
             return None
         return done
 
-    def _drain(self, queue, y, i, d, D):
-        """Puts output ``y`` of micro-batch ``i`` (-1: none) into the drain queue.
+    @staticmethod
+    def pushes(finished, k, D):
+        """The drain queue's moves as tables over ticks: ``(code[T, D], slot[T])``. ``code`` is 0
+        where no output is finished (nothing moves), 1 where a device takes the slot from the
+        next device, 2 on the last device, which puts the output there; ``slot`` is ``i mod k``
+        for the micro-batch ``i`` finished at the tick."""
+        code = np.where(finished >= 0, 1, 0)[:, None] * np.ones(D, np.int32)
+        code[:, -1] *= 2
+        return code.astype(np.int32), (np.maximum(finished, 0) % k).astype(np.int32)
+
+    def _drain(self, queue, y, pushes, row, d):
+        """Puts output ``y`` into the drain queue as the tables ``pushes`` (:meth:`pushes`) say
+        at the tick of ``row`` (a row of :func:`rows`; ``None``: the tables' first row).
 
         A device holds ``k = ceil(m / D)`` output slots. When the last device finishes micro-batch
         ``i``, every device takes slot ``i mod k`` from the device after it (one ``ppermute`` of one
@@ -738,20 +865,32 @@ class MeshDevices:
         padding entries up to ``k D``), so output ``i`` ends in slot ``i mod k`` of device
         ``i // k``: the queue is the outputs split over the stage axis, in order. The transpose
         sends cotangents back the same way; values are moved, never added, so they are bitwise
-        the last stage's.
+        the last stage's. The slot and its update are :func:`recomputed` from ``row``; the
+        code is one table entry (no predicate ``d == D - 1`` kept beside the loop).
         """
-        k = jax.tree.leaves(queue)[0].shape[0]
-        valid = jnp.asarray(i) >= 0
-        j = jnp.maximum(jnp.asarray(i, jnp.int32), 0) % k
-        slot = take(queue, j)
+        D = pushes[0].shape[1]
+
+        def where_to(row):
+            t = 0 if row is None else split_row(row)[2]
+            code = lax.dynamic_index_in_dim(
+                jnp.asarray(pushes[0])[t], d, keepdims=False, allow_negative_indices=False
+            )
+            return code, jnp.asarray(pushes[1])[t]
+
+        slot = recomputed(lambda row, queue: take(queue, where_to(row)[1]))(row, queue)
         moved = lax.ppermute(slot, self.cfg.axis_name, [(e, e - 1) for e in range(1, D)])
-        last = d == D - 1
 
-        def one(a, old, new, y):
-            put = jnp.where(valid, jnp.where(last, y, new), old)
-            return lax.dynamic_update_index_in_dim(a, put, j, 0)
+        def put(row, queue, slot, moved, y):
+            code, j = where_to(row)
 
-        return jax.tree.map(one, queue, slot, moved, y)
+            def one(a, old, new, y):
+                return lax.dynamic_update_index_in_dim(
+                    a, jnp.where(code == 2, y, jnp.where(code == 1, new, old)), j, 0
+                )
+
+            return jax.tree.map(one, queue, slot, moved, y)
+
+        return recomputed(put)(row, queue, slot, moved, y)
 
 
 def _is_spec(x) -> bool:

@@ -180,7 +180,7 @@ class MemoryEstimate(NamedTuple):
     work: int  # one tick's working set: a stage's residuals and the messages in flight
     outputs: int  # the output micro-batches a device holds (GPipe and circular)
     loop: int  # circular: the activations waiting for their next round, and their cotangents
-    params: int  # parameter-sized temporaries (circular: the cotangent of the picked stage rows)
+    params: int  # parameter-sized temporaries: a tick's parameter cotangent, when it has no room
     total: int  # the sum of the five terms above
 
 
@@ -209,7 +209,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     gpipe     "always"      T A                R + 2 A          M O      g
     gpipe     "never"       T R                R + 2 A          M O      g
     gpipe     except_last   (T - n) A + n R    R + 2 A          M O      g
-    circular  as gpipe      as gpipe           R + 2 A          M O      2 m A, P_d + g
+    circular  as gpipe      as gpipe           R + 2 A          M O      2 L A, g
     1f1b      "always"      K A                R + 4 A                   g
     1f1b      "never"       K (R + O)          3 (R + O) + 4 A           g
     zb-h1     as 1f1b       as 1f1b + n A      as 1f1b                   g
@@ -225,9 +225,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     1F1B keeps ``K`` slots, a tick receives and sends an activation and a cotangent, and with
     ``"never"`` a slot holds the last stage's loss residual too (one container for every stage)
     and exists three times in a tick (F's residuals, their packed copy, B's read). The circular
-    schedule also carries device 0's buffer of ``m`` activations and its cotangent, and the
-    cotangent of the device's ``v`` stage rows, which a tick picks with a dynamic index. ZB-H1
-    stashes ``n`` output cotangents for its W slots.
+    schedule also carries device 0's loop buffer of ``L`` activations waiting for their next
+    round (``L = m - n + 1`` when ``m > n``; none when ``m <= n``, when a micro-batch starts its
+    next round the tick it arrives) and its cotangent. ZB-H1 stashes ``n`` output cotangents for
+    its W slots.
 
     Measured against XLA on CPU (``benchmarks/maxtext_style.py``, 4 devices, m = 4 to 32) the
     estimate is within 10 %; that is measured on that model and the tests', not guaranteed: ``R``
@@ -294,7 +295,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         slot = a if pipe.checkpoint == "always" else r + o
         stash = k * slot + (n * a if name == "zb-h1" else 0)
         freed = r if pipe.checkpoint == "always" else 3 * slot
-        outputs = loop = rows = 0
+        outputs = loop = 0
     else:
         ticks = pipe.schedule(batch).num_ticks
         stash = {
@@ -305,14 +306,13 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         freed = r
         split = n > 1 and not compat.is_explicit(pipe.mesh, pipe.axis_name)
         outputs = (-(-m // n) if split else m) * o
-        loop = 2 * m * a if v > 1 and n > 1 else 0
-        rows = held if v > 1 else 0
+        loop = 2 * (m - n + 1) * a if v > 1 and m > n > 1 else 0
     work = freed + (4 if name in sched.TRAINING_KINDS else 2) * a
     # a tick's parameter cotangent reuses the space of the residuals its backward has freed,
     # unless it is larger than they are
     grad = max(stage_params) if max(stage_params) > freed else 0
-    total = stash + work + outputs + loop + rows + grad
-    return MemoryEstimate(a, r, o, held, stash, work, outputs, loop, rows + grad, total)
+    total = stash + work + outputs + loop + grad
+    return MemoryEstimate(a, r, o, held, stash, work, outputs, loop, grad, total)
 
 
 def _check_estimable(pipe: Any) -> None:
