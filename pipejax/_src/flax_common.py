@@ -1,35 +1,34 @@
-"""The core both Flax adapters share: layers cut into stages, one pipeline over them, BatchNorm.
+"""The core both Flax adapters share: layers cut into stages, and the one pipeline over them.
 
 An adapter (Linen or NNX) supplies two things only:
 
 * **layer ``l`` as a pure function**, ``run_layer(index, variables, x, key, mask, kwargs) -> (y,
-  records)``: ``variables`` is ``{"params": p}`` (and ``"batch_stats"`` with deferred BatchNorm),
-  ``key`` the layer's key (or ``None``), ``mask`` the micro-batch's row mask (``None`` without
-  deferred BatchNorm), ``kwargs`` the keyword arguments of the layer's call, and ``records`` the
-  :class:`SownMoments` of its training BatchNorm calls, keyed by the BatchNorm's path in the
-  layer's ``batch_stats`` tree;
+  records, sown)`` (:class:`RunLayer`): ``variables`` is ``{"params": p}`` (and
+  ``"batch_stats"`` with deferred BatchNorm), ``key`` the layer's key (or ``None``), ``mask``
+  the micro-batch's row mask (``None`` without deferred BatchNorm), ``kwargs`` the keyword
+  arguments of the layer's call;
 * **how updated variables are written back**: :meth:`Stack.updated_state` returns the new
   stage-laid-out statistics and the adapter stores them (a Linen variable, NNX ``BatchStat``s).
 
 Everything else is here, once: the layers are grouped into stages by :func:`pipejax.partition`
 (its balance checks), the stage functions are built from ``partition``'s stages (layer ``j`` of a
 stage draws from ``pj.layer_key(stage_key, j)``), and :func:`pipejax.pipeline` runs them with
-every pipeline option the adapter was given (``chunks``, ``checkpoint``, ``mesh``, ``schedule``,
-``repeats``, ``data_axis_name``, ``per_example_keys``, ...) forwarded unchanged, so the
-pipeline's own validation checks them and an option added to ``pj.pipeline`` reaches the adapters
-without being declared again.
+every pipeline option the adapter was given, forwarded unchanged. The pipelines (and their
+``jax.jit``, and ``value_and_grad`` steps) are built once per configuration and cached, for both
+adapters, by :func:`program`; :class:`Stack` compares by value, so identically built modules have
+equal NNX graph definitions and share the compiled programs.
 
-The pipelines (and their ``jax.jit``, and ``value_and_grad`` steps) are built once per
-configuration and cached, for both adapters, by :func:`program`: so an eager call compiles on its
-first call only, and :class:`Stack` (with its :class:`Options`) compares by value, so identically
-built modules have equal NNX graph definitions and share the compiled programs.
+The Flax side's other jobs each have a module of their own:
 
-A layer's keyword arguments (``kwargs``) come from two places: the Python flags of the call
-(``deterministic=True``), fixed per layer (:meth:`Stack.pipeline`'s ``kwargs_per_layer``), and the
-side inputs (``context={"decoder_mask": mask}``), batch-shaped arrays that :func:`pipejax.pipeline`
-cuts into micro-batches with ``x`` and hands every stage as ``context=``. Each stage threads the
-dict through its layers; layer ``l`` receives the entries named in ``context_per_layer[l]`` (those
-its ``__call__`` accepts, :func:`route_context`) as keyword arguments, merged with its flags.
+* :mod:`~pipejax._src.flax_options`: the stage sizes (``balance=`` / ``num_stages=``), the
+  pipeline options an adapter forwards (read from :func:`pipejax.pipeline`'s signature), and
+  ``tied=`` in layers' terms;
+* :mod:`~pipejax._src.flax_calls`: one call's preparation (:func:`~pipejax._src.flax_calls.prepare`:
+  flags and ``context=`` side inputs routed to the layers that take them) and ``carry=``, the
+  activation among a layer's outputs; the rest is the layer's aux outputs with ``aux=``;
+* :mod:`~pipejax._src.flax_batchnorm`: deferred BatchNorm (``deferred_batch_norm=True``);
+* :mod:`~pipejax._src.flax_sharding`: the layers' sharding metadata as ``param_specs``,
+  :func:`~pipejax.flax.on_mesh` and :func:`~pipejax.flax.restore_target`.
 
 Randomness: stage ``s`` on micro-batch ``i`` receives ``pj.stage_key(key, i, s)`` from the
 pipeline; layer ``j`` of that stage (``j`` counts from 0 inside the stage) draws from
@@ -41,42 +40,26 @@ Training (:meth:`Stack.value_and_grad`, the adapters' ``value_and_grad(loss_fn)`
 pipeline's :meth:`pipejax.Pipeline.value_and_grad`, so the schedules that own the backward pass
 ("1f1b", "zb-h1", "interleaved-1f1b") run the layers with the keys, flags and side inputs of the
 forward call; an adapter converts only its parameters in and its gradients out.
-
-Deferred BatchNorm (``deferred_batch_norm=True``): the pipeline runs with stage state. A stage
-holds its layers' running statistics as ``state``; a BatchNorm layer in training normalises its
-micro-batch with that micro-batch's own statistics over its real rows (the ``mask`` the stage
-receives) and records the micro-batch's :class:`~pipejax.Moments` as a :class:`SownMoments`;
-after the call :meth:`Stack.updated_state` updates the running statistics once, from the moments
-of all micro-batches merged (:func:`pipejax.batch_norm_update`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax._src import checks
 from pipejax._src.balance import partition
-from pipejax._src.batchnorm import BatchStats, Moments, batch_norm_update
-from pipejax._src.batchnorm import moments as moments_of
+from pipejax._src.flax_batchnorm import SownMoments, is_sown, updated
+from pipejax._src.flax_calls import Carry, carry_hint, check_carry, is_array, select_carry, split_carry
+from pipejax._src.flax_options import Options, check_options, layer_tied, no_layer, stage_sizes
 from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
 
 PyTree = Any
-
-# Arguments of pj.pipeline that the adapters set themselves (not pipeline options of theirs).
-_OWN = {
-    "stages": "the adapters build the stage functions from `layers`",
-    "num_stages": "give the adapter's own `num_stages=` (an even split of the layers) or `balance=`",
-    "stateful": "the adapters run with stage state exactly when `deferred_batch_norm=True`",
-}
 
 
 class RunLayer(Protocol):
@@ -97,105 +80,6 @@ class RunLayer(Protocol):
         mask: jax.Array | None,
         kwargs: Mapping[str, Any],
     ) -> tuple[PyTree, dict[tuple[str, ...], SownMoments], PyTree]: ...
-
-
-def pipeline_option_names() -> tuple[str, ...]:
-    """The options of :func:`pipejax.pipeline` an adapter forwards (all but ``stages``, ...)."""
-    return tuple(name for name in inspect.signature(pipeline).parameters if name not in _OWN)
-
-
-def check_options(options: Mapping[str, Any], owner: str) -> Options:
-    """``options`` as :class:`Options`, after checking that each names an option of :func:`pipejax.pipeline`.
-
-    Raises:
-      TypeError: for an argument that is not an option of ``pj.pipeline``, or one the adapter sets.
-    """
-    for name in options:
-        if name in _OWN:
-            raise TypeError(f"{owner} does not take `{name}`: {_OWN[name]}.")
-        if name not in pipeline_option_names():
-            raise TypeError(
-                f"{owner} got the unknown argument `{name}`. Besides its own arguments it takes the "
-                f"options of pj.pipeline: {', '.join(pipeline_option_names())}."
-            )
-    return Options(options)
-
-
-class Options(Mapping[str, Any]):
-    """An adapter's options of :func:`pipejax.pipeline`: a read-only mapping equal by value.
-
-    NNX keeps it in the module's graph definition, and ``nnx.jit`` keys its cache on that, so two
-    identically built modules must give equal options with equal hashes (a ``dict`` has no hash).
-    The value is the options' pytree structure and leaves: meshes and ``PartitionSpec`` objects
-    compare by value, a checkpoint policy (a callable) by identity. Hashing raises ``TypeError``
-    for an unhashable leaf, as for a tuple holding one.
-    """
-
-    def __init__(self, options: Mapping[str, Any]):
-        self._options = dict(options)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._options[name]
-
-    def __iter__(self):
-        return iter(self._options)
-
-    def __len__(self) -> int:
-        return len(self._options)
-
-    def __repr__(self) -> str:
-        return repr(self._options)
-
-    def _value(self) -> tuple[Any, ...]:
-        leaves, treedef = jax.tree.flatten(self._options, is_leaf=_is_spec)
-        return treedef, tuple(leaves)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Options):
-            return self._value() == other._value()
-        return super().__eq__(other)  # against a plain dict: the same items
-
-    def __hash__(self) -> int:
-        return hash(self._value())
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int | None) -> tuple[int, ...]:
-    """The number of layers of each stage, from ``balance`` or ``num_stages`` (exactly one of them).
-
-    ``balance`` is checked by :func:`pipejax.partition`; ``num_stages`` splits as evenly as
-    possible, the first ``num_layers mod num_stages`` stages taking one layer more.
-
-    Raises:
-      TypeError: if neither or both of ``balance`` and ``num_stages`` are given, or either has the
-        wrong type.
-      ValueError: for a ``balance`` that :func:`pipejax.partition` rejects, or a ``num_stages``
-        outside ``[1, num_layers]``.
-    """
-    if (balance is None) == (num_stages is None):
-        given = "both" if balance is not None else "neither"
-        raise TypeError(
-            f"Pass exactly one of `balance` (layers per stage, e.g. balance=[2, 2]) and "
-            f"`num_stages` (an even split), but {given} was given."
-        )
-    if balance is not None:
-        return partition([_no_layer] * num_layers, balance).balance
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
-        raise TypeError(f"`num_stages` must be an int, but got {type(num_stages).__name__} {num_stages!r}.")
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(
-            f"`num_stages` must be between 1 and the number of layers ({num_layers}), since "
-            f"every stage needs at least one layer, but got {num_stages}."
-        )
-    base, extra = divmod(num_layers, num_stages)
-    return tuple(base + (1 if s < extra else 0) for s in range(num_stages))
-
-
-def _no_layer(params, x, key):  # a placeholder layer: partition() checks `balance` against the count
-    raise AssertionError("placeholder layer called")  # internal: never part of a pipeline
 
 
 class Stack:
@@ -282,7 +166,7 @@ class Stack:
 
     def group(self, items: Sequence[Any]) -> list[tuple[Any, ...]]:
         """Per-layer items -> per-stage tuples."""
-        return [tuple(g) for g in partition([_no_layer] * self.num_layers, self.sizes).group(list(items))]
+        return [tuple(g) for g in partition([no_layer] * self.num_layers, self.sizes).group(list(items))]
 
     def place(self, per_layer: Sequence[PyTree], specs: Sequence[PyTree] | None = None) -> StageParams:
         """Per-layer pytrees laid out for the pipeline (device ``s`` stores stage ``s``'s).
@@ -455,11 +339,11 @@ class Stack:
         its BatchNorm calls stacked over the micro-batches. Returns ``None`` when no BatchNorm
         ran in training (nothing to update).
         """
-        if not any(isinstance(t, SownMoments) for t in jax.tree.leaves(stats, is_leaf=_is_sown)):
+        if not any(isinstance(t, SownMoments) for t in jax.tree.leaves(stats, is_leaf=is_sown)):
             return None
         old = self.unpack(state)
         records = [r for stage in stats for r in stage]
-        new = [_updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
+        new = [updated(st, rec, self.unbiased) for st, rec in zip(old, records, strict=True)]
         return self.place(new)
 
 
@@ -523,165 +407,6 @@ def _cached(*key: Any) -> Any:
     return _build(*key)
 
 
-def on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
-    """``tree`` with every array that is not on ``mesh`` moved onto it, replicated.
-
-    A jitted train step returns the arrays it does not shard replicated over the mesh. Arrays
-    that start on one device (parameters loaded from elsewhere, the embedding and head of a model
-    built outside ``jax.set_mesh``, ``optimizer.init`` run outside it) therefore come back with
-    another sharding, and the second step compiles again. Put the train state through this once
-    before the first step: arrays already on the mesh (the stage-sharded pipeline parameters)
-    are left as they are, so the first step's shardings are the steady-state ones.
-
-    Args:
-      tree: a pytree of arrays (an ``nnx.State`` too; Python scalars and numpy arrays are left
-        alone, they are not committed to a device).
-      mesh: the pipeline's mesh.
-
-    Returns:
-      ``tree`` with the same structure.
-
-    Raises:
-      TypeError: ``mesh`` is not a ``jax.sharding.Mesh`` (e.g. an axis name).
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> from pipejax.flax import on_mesh
-      >>> mesh = jax.make_mesh((2,), ("stage",))
-      >>> on_mesh({"w": jnp.ones(3)}, mesh)["w"].sharding.spec
-      P()
-    """
-    if not isinstance(mesh, Mesh):
-        named = isinstance(mesh, str)
-        hint = " An axis name is not a mesh: pass the Mesh that axis belongs to." if named else ""
-        raise TypeError(
-            f"`mesh` of on_mesh must be a jax.sharding.Mesh (the pipeline's mesh, e.g. "
-            f"`jax.make_mesh((2,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}.{hint}"
-        )
-    devices = set(mesh.devices.flat)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def put(a):
-        if (
-            isinstance(a, jax.Array)
-            and not isinstance(a, jax.core.Tracer)
-            and a.sharding.device_set != devices
-        ):
-            return jax.device_put(a, replicated)
-        return a
-
-    return jax.tree.map(put, tree)
-
-
-def layer_tied(tied: Any, sizes: Sequence[int], owner: str, leaf_keys: tuple[str, ...]) -> tuple:
-    """An adapter's ``tied=`` (groups of ``(layer, path)``: a layer's index and the copy's path in
-    that layer's parameters) as :func:`pipejax.pipeline`'s (groups of ``(stage, path)``, a path
-    in the stage's parameters: the layer's place in its stage, then the path, then
-    ``leaf_keys``, e.g. NNX's ``value`` of a ``Param``).
-
-    Raises:
-      TypeError, ValueError, IndexError: the pipeline's own checks of the groups (:func:`options.check_tied`),
-        in layers' terms, with a note; and for two copies in layers of one stage.
-    """
-    from pipejax._src import options as opts
-
-    num_layers = sum(sizes)
-    try:
-        groups = opts.check_tied(tied, num_layers)
-    except (TypeError, ValueError, IndexError) as err:
-        err.add_note(
-            f"{owner}'s `tied` names layers, not stages: each pair is `(layer, path)`, the layer's "
-            f"index among the {num_layers} layers and the copy's path in that layer's parameters, "
-            'e.g. `tied=[[(0, "embedding"), (5, "table")]]`.'
-        )
-        raise
-    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
-    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
-    out = []
-    for g, group in enumerate(groups):
-        stages = [stage_of[layer] for layer, _ in group]
-        if len(set(stages)) < len(stages):
-            raise ValueError(
-                f"`tied[{g}]` of {owner} ties layers {[layer for layer, _ in group]}, but two of them "
-                f"are in one stage (the stages hold layers {_ranges(sizes)}): a stage holds one copy "
-                "of a tied weight. Let those layers share one module, or cut the stages between them "
-                "(`balance=`)."
-            )
-        out.append(
-            tuple(
-                (stage_of[layer], (str(layer - firsts[stage_of[layer]]), *path, *leaf_keys))
-                for layer, path in group
-            )
-        )
-    return tuple(out)
-
-
-def _ranges(sizes: Sequence[int]) -> str:
-    firsts = [sum(sizes[:s]) for s in range(len(sizes))]
-    return ", ".join(f"{a}-{a + n - 1}" if n > 1 else f"{a}" for a, n in zip(firsts, sizes, strict=True))
-
-
-def restore_target(tree: PyTree, mesh: Mesh) -> PyTree:
-    """An orbax restore target on ``mesh`` for a train state's shapes: every leaf a
-    ``jax.ShapeDtypeStruct`` with a ``NamedSharding`` of ``mesh``.
-
-    The shapes of a model built for a mesh come from ``nnx.eval_shape`` (or ``jax.eval_shape``)
-    without materialising it, but their shardings name an ``AbstractMesh``, which orbax cannot
-    restore to (``_device_assignment is not implemented``), and leaves created outside any
-    sharding rule (the optimizer's step count, rng counters) have none. This gives each leaf its
-    own ``PartitionSpec`` on the concrete ``mesh`` (the stage-sharded pipeline parameters stay
-    split over the stage axis), and replicates the leaves that have none. Each process then
-    reads only the shards it holds. Concrete arrays are accepted too (their specs are kept).
-
-    Args:
-      tree: a pytree of ``jax.ShapeDtypeStruct`` or arrays: e.g. ``nnx.state((model,
-        optimizer))`` of ``nnx.eval_shape(build)``, or ``jax.eval_shape`` of a Linen ``init``.
-      mesh: the mesh to restore onto: the one the model is built for.
-
-    Returns:
-      ``tree`` with the same structure, each leaf a ``jax.ShapeDtypeStruct`` on ``mesh``.
-
-    Raises:
-      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
-      ValueError: a leaf's ``PartitionSpec`` names an axis that ``mesh`` lacks (the state was
-        built for another mesh).
-
-    Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> from pipejax.flax import restore_target
-      >>> mesh = jax.make_mesh((2,), ("stage",))
-      >>> split = NamedSharding(mesh.abstract_mesh, P("stage"))  # as eval_shape gives it
-      >>> shapes = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=split),
-      ...           "step": jax.ShapeDtypeStruct((), jnp.int32)}
-      >>> target = restore_target(shapes, mesh)
-      >>> target["w"].sharding.spec, target["step"].sharding.spec
-      (P('stage',), P())
-    """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            "`mesh` of restore_target must be a jax.sharding.Mesh (the mesh to restore onto, e.g. "
-            f"`jax.make_mesh((4,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}."
-        )
-
-    def one(path, a):
-        sharding = getattr(a, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-        named = {n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)}
-        missing = sorted(named - set(mesh.axis_names))
-        if missing:
-            raise ValueError(
-                f"Leaf {jax.tree_util.keystr(path) or '<root>'} of restore_target's `tree` is "
-                f"sharded as {spec}, but `mesh` has no axis {', '.join(map(repr, missing))} (its "
-                f"axes: {mesh.axis_names}). Build the abstract state for the mesh you restore onto "
-                "(the same `mesh=`), or restore on the saved mesh and re-cut the stages "
-                "(`to_sequential` / `from_sequential`)."
-            )
-        return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 def _no_stage(params, x, key, *rest):  # a placeholder: the placement pipeline never runs
     raise AssertionError("placeholder stage called")
 
@@ -714,7 +439,7 @@ def _layer_step(
         try:
             y, rec, sown = run_layer(index, variables, h, key, mask, {**kwargs, **side})
         except (TypeError, ValueError) as err:
-            hint = _carry_hint(carry, index, h, err)
+            hint = carry_hint(carry, index, h, err)
             if hint is None:
                 raise
             if type(err) in (TypeError, ValueError):  # (JAX's own, or the user's plain ones)
@@ -733,7 +458,7 @@ def layer_aux(rest: Any, sown: Mapping[str, Any]) -> dict[str, Any]:
     """A layer's aux outputs: ``{"outputs": the rest of its output (what ``carry=`` did not pass
     on), "intermediates": what it sowed}``, each key present only when it holds arrays."""
     aux = {}
-    if any(_is_array(a) for a in jax.tree.leaves(rest)):
+    if any(is_array(a) for a in jax.tree.leaves(rest)):
         aux["outputs"] = rest
     if jax.tree.leaves(sown):
         aux["intermediates"] = sown
@@ -798,254 +523,6 @@ def _unpack(packed: StageParams) -> list[Any]:
     return packed.unpack()
 
 
-def keyword_names(call: Callable[..., Any]) -> frozenset[str] | None:
-    """The keyword arguments a layer's ``__call__(self, x, ...)`` accepts; ``None`` for any (``**kw``).
-
-    ``self`` and the input (the first parameter after it) are not keyword arguments of a layer:
-    the pipeline passes the input positionally.
-    """
-    params = list(inspect.signature(call).parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    skip = {p.name for p in positional[:2]}  # self and the input
-    return frozenset(
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        and p.name not in skip
-    )
-
-
-def _accepts(names: frozenset[str] | None, name: str) -> bool:
-    return names is None or name in names
-
-
-def route_kwargs(calls: Sequence[Callable[..., Any]], kwargs: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """For each layer's call, the keyword arguments it accepts, after checking ``kwargs``.
-
-    Raises:
-      TypeError: if a keyword argument is an array (per-example inputs belong in ``context=`` or
-        ``x``, where they are cut into micro-batches) or is accepted by none of the layers (a typo
-        would otherwise be ignored silently).
-    """
-    for name, value in kwargs.items():
-        if isinstance(value, jax.Array) or hasattr(value, "__jax_array__"):
-            raise TypeError(
-                f"Keyword argument `{name}` is an array. Keyword arguments reach every layer "
-                "unchanged (whole, not cut into micro-batches), so they are for Python flags such "
-                f"as `deterministic=True`. Pass a batch-shaped array as a side input, "
-                f"`context={{{name!r}: ...}}`: it is cut into micro-batches with `x` and each layer "
-                f"whose `__call__` takes `{name}` receives its micro-batch's rows."
-            )
-    accepted = [keyword_names(call) for call in calls]
-    routed = [{k: v for k, v in kwargs.items() if _accepts(names, k)} for names in accepted]
-    unused = sorted(set(kwargs) - {k for r in routed for k in r})
-    if unused:
-        raise TypeError(
-            f"Keyword argument(s) {unused} are accepted by none of the layers' `__call__` "
-            f"({_signatures(calls, accepted)}). Each keyword argument is passed to the layers whose "
-            "`__call__` takes it; check the spelling, or remove it."
-        )
-    return routed
-
-
-def route_context(
-    calls: Sequence[Callable[..., Any]], context: Any, flags: Mapping[str, Any]
-) -> list[tuple[str, ...]] | None:
-    """For each layer's call, the names of the side inputs in ``context`` it receives.
-
-    ``context`` maps keyword-argument names to batch-shaped arrays (or pytrees of them); layer
-    ``l`` receives the entries its ``__call__`` accepts (all of them with ``**kwargs``), the same
-    rule as for flags. Returns ``None`` for ``context=None`` or an empty dict (no side inputs).
-
-    Raises:
-      TypeError: if ``context`` is not a dict with string keys, an entry is also given as a flag,
-        or an entry is accepted by none of the layers.
-    """
-    if context is None:
-        return None
-    if not isinstance(context, Mapping):
-        raise TypeError(
-            "`context` must be a dict from keyword-argument names to batch-shaped arrays, e.g. "
-            "`context={'decoder_mask': mask}`: each entry is cut into micro-batches with `x` and "
-            "passed to every layer whose `__call__` takes that keyword argument, but got "
-            f"{type(context).__name__}. Wrap a single array in a dict named after the layers' argument."
-        )
-    if not context:
-        return None
-    for name in context:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(
-                f"The keys of `context` name the layers' keyword arguments, so they must be "
-                f"identifiers (strings), but got the key {name!r}."
-            )
-        if name in flags:
-            raise TypeError(
-                f"`{name}` is given both as a keyword argument of the call and as an entry of "
-                f"`context`; pass it once (as a side input, `context={{{name!r}: ...}}`, if it is "
-                "batch-shaped)."
-            )
-    accepted = [keyword_names(call) for call in calls]
-    routed = [tuple(k for k in context if _accepts(names, k)) for names in accepted]
-    unused = [k for k in context if not any(k in r for r in routed)]
-    if unused:
-        raise TypeError(
-            f"`context` entr{'y' if len(unused) == 1 else 'ies'} {unused} "
-            f"{'is' if len(unused) == 1 else 'are'} a keyword argument that none of the layers' "
-            f"`__call__` takes ({_signatures(calls, accepted)}). Each entry of `context` is passed "
-            "to the layers whose `__call__` takes a keyword argument of that name: rename the "
-            "entry to the layers' argument (e.g. context={'decoder_mask': mask} for "
-            "`__call__(self, x, decoder_mask=None)`), or add the argument to the layers' `__call__`."
-        )
-    return routed
-
-
-def with_context(
-    kwargs: Sequence[Mapping[str, Any]], names: Sequence[Sequence[str]] | None, context: Any
-) -> list[dict[str, Any]]:
-    """Each layer's keyword arguments with its side inputs (``names``, from :func:`route_context`)
-    added, for a call outside the pipeline (on the whole batch)."""
-    if names is None:
-        return [dict(kw) for kw in kwargs]
-    return [{**kw, **{k: context[k] for k in n}} for kw, n in zip(kwargs, names, strict=True)]
-
-
-# --- layer outputs: the activation passed on ---------------------------------------------------
-
-Carry = int | str | Callable[[Any], Any] | None  # what `carry=` takes (see select_carry)
-
-
-def check_carry(carry: Any, owner: str) -> Carry:
-    """``carry`` after checking that it is ``None``, an int, a str or a callable.
-
-    Raises:
-      TypeError: for anything else (a bool, a float, a list of indices, ...).
-    """
-    ok = carry is None or isinstance(carry, str) or callable(carry)
-    ok = ok or (isinstance(carry, int) and not isinstance(carry, bool))
-    if not ok:
-        raise TypeError(
-            f"`carry` of {owner} says which part of each layer's output is the activation passed to "
-            "the next layer: None (the whole output), an int (the index in a tuple output: carry=1 "
-            "for a layer that returns `(cache, x)`), a str (the key in a dict output), or a function "
-            f"`out -> activation`; but got {type(carry).__name__} {carry!r}."
-        )
-    return carry
-
-
-def select_carry(carry: Carry, index: int, out: Any) -> Any:
-    """The activation layer ``index`` passes on, from its output ``out`` and ``carry`` (the rest
-    must hold no arrays; see :func:`split_carry`)."""
-    return split_carry(carry, index, out)[0]
-
-
-def split_carry(carry: Carry, index: int, out: Any, collect: bool = False) -> tuple[Any, Any]:
-    """``(activation, rest)``: the part of layer ``index``'s output ``out`` that ``carry`` selects,
-    and the rest (``None`` when nothing is dropped).
-
-    * ``None``: ``out`` itself;
-    * an int ``k``: ``out[k]`` if ``out`` is a tuple or a list; any other output (an array, a
-      dict) is passed on whole;
-    * a str ``k``: ``out[k]`` if ``out`` is a dict (a ``Mapping``); any other output whole;
-    * a callable: ``carry(out)``, for every output (the function decides what is dropped).
-
-    With an int or a str, the rest of ``out`` (a tuple of the other items; a dict of the other
-    entries) is returned (``collect``: the ``aux=`` option collects it as the layer's aux
-    outputs); without ``collect`` it must hold no arrays (``None``, Python values): an
-    auxiliary output that is an array (an aux loss, a cache) would be lost silently.
-
-    Raises:
-      ValueError: an index or key that ``out`` does not have, or (without ``collect``) dropped
-        parts holding arrays.
-    """
-    if carry is None:
-        return out, None
-    if callable(carry):
-        return carry(out), None
-    if isinstance(carry, int):
-        if not isinstance(out, (tuple, list)):
-            return out, None
-        if not -len(out) <= carry < len(out):
-            raise ValueError(
-                f"`carry={carry}` selects item {carry} of each layer's tuple output, but layer {index} "
-                f"returned a {type(out).__name__} of {len(out)} item(s): {_describe(out)}. Give the "
-                f"index of the activation in that tuple (0 to {len(out) - 1}), or a function "
-                "`carry=lambda out: ...`."
-            )
-        kept = carry % len(out)
-        dropped = {f"item {k}": v for k, v in enumerate(out) if k != kept}
-        chosen, rest = out[kept], tuple(v for k, v in enumerate(out) if k != kept)
-    else:
-        if not isinstance(out, Mapping):
-            return out, None
-        if carry not in out:
-            raise ValueError(
-                f"`carry={carry!r}` selects the entry {carry!r} of each layer's dict output, but layer "
-                f"{index} returned a dict with the keys {sorted(map(str, out))}: {_describe(out)}. Give "
-                "the key of the activation, or a function `carry=lambda out: ...`."
-            )
-        dropped = {f"entry {k!r}": v for k, v in out.items() if k != carry}
-        chosen, rest = out[carry], {k: v for k, v in out.items() if k != carry}
-    arrays = [name for name, v in dropped.items() if any(_is_array(a) for a in jax.tree.leaves(v))]
-    if arrays and not collect:
-        raise ValueError(
-            f"Layer {index} returned {_describe(out)}: with `carry={carry!r}` its "
-            f"{', '.join(arrays)} would be dropped, but {'it holds' if len(arrays) == 1 else 'they hold'} "
-            "arrays. A pipeline passes on only the activation; the rest of a layer's output is "
-            "collected only with the `aux=` option ('stack', 'sum' or 'mean'), which returns it "
-            "beside the output (`y, aux = pipe(x)`), so without it the drop is allowed only for "
-            "parts without arrays (a cache of None). Build the pipeline with `aux='mean'` to "
-            "collect them, return only the activation (or None beside it), or, if these outputs "
-            "are not needed, drop them explicitly with a function: `carry=lambda out: out[...]`."
-        )
-    return chosen, rest
-
-
-def _carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> str | None:
-    """The message to raise (same type) when layer ``index`` failed on a tuple holding ``None`` from
-    the layer before it (``return cache, x`` without ``carry=``); ``None`` when that is not the case."""
-    items = h.values() if isinstance(h, Mapping) else h if isinstance(h, (tuple, list)) else ()
-    if carry is not None or index == 0 or not any(item is None for item in items):
-        return None
-    return (
-        f"Layer {index} could not be applied to the output of layer {index - 1}, {_describe(h)}: "
-        f"{type(err).__name__}: {err}\nA layer's whole output is passed on as the next layer's "
-        f"input. If layer {index - 1} returns the activation beside other outputs (`return cache, x`, "
-        "as Gemma's blocks do), say which one is the activation with `carry=`: `carry=1` for "
-        "`(cache, x)`, a key for a dict output, or a function `carry=lambda out: out.x`. The "
-        "other outputs are dropped (only if they hold no arrays, such as a cache of None)."
-    )
-
-
-def _is_array(a: Any) -> bool:
-    return isinstance(a, (jax.Array, np.ndarray)) or hasattr(a, "__jax_array__")
-
-
-def _describe(out: Any) -> str:
-    """A layer's output for messages: ``(None, 'float32[3, 16, 32]')``."""
-    shapes = jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}" if _is_array(a) else a, out)
-    return repr(shapes)
-
-
-def _signatures(calls: Sequence[Callable[..., Any]], accepted: Sequence[frozenset[str] | None]) -> str:
-    """``"layers 0-3 (Block) take decoder_mask, deterministic; layer 4 (Dense) takes none"``."""
-    groups: list[tuple[list[int], str, str]] = []
-    for index, (call, names) in enumerate(zip(calls, accepted, strict=True)):
-        owner = getattr(call, "__qualname__", "?").rsplit(".", 1)[0]
-        takes = "any (**kwargs)" if names is None else (", ".join(sorted(names)) or "none")
-        if groups and groups[-1][1:] == (owner, takes) and groups[-1][0][-1] == index - 1:
-            groups[-1][0].append(index)
-        else:
-            groups.append(([index], owner, takes))
-    parts = []
-    for indices, owner, takes in groups:
-        which = f"layer {indices[0]}" if len(indices) == 1 else f"layers {indices[0]}-{indices[-1]}"
-        verb = "takes" if len(indices) == 1 else "take"
-        parts.append(f"{which} ({owner}) {verb} {takes}")
-    return "; ".join(parts)
-
-
 def check_layers(layers: Any, base: type, kind: str, adapter: str, other: tuple[str, str]) -> None:
     """Raises unless ``layers`` is a non-empty sequence of ``base`` instances.
 
@@ -1076,147 +553,3 @@ def check_layers(layers: Any, base: type, kind: str, adapter: str, other: tuple[
         elif callable(layer):
             hint = " Wrap a function in a module whose `__call__(self, x)` applies it."
         raise TypeError(f"`layers[{index}]` must be {kind}, but got {type(layer).__name__}.{hint}")
-
-
-# --- deferred BatchNorm ------------------------------------------------------------------------
-
-
-@jax.tree_util.register_pytree_node_class
-class SownMoments:
-    """One BatchNorm call's :class:`~pipejax.Moments`, with the layer's momentum (static).
-
-    The momentum travels in the pytree structure, not as an array, so the stats a pipeline stacks
-    over the micro-batches still say how to update the layer they came from.
-    """
-
-    def __init__(self, moments: Moments, momentum: float):
-        self.moments = moments
-        self.momentum = momentum
-
-    def tree_flatten(self):
-        return (self.moments,), self.momentum
-
-    @classmethod
-    def tree_unflatten(cls, momentum, children):
-        return cls(children[0], momentum)
-
-    def __repr__(self) -> str:
-        return f"SownMoments({self.moments!r}, momentum={self.momentum!r})"
-
-
-def _is_sown(t) -> bool:
-    return isinstance(t, SownMoments)
-
-
-def batch_norm_moments(x: jax.Array, row_mask: jax.Array, axis: Any, momentum: float) -> SownMoments:
-    """The moments of a BatchNorm input ``x`` over the real rows of a micro-batch."""
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    return SownMoments(moments_of(x, row_mask, axis=axes), momentum)
-
-
-def row_mask_for(row_mask: jax.Array, x: jax.Array) -> jax.Array:
-    """``bool[b]`` reshaped to broadcast against ``x`` (``(b, 1, ..., 1)``), as Flax's ``mask=``."""
-    return jnp.reshape(row_mask, (x.shape[0],) + (1,) * (x.ndim - 1))
-
-
-def check_training_call(
-    where: str, mask: Any, axis_name: Any, path: tuple[str, ...], records: Mapping
-) -> None:
-    """Raises for what deferred BatchNorm does not support in a training call.
-
-    Raises:
-      NotImplementedError: for a ``mask=`` of the user's, a BatchNorm ``axis_name``, or a second
-        call of the same BatchNorm module in one call of the layer.
-    """
-    if mask is not None:
-        raise NotImplementedError(
-            f"{where} was called with `mask=` in training inside a pipeline. Deferred BatchNorm "
-            "masks the padding rows of each micro-batch itself and supports no other mask; drop "
-            "`mask=`, or evaluate with `use_running_average=True`."
-        )
-    if axis_name is not None:
-        raise NotImplementedError(
-            f"{where} has axis_name={axis_name!r}: statistics synchronised over a device axis are "
-            "not supported inside a pipeline; set axis_name=None."
-        )
-    if path in records:
-        raise NotImplementedError(
-            f"{where} was called twice in one call of the layer; deferred batch norm supports one "
-            "call per BatchNorm module per layer call."
-        )
-
-
-def needs_flag(what: str, adapter: str) -> str:
-    """The message for BatchNorm statistics in an adapter built without ``deferred_batch_norm``."""
-    return (
-        f"{what}, but this {adapter} was built without `deferred_batch_norm=True`. A pipeline "
-        "normalises each micro-batch separately and must not update the running statistics once "
-        f"per micro-batch; build it with `{adapter}(..., deferred_batch_norm=True)`, which updates "
-        "them once per mini-batch."
-    )
-
-
-def _dict_path(path) -> tuple[str, ...]:
-    """The mapping keys of a pytree key path (NNX Variables add a ``.value`` attribute key)."""
-    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def _updated(batch_stats: PyTree, records: Mapping[tuple[str, ...], SownMoments] | None, unbiased: bool):
-    """A layer's statistics with ``mean``/``var`` of every BatchNorm that recorded moments updated.
-
-    ``batch_stats`` is the layer's statistics tree (a Linen dict or an ``nnx.State``): a BatchNorm
-    at path ``p`` keeps its running statistics at ``p + ("mean",)`` and ``p + ("var",)``.
-    """
-    if not records:
-        return batch_stats
-    leaves = {_dict_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(batch_stats)[0]}
-    new = {}
-    for path, sown in records.items():
-        running = BatchStats(leaves[(*path, "mean")], leaves[(*path, "var")])
-        stats = batch_norm_update(running, sown.moments, momentum=sown.momentum, unbiased=unbiased)
-        new[(*path, "mean")], new[(*path, "var")] = stats.mean, stats.var
-    return jax.tree_util.tree_map_with_path(lambda p, a: new.get(_dict_path(p), a), batch_stats)
-
-
-def layer_specs(boxed: Sequence[PyTree], mesh: Mesh | None, axis_name: str) -> list[PyTree] | None:
-    """Per layer, the ``PartitionSpec`` of each parameter leaf over the mesh's non-stage axes,
-    from Linen's sharding metadata: ``nn.with_partitioning`` boxes name mesh axes,
-    ``nn.with_logical_partitioning`` boxes logical axes that the rules in effect
-    (``nn.logical_axis_rules(...)``, or the box's own ``rules``) map to mesh axes. ``None`` when
-    no leaf is sharded over an axis of ``mesh`` other than ``axis_name`` (or without a mesh)."""
-    if mesh is None:
-        return None
-    from flax import linen as nn
-
-    def spec_of(box):
-        if isinstance(box, nn.LogicallyPartitioned):
-            return nn.logical_to_mesh_axes(box.names, box.rules)
-        if isinstance(box, nn.Partitioned):
-            return PartitionSpec(*box.names)
-        return None
-
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-    return split_specs([jax.tree.map(spec_of, layer, is_leaf=is_box) for layer in boxed], mesh, axis_name)
-
-
-def split_specs(specs: Sequence[PyTree], mesh: Mesh, axis_name: str) -> list[PyTree] | None:
-    """``specs`` (per layer, a ``PartitionSpec`` or ``None`` per parameter leaf) restricted to the
-    axes of ``mesh`` other than the stage axis ``axis_name``, or ``None`` when nothing is left to
-    split. Names that are not mesh axes (logical axes no rule mapped) split nothing."""
-    keep = set(mesh.axis_names) - {axis_name}
-
-    def restrict(spec):
-        if not isinstance(spec, PartitionSpec):
-            return None
-        entries = []
-        for p in spec:
-            names = tuple(a for a in (() if p is None else (p,) if isinstance(p, str) else p) if a in keep)
-            entries.append(None if not names else names[0] if len(names) == 1 else names)
-        return PartitionSpec(*entries) if any(e is not None for e in entries) else None
-
-    is_spec = lambda x: x is None or isinstance(x, PartitionSpec)
-    restricted = [jax.tree.map(restrict, layer, is_leaf=is_spec) for layer in specs]
-    split = any(
-        isinstance(p, PartitionSpec) for layer in restricted for p in jax.tree.leaves(layer, is_leaf=is_spec)
-    )
-    return restricted if split else None

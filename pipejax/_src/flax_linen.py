@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
+from pipejax._src import flax_batchnorm, flax_calls, flax_sharding
 from pipejax._src import flax_common as common
 from pipejax._src.placement import StageParams
 
@@ -153,7 +154,7 @@ class LinenPipeline(nn.Module):
     rng_collection: str = "dropout"
     deferred_batch_norm: bool = False
     unbiased_variance: bool = False
-    carry: common.Carry = None
+    carry: flax_calls.Carry = None
     pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -165,12 +166,10 @@ class LinenPipeline(nn.Module):
     def __call__(self, x: PyTree, *, context: Mapping[str, PyTree] | None = None, **flags: Any) -> PyTree:
         stack = self._stack()
         calls = [type(layer).__call__ for layer in self.layers]
-        kwargs = common.route_kwargs(calls, flags)
-        names = common.route_context(calls, context, flags)
-        side = {} if names is None else {"context": dict(context)}
+        call = flax_calls.prepare(calls, context, flags)
         if not self.has_variable("params", "stages"):  # init: the layers run in sequence on `x`
             created = []
-            whole = common.with_context(kwargs, names, context)  # the whole batch's side inputs
+            whole = call.whole()  # the whole batch's side inputs
 
             def init(rng):
                 params, state, y = self._init_layers(rng, stack, whole, x)
@@ -187,19 +186,19 @@ class LinenPipeline(nn.Module):
         params = _check_packed(self.get_variable("params", "stages"), "params")
         key = self.make_rng(self.rng_collection) if self.has_rng(self.rng_collection) else None
         run = _LinenLayers(tuple(self._layers()), self.rng_collection, stack.deferred)
-        engine = stack.pipeline(run, kwargs, names)  # built once per configuration
+        engine = stack.pipeline(run, call.kwargs, call.names)  # built once per configuration
         if not stack.deferred:
             if self.has_variable("batch_stats", "stages"):
                 raise ValueError(
-                    common.needs_flag(
+                    flax_batchnorm.needs_flag(
                         "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
                     )
                 )
-            out = engine(params, x, key, **side)
+            out = engine(params, x, key, **call.side)
             return out if stack.aux is None else (out[0], stack.layer_aux(out[1]))
         state = self.get_variable("batch_stats", "stages")
         state = None if state is None else _check_packed(state, "batch_stats")
-        out = engine(params, x, key, state=state, **side)
+        out = engine(params, x, key, state=state, **call.side)
         y, stats = out[:2]
         new = None if state is None else stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: update its statistics once
@@ -276,16 +275,15 @@ class LinenPipeline(nn.Module):
         run = _LinenLayers(tuple(self._layers()), self.rng_collection, stack.deferred)
 
         def step(variables, x, targets, *, rngs=None, context=None, **flags):
-            kwargs = common.route_kwargs(calls, flags)
-            names = common.route_context(calls, context, flags)
+            call = flax_calls.prepare(calls, context, flags)
             if _batch_stats_of(variables) is not None:
                 raise ValueError(
-                    common.needs_flag(
+                    flax_batchnorm.needs_flag(
                         "The variables hold 'batch_stats' (BatchNorm running statistics)", _NAME
                     )
                 )
             packed = _stage_params_of(variables)
-            f = stack.value_and_grad(run, loss_fn, kwargs, names, stage_aux_loss)  # built once
+            f = stack.value_and_grad(run, loss_fn, call.kwargs, call.names, stage_aux_loss)  # built once
             loss, grads = f(packed, x, targets, self._call_key(variables, rngs), context)
             box = variables["params"]["stages"]
             if isinstance(box, nn.meta.AxisMetadata):
@@ -369,7 +367,9 @@ class LinenPipeline(nn.Module):
             )
         if "batch_stats" in variables and not self.deferred_batch_norm:
             raise ValueError(
-                common.needs_flag("`variables` hold 'batch_stats' (BatchNorm running statistics)", _NAME)
+                flax_batchnorm.needs_flag(
+                    "`variables` hold 'batch_stats' (BatchNorm running statistics)", _NAME
+                )
             )
         stack = self._stack()
         out = {}
@@ -445,7 +445,7 @@ class LinenPipeline(nn.Module):
         for index, (layer, kw) in enumerate(zip(self._layers(), kwargs, strict=True)):
             k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
             out, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
-            h = common.split_carry(stack.carry, index, out, collect=stack.aux is not None)[0]
+            h = flax_calls.split_carry(stack.carry, index, out, collect=stack.aux is not None)[0]
             variables = unfreeze(variables)
             variables.pop("intermediates", None)  # sown values: collected per call with `aux=`
             _check_collections(index, layer, variables, self.deferred_batch_norm)
@@ -454,7 +454,7 @@ class LinenPipeline(nn.Module):
         placed_state = stack.place(state) if jax.tree.leaves(state) else None
         # the layers' own sharding metadata (nn.with_partitioning / with_logical_partitioning and
         # the logical axis rules in effect) says how each parameter is split inside its stage
-        specs = common.layer_specs(params, stack.placer.mesh, stack.placer.axis_name)
+        specs = flax_sharding.layer_specs(params, stack.placer.mesh, stack.placer.axis_name)
         return stack.place(params, specs), placed_state, h
 
 
@@ -566,7 +566,7 @@ class _LinenLayers:
         if not jax.tree.leaves(variables.get("batch_stats")):
             variables = {"params": variables["params"]}
         variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
-        records: dict[tuple[str, ...], common.SownMoments] = {}
+        records: dict[tuple[str, ...], flax_batchnorm.SownMoments] = {}
         try:
             with nn.intercept_methods(_batch_norm_interceptor(mask, self.deferred, index, records)):
                 y, sown = layers[index].apply(variables, x, rngs=rngs, mutable=["intermediates"], **kwargs)
@@ -603,7 +603,7 @@ def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: i
             return next_fun(*args, **kwargs)
         where = f"Layer {index}'s {type(module).__name__} (at {'/'.join(module.path) or 'the layer itself'})"
         if not deferred:
-            raise ValueError(common.needs_flag(f"{where} is an nn.BatchNorm", _NAME))
+            raise ValueError(flax_batchnorm.needs_flag(f"{where} is an nn.BatchNorm", _NAME))
         if "batch_stats" not in module.variables:
             raise ValueError(
                 f"{where} has no 'batch_stats'. Pass the LinenPipeline's batch_stats with its "
@@ -614,16 +614,19 @@ def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: i
         if nn.merge_param("use_running_average", module.use_running_average, use_running_average):
             return next_fun(*args, **kwargs)
         path = tuple(module.path)
-        common.check_training_call(where, kwargs.get("mask"), module.axis_name, path, records)
+        flax_batchnorm.check_training_call(where, kwargs.get("mask"), module.axis_name, path, records)
         clone = module.copy(parent=None, name=None, use_running_average=False)
         busy.append(True)
         try:
             y, _ = clone.apply(
-                dict(module.variables), x, mask=common.row_mask_for(row_mask, x), mutable=["batch_stats"]
+                dict(module.variables),
+                x,
+                mask=flax_batchnorm.row_mask_for(row_mask, x),
+                mutable=["batch_stats"],
             )
         finally:
             busy.pop()
-        records[path] = common.batch_norm_moments(x, row_mask, module.axis, module.momentum)
+        records[path] = flax_batchnorm.batch_norm_moments(x, row_mask, module.axis, module.momentum)
         return y
 
     return intercept
@@ -632,7 +635,7 @@ def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: i
 def _check_collections(index: int, layer: nn.Module, variables: Mapping[str, Any], deferred: bool) -> None:
     if "batch_stats" in variables and not deferred:
         raise ValueError(
-            common.needs_flag(
+            flax_batchnorm.needs_flag(
                 f"Layer {index} ({type(layer).__name__}) creates 'batch_stats' (BatchNorm statistics)", _NAME
             )
         )

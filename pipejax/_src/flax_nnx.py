@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from pipejax._src import checks
+from pipejax._src import checks, flax_batchnorm, flax_calls, flax_sharding
 from pipejax._src import flax_common as common
 from pipejax._src.placement import StageParams
 
@@ -168,7 +168,7 @@ class NNXPipeline(nnx.Module):
         deferred_batch_norm: bool = False,
         use_running_average: bool | None = None,
         unbiased_variance: bool = False,
-        carry: common.Carry = None,
+        carry: flax_calls.Carry = None,
         **pipeline_options: Any,
     ):
         common.check_layers(layers, nnx.Module, "an nnx.Module", _NAME, ("flax.linen", "LinenPipeline"))
@@ -216,7 +216,7 @@ class NNXPipeline(nnx.Module):
         # how each parameter is split inside its stage
         specs = None
         if stack.placer.mesh is not None:
-            specs = common.split_specs(
+            specs = flax_sharding.split_specs(
                 [nnx.get_partition_spec(p) for p in params], stack.placer.mesh, stack.placer.axis_name
             )
         placed = stack.place(params, specs)
@@ -252,18 +252,16 @@ class NNXPipeline(nnx.Module):
         **flags: Any,
     ) -> PyTree:
         stack = self._stack
-        kwargs = common.route_kwargs(self.calls, flags)
-        names = common.route_context(self.calls, context, flags)
-        side = {} if names is None else {"context": dict(context)}
+        call = flax_calls.prepare(self.calls, context, flags)
         det = self.deterministic if deterministic is None else deterministic
         ura = self.use_running_average if use_running_average is None else use_running_average
         run = self._run_layer(det, ura, self._call_streams(rngs))
-        engine = stack.pipeline(run, kwargs, names)  # built once per configuration
+        engine = stack.pipeline(run, call.kwargs, call.names)  # built once per configuration
         if not stack.deferred:
-            out = engine(self.stage_params(), x, self._key(rngs), **side)
+            out = engine(self.stage_params(), x, self._key(rngs), **call.side)
             return out if stack.aux is None else (out[0], stack.layer_aux(out[1]))
         state = self.stage_batch_stats()
-        out = engine(self.stage_params(), x, self._key(rngs), state=state, **side)
+        out = engine(self.stage_params(), x, self._key(rngs), state=state, **call.side)
         y, stats = out[:2]
         new = stack.updated_state(state, stats)
         if new is not None:  # some BatchNorm ran in training: its statistics change once
@@ -339,11 +337,10 @@ class NNXPipeline(nnx.Module):
         stage_aux_loss = stack.check_aux_loss(aux_loss)
 
         def step(x, targets, *, deterministic=None, rngs=None, context=None, **flags):
-            kwargs = common.route_kwargs(self.calls, flags)
-            names = common.route_context(self.calls, context, flags)
+            call = flax_calls.prepare(self.calls, context, flags)
             det = self.deterministic if deterministic is None else deterministic
             run = self._run_layer(det, self.use_running_average, self._call_streams(rngs))
-            f = stack.value_and_grad(run, loss_fn, kwargs, names, stage_aux_loss)  # built once
+            f = stack.value_and_grad(run, loss_fn, call.kwargs, call.names, stage_aux_loss)  # built once
             loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
             like = nnx.state(self, nnx.Param)
             return loss, jax.tree.unflatten(jax.tree.structure(like), list(grads.buffers))
@@ -522,13 +519,13 @@ class _NNXLayers:
             rngs = nnx.Rngs(**streams)
             nnx.reseed(rngs, **streams)
             kwargs = {**kwargs, "rngs": rngs}
-        records: dict[tuple[str, ...], common.SownMoments] = {}
+        records: dict[tuple[str, ...], flax_batchnorm.SownMoments] = {}
         for path, module in nnx.iter_graph(layer):
             if isinstance(module, nnx.BatchNorm):
                 path = tuple(str(p) for p in path)
                 where = f"Layer {index}'s {type(module).__name__} (at {'/'.join(path) or 'the layer itself'})"
                 if not self.deferred:
-                    raise ValueError(common.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
+                    raise ValueError(flax_batchnorm.needs_flag(f"{where} is an nnx.BatchNorm", _NAME))
                 object.__setattr__(module, "__class__", _deferred_class(type(module)))
                 object.__setattr__(module, _CTX, _Deferred(mask, path, records, where))
         try:
@@ -569,9 +566,9 @@ def _deferred_class(base: type) -> type:
         )
         if not train:  # evaluation (or no setting, which BatchNorm reports itself): unchanged
             return base.__call__(self, x, use_running_average, mask=mask)
-        common.check_training_call(ctx.where, mask, self.axis_name, ctx.path, ctx.records)
-        y = base.__call__(self, x, use_running_average, mask=common.row_mask_for(ctx.mask, x))
-        ctx.records[ctx.path] = common.batch_norm_moments(x, ctx.mask, self.axis, self.momentum)
+        flax_batchnorm.check_training_call(ctx.where, mask, self.axis_name, ctx.path, ctx.records)
+        y = base.__call__(self, x, use_running_average, mask=flax_batchnorm.row_mask_for(ctx.mask, x))
+        ctx.records[ctx.path] = flax_batchnorm.batch_norm_moments(x, ctx.mask, self.axis, self.momentum)
         return y
 
     def body(ns):
@@ -816,5 +813,7 @@ def _check_state(index: int, layer: nnx.Module, batch_stats: nnx.State, rest: An
         )
     if not deferred:
         raise ValueError(
-            common.needs_flag(f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics", _NAME)
+            flax_batchnorm.needs_flag(
+                f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics", _NAME
+            )
         )

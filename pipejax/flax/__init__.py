@@ -5,13 +5,13 @@ stages, keep each stage's parameters on its own device, and convert to and from 
 sequential form of the same layers. See ``docs/flax.md``.
 """
 
-from pipejax._src.flax_common import on_mesh as on_mesh
-from pipejax._src.flax_common import restore_target as restore_target
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
 from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
 from pipejax._src.flax_nnx import restack as restack
 from pipejax._src.flax_nnx import unstack as unstack
+from pipejax._src.flax_sharding import on_mesh as on_mesh
+from pipejax._src.flax_sharding import restore_target as restore_target
 
 __all__ = [
     "LinenPipeline",
