@@ -286,7 +286,10 @@ def _pack(pipe: Any, layers: Any, layouts: Sequence[Any], where: str) -> StagePa
                 "form restores into a module with the same layers (any layout); restore with "
                 "`layers_target(pipe, like)` of this module to get its structure."
             )
-    placed = layer_form.from_layers(_placer(pipe, layouts), list(layers), balance=stack.sizes)
+    placer = _placer(pipe, layouts)
+    placed = layer_form.from_layers(placer, list(layers), balance=stack.sizes)
+    if not isinstance(placed, StageParams):  # no mesh: the stages' lists, placed on one device
+        placed = placer.place([tuple(stage) for stage in placed])
     return StageParams(placed.buffers, placed.container, _in_module_layouts(placed, layouts))
 
 
