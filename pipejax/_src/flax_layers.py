@@ -173,7 +173,7 @@ def from_layers(pipe: Any, tree: PyTree, like: PyTree = None) -> PyTree:
         packed = _unboxed(t)
         _check_stage_count(pipe, packed, "like")
         out = _pack(pipe, layers, packed.layouts, "stages")
-        return t.replace_boxed(out) if isinstance(t, common_box()) else out
+        return t.replace_boxed(out) if _is_box(t) else out
 
     out = jax.tree.map(lambda t, u: convert(t, u) if _is_packed(t) else u, like, tree, is_leaf=_is_packed)
     _check_found(found, pipe, like, "from_layers", "a StageParams (the module's own form)")
@@ -204,10 +204,10 @@ def _linen_stack(pipe: Any, fn: str) -> common.Stack:
     return pipe._stack()
 
 
-def common_box() -> type:
-    from pipejax._src.flax_linen import StagePartitioned
+def _is_box(t: Any) -> bool:
+    from flax import linen as nn
 
-    return StagePartitioned
+    return isinstance(t, nn.meta.AxisMetadata)
 
 
 def _is_packed(t: Any) -> bool:
