@@ -5,6 +5,9 @@ stages, keep each stage's parameters on its own device, and convert to and from 
 sequential form of the same layers. See ``docs/flax.md``.
 """
 
+from pipejax._src.flax_layers import from_layers as from_layers
+from pipejax._src.flax_layers import layers_target as layers_target
+from pipejax._src.flax_layers import to_layers as to_layers
 from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
 from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
 from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
@@ -17,8 +20,11 @@ __all__ = [
     "LinenPipeline",
     "NNXPipeline",
     "StagePartitioned",
+    "from_layers",
+    "layers_target",
     "on_mesh",
     "restack",
     "restore_target",
+    "to_layers",
     "unstack",
 ]
