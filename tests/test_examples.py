@@ -85,7 +85,10 @@ def test_docs_code_runs(page):
     source = python_blocks((ROOT / page).read_text())
     assert "import pipejax as pj" in source
     steps = TRAIN_STEPS.get(page)
-    proc = run_python(["-c", source if steps is None else COUNT_COMPILES + source + REPORT_COMPILES])
+    # the longest pages (flax.md, pipeline.md) run for minutes on a loaded 2-core machine: a
+    # timeout here guards against a hang, not against slowness
+    script = source if steps is None else COUNT_COMPILES + source + REPORT_COMPILES
+    proc = run_python(["-c", script], timeout=900)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     if steps is not None:
         calls = json.loads(re.search(r"^COMPILES (.*)$", proc.stdout, re.M)[1])
