@@ -12,7 +12,10 @@ The weight of micro-batch ``i`` is ``w_i = n_i / B``: its real rows over the bat
 rows of an uneven last micro-batch do not count). ``aux="mean"`` returns ``sum_i w_i aux_i``,
 and a training step's aux loss (:func:`terms`) is ``sum_s sum_i w_i aux_loss(aux_si)``: the
 mean over micro-batches for an even split, each micro-batch weighted by its real examples
-otherwise, exactly as the main loss weighs examples.
+otherwise, exactly as the main loss weighs examples. With a weighted main loss (``loss_fn``
+returns ``(losses, weights)``) it is added to ``sum(losses) / W`` under every schedule; the
+training schedules, which divide their sums by ``W`` only at the end, scale each term by ``W``
+computed up front (``train._total_weight``).
 """
 
 from __future__ import annotations

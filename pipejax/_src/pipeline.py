@@ -445,8 +445,9 @@ class Pipeline:
         aux of each (stage, micro-batch), adds ``sum_s sum_i w_i aux_loss(aux_si)`` to the loss,
         ``w_i = n_i / B`` as for ``aux="mean"``: the same loss and gradients under every
         schedule (the training schedules seed the aux loss's cotangent in each stage's backward
-        slot). With a ``loss_fn`` that returns ``(losses, weights)``, ``aux_loss`` needs
-        ``"gpipe"`` or ``"circular"``.
+        slot). With a ``loss_fn`` that returns ``(losses, weights)`` the loss is
+        ``sum(losses) / sum(weights)`` plus the aux losses under every schedule; the training
+        schedules need weights computed from ``targets`` alone (not from ``outputs``) then.
 
         Args:
           loss_fn: ``loss_fn(outputs, targets) -> losses`` (or ``(losses, weights)``).

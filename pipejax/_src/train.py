@@ -288,14 +288,9 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     _, weights = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch), ys_struct, _micro(ts)
     )
+    aux_scale = None
     if weights is not None and aux_loss is not None:
-        raise NotImplementedError(
-            f"`aux_loss` with a `loss_fn` that returns `(losses, weights)` is not supported under "
-            f"`schedule={pipe.schedule_name!r}` yet: this schedule divides its gradients by the "
-            "batch's total weight only after the last micro-batch, when the aux losses' gradients "
-            "are already summed in. Return one loss per example (a mean over the batch), or train "
-            "with `schedule='gpipe'` (or 'circular'), whose `value_and_grad` supports both."
-        )
+        aux_scale = _total_weight(pipe, loss_fn, ys_struct, ts, call.mask, plan)
     cfg = engine.Config(
         pipe.stages,
         pipe.stateful,
@@ -307,7 +302,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
         aux=pipe.aux is not None,
     )
     prog = _Program(pipe, cfg, loss_fn, table, boundaries, plan, xs, mask, ts, key, cs, weights is not None)
-    prog.param_specs, prog.aux_loss = param_specs, aux_loss
+    prog.param_specs, prog.aux_loss, prog.aux_scale = param_specs, aux_loss, aux_scale
     if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
         prog.state = compat.replicate(_per_stage_state(pipe, state))
     if _records(pipe):  # the layouts of each stage's records (stats, aux outputs or both)
@@ -331,6 +326,40 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     if aux is not None:
         aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.homogeneous)
     return loss, grads, counts, stats, aux
+
+
+def _total_weight(pipe, loss_fn, ys_struct, ts, mask, plan) -> jax.Array:
+    """The batch's total weight ``W`` of a weighted ``loss_fn`` (one that returns ``(losses,
+    weights)``), computed before the loop so that an aux loss can be scaled by it.
+
+    The training schedules add up the sums of losses and weights over the micro-batches and
+    divide by the total weight at the end, after the aux losses' gradients are summed in; each
+    slot's aux term is therefore scaled by ``W`` (:meth:`_Program._extra`), and the division
+    takes it back out. ``W`` is known up front when the weights do not depend on the outputs
+    (they come from the targets, e.g. a padding mask): it is the masked sum of the weights of
+    ``loss_fn(zeros, targets_i)`` over every micro-batch (the whole batch: with a data axis the
+    targets are global arrays here)."""
+    y_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ys_struct)
+
+    def weights_of(y, t):
+        return per_example(loss_fn, y, t, plan.micro_size, plan.batch)[1]
+
+    if _depends(weights_of, (ys_struct, _micro(ts)), (True, False))[0]:
+        raise NotImplementedError(
+            f"`aux_loss` with a `loss_fn` whose weights depend on its `outputs` is not supported "
+            f"under `schedule={pipe.schedule_name!r}`: this schedule adds the aux losses' gradients "
+            "in as it goes, scaled by the batch's total weight, which it must know before the first "
+            "micro-batch, so the weights of `loss_fn(outputs, targets) -> (losses, weights)` must "
+            "come from the targets alone (e.g. a padding mask in the targets). Compute the weights "
+            "from `targets`, or train with `schedule='gpipe'` (or 'circular'), whose "
+            "`value_and_grad` supports weights of any kind."
+        )
+    losses_dtype = jax.eval_shape(
+        lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch)[0], ys_struct, _micro(ts)
+    ).dtype
+    w = jax.vmap(lambda t: weights_of(y_zero, t))(ts)  # (m, micro_size), every micro-batch
+    w = jnp.where(mask, lax.stop_gradient(w).astype(losses_dtype), jnp.zeros((), losses_dtype))
+    return compat.replicate(jnp.sum(w))
 
 
 def _records(pipe) -> bool:
@@ -411,6 +440,9 @@ class _Program:
         # `value_and_grad(..., aux_loss=)`: each slot adds w_i aux_loss(aux) to the loss (and seeds
         # its cotangent in B and W), see `_extra`; None: no aux loss
         self.aux_loss = None
+        # a weighted loss with an aux loss: the batch's total weight W, by which each aux term is
+        # scaled (the final division by the summed weights takes it back out; see `_total_weight`)
+        self.aux_scale = None
 
     # -- the slots, on typed values ---------------------------------------------------------
 
@@ -437,11 +469,15 @@ class _Program:
 
     def _extra(self, stats, mask):
         """The aux loss of a slot's (stage, micro-batch), ``w_i aux_loss(aux)`` (see
-        :mod:`pipejax._src.aux_outputs`), or ``None`` without one."""
+        :mod:`pipejax._src.aux_outputs`; with a weighted loss ``W w_i aux_loss(aux)``, ``W`` the
+        batch's total weight, see :func:`_total_weight`), or ``None`` without one."""
         if self.aux_loss is None:
             return None
         aux = stats[1] if self.cfg.stateful else stats
-        return aux_outputs.term(self.aux_loss, aux, mask, self.plan.batch)
+        value = aux_outputs.term(self.aux_loss, aux, mask, self.plan.batch)
+        if value is None or self.aux_scale is None:
+            return value
+        return value * self.aux_scale.astype(value.dtype)  # a weighted loss: W w_i aux_loss(aux)
 
     def _loss(self, y, t, mask):
         """``(loss, weight)`` of a micro-batch: the masked sum of its losses (times ``1 / batch``
@@ -815,7 +851,7 @@ class _Program:
         key = compat.constrain(self.key, mesh, rep, axis)
         cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
-        def body(prows, xs, mask, ts, key, cs, state):
+        def body(prows, xs, mask, ts, key, cs, state, aux_scale):
             # the device's stages as rows (v, ...); a slot picks row `stage // n`
             prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
             # everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch)
@@ -829,7 +865,7 @@ class _Program:
             )
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
-            prog.state, prog.aux_loss = state, self.aux_loss
+            prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
 
             def tick(dev, r):
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
@@ -869,6 +905,7 @@ class _Program:
                 None if key is None else rep,
                 None if cs is None else batch_spec,
                 None if self.state is None else rep,
+                None if self.aux_scale is None else rep,  # a weighted loss's total weight
             ),
             out_specs=(
                 rep,
@@ -879,7 +916,8 @@ class _Program:
             axis_names=manual,
         )
         state = None if self.state is None else compat.constrain(self.state, mesh, rep, axis)
-        loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state)
+        aux_scale = None if self.aux_scale is None else compat.constrain(self.aux_scale, mesh, rep, axis)
+        loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state, aux_scale)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
         return loss, grads, counts, st_unpack(stats)
