@@ -625,7 +625,7 @@ class _Program:
 
         def f_branch(v):
             def run(rows_p, x_in, f):
-                prow, x = engine.take(rows_p, fs // n), io.unpack(x_in, v.x_layout)
+                prow, x = io.row(rows_p, fs // n), io.unpack(x_in, v.x_layout)
                 y, dloss, saved, st = self.save(v, prow, x, *self._inputs(f, fs))
                 y = io.msg_zeros(v.y_layout) if y is None else io.pack(y)
                 dloss = loss0 if dloss is None else dloss.astype(loss0.dtype)
@@ -646,7 +646,7 @@ class _Program:
             def run(rows_p, xb, g, b, grad):
                 dx, dp = self.pull(
                     v,
-                    engine.take(rows_p, bs // n),
+                    io.row(rows_p, bs // n),
                     io.s_unpack(xb, v),
                     None if v.last else io.unpack(g, v.y_layout),
                     *self._inputs(b, bs),
@@ -674,7 +674,7 @@ class _Program:
                     g = None if v.last else io.unpack(gw, v.y_layout)
                     _, dp = self.pull(
                         v,
-                        engine.take(rows_p, 0),
+                        io.row(rows_p, 0),
                         io.s_unpack(xw, v),
                         g,
                         *self._inputs(w, d),
@@ -816,13 +816,14 @@ class _Program:
         cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
         def body(prows, xs, mask, ts, key, cs, state):
-            # the device's stages as rows (v, ...); a slot picks row `stage // n`
+            # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
+            # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
+            # XLA copied the parameters), and the gradients accumulate in blocks of that type
             prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
             # everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch)
             prows, xs, mask, ts, key, cs, state = compat.to_varying(
                 (prows, xs, mask, ts, key, cs, state), axes
             )
-            rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
             prog = _Program(
                 pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs, self.weighted
@@ -833,7 +834,7 @@ class _Program:
 
             def tick(dev, r):
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
-                dev, y, dx = prog.slots(io, d, rows_p, dev, f, b, w, fs, bs)
+                dev, y, dx = prog.slots(io, d, prows, dev, f, b, w, fs, bs)
                 fin = engine.shift(y, axis, n, ring=v_rep > 1)
                 bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
                 return dev._replace(fin=fin, bin=bin_), None
@@ -843,20 +844,18 @@ class _Program:
                 io.msg_zeros(),
                 io.s_zeros((v_rep * K,)),
                 io.msg_zeros(lead=(n,)) if zb else None,
-                _zeros_like(rows_p),
+                _zeros_like(prows),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
                 io.st_zeros((S, self.m)),
             )
             dev, _ = lax.scan(tick, compat.to_varying(init, axes), rows)
             stats = engine.sum_exact(dev.stats, axis)  # each (stage, micro-batch) written by one device
-            # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
-            lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
             loss, grad, counts = lax.psum(dev.loss, axis), dev.grad, dev.counts
             if data is None:
-                return loss, lead(grad), counts[None], stats
+                return loss, grad, counts[None], stats
             # every data shard ran its own micro-batches: sum their losses and gradients
-            return lax.psum(loss, data), devices.sum_over_data(lead(grad)), counts[None, None], stats
+            return lax.psum(loss, data), devices.sum_over_data(grad), counts[None, None], stats
 
         fn = jax.shard_map(
             body,
@@ -913,6 +912,7 @@ class _IO(NamedTuple):
     """How a device of the training loop runs: messages, stashes and the dispatch of a slot."""
 
     n: int  # stage s is row s // n of the device's stages
+    row: Callable[[Any, Any], Any]  # (the device's parameter block, row) -> that row's parameters
     variant: _Variant  # a variant whose types an idle slot's zeros take
     pack: Callable[[Any], Any]  # a typed activation or cotangent -> its message
     unpack: Callable[[Any, Layout], Any]  # (message, layout) -> the typed value
@@ -967,6 +967,7 @@ def _mesh_io(prog: _Program, variants, index, box, row, n, axes) -> _IO:
 
     return _IO(
         n,
+        lambda block, r: engine._row(block, r, prog.pipe.repeats),
         variants[0],
         pack,
         unpack,
@@ -994,6 +995,7 @@ def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
 
     return _IO(
         n,
+        lambda block, r: engine._row(block, r, 1),
         v,
         ident,
         lambda msg, layout: msg,
@@ -1050,12 +1052,11 @@ def _plus(loss, extra):
 
 
 def _add_row(acc, r, delta):
-    """``acc[r] += delta``."""
+    """``acc[r] += delta`` (of ``(repeats, 1, ...)`` blocks: ``acc[r, 0] += delta``)."""
 
     def one(a, g):
-        return lax.dynamic_update_index_in_dim(
-            a, lax.dynamic_index_in_dim(a, r, keepdims=False) + g.astype(a.dtype), r, 0
-        )
+        row = lax.dynamic_index_in_dim(a, r, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, row + g.astype(a.dtype).reshape(row.shape), r, 0)
 
     return jax.tree.map(one, acc, delta)
 
