@@ -614,8 +614,8 @@ class _Program:
         and the stages are traced and a slot picks its stage's branch with ``lax.switch``) or
         as a virtual device (:func:`_local_io`; one stage, static, and ``lax.cond`` skips an
         idle slot). Either way an idle slot computes nothing, and every parameter cotangent is
-        added inside its branch (an idle branch returns the accumulator as it is), so no
-        parameter-sized temporary leaves a branch.
+        added inside its branch to the stage's row of the accumulator (B; ZB-H1's W: to the
+        accumulator), which an idle branch returns as it is, so no cotangent leaves a branch.
         """
         K, n, zb, m = self.K, io.n, self.zb, self.m
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
@@ -643,7 +643,7 @@ class _Program:
         xb = engine.take(stash, (bs // n) * K + b % K)
 
         def b_branch(v):
-            def run(rows_p, xb, g, b, grad):
+            def run(rows_p, xb, g, b, grow):
                 dx, dp = self.pull(
                     v,
                     io.row(rows_p, bs // n),
@@ -654,14 +654,19 @@ class _Program:
                     wrt_input=not v.first,
                 )
                 dx = io.msg_zeros(v.x_layout) if dx is None else io.pack(dx)
-                return dx, grad if dp is None else _add_row(grad, bs // n, dp), one
+                return dx, grow if dp is None else _add_to(grow, dp), one
 
             return run
 
-        def b_idle(rows_p, xb, g, b, grad):
-            return io.msg_zeros(io.variant.x_layout), grad, zero
+        def b_idle(rows_p, xb, g, b, grow):
+            return io.msg_zeros(io.variant.x_layout), grow, zero
 
-        dx, grad, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, dev.grad)
+        # the branch adds to the stage's row of the accumulator, which is written back here: an
+        # accumulator passed through the branch was copied there whole (the branch cannot update
+        # its operand in place); a row is half of it at 2 repeats, and then written in place
+        grow = None if zb else _get_row(dev.grad, bs // n)
+        dx, grow, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, grow)
+        grad = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
         gstash, c2 = dev.gstash, zero
         if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
             if gstash is not None:  # (the last stage seeds its own)
@@ -1053,12 +1058,20 @@ def _plus(loss, extra):
 
 def _add_row(acc, r, delta):
     """``acc[r] += delta`` (of ``(repeats, 1, ...)`` blocks: ``acc[r, 0] += delta``)."""
+    return _set_row(acc, r, _add_to(_get_row(acc, r), delta))
 
-    def one(a, g):
-        row = lax.dynamic_index_in_dim(a, r, keepdims=False)
-        return lax.dynamic_update_index_in_dim(a, row + g.astype(a.dtype).reshape(row.shape), r, 0)
 
-    return jax.tree.map(one, acc, delta)
+def _get_row(acc, r):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), acc)
+
+
+def _set_row(acc, r, row):
+    return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, r, 0), acc, row)
+
+
+def _add_to(row, delta):
+    """``row + delta``, ``delta`` without the unit stage axis of a ``(1, ...)`` row."""
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype).reshape(a.shape), row, delta)
 
 
 def _add(acc, delta):
