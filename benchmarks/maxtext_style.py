@@ -201,9 +201,11 @@ def setup(name: str, m: int, mesh, checkpoint: str = "always"):
 
 
 def pipejax_variant(name: str, m: int, mesh, checkpoint: str = "always"):
-    """The pipeline of a pipejax variant and the model's parameters stacked for it."""
-    kw = {"circular": {"schedule": "circular", "repeats": REPEATS}}.get(name, {"schedule": name})
-    stages = N * REPEATS if name == "circular" else N
+    """The pipeline of a pipejax variant and the model's parameters stacked for it (``name``: a
+    schedule; "circular" and "interleaved-1f1b" with ``REPEATS`` stages per device)."""
+    looped = name in ("circular", "interleaved-1f1b")
+    kw = {"schedule": name, "repeats": REPEATS} if looped else {"schedule": name}
+    stages = N * REPEATS if looped else N
     pipe = pj.pipeline(stage_fn, num_stages=stages, chunks=m, checkpoint=checkpoint, mesh=mesh, **kw)
     stacked = jax.tree.map(lambda a: a.reshape(stages, LAYERS // stages, *a.shape[1:]), init_params())
     return pipe, stacked

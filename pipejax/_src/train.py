@@ -650,8 +650,8 @@ class _Program:
         and the stages are traced and a slot picks its stage's branch with ``lax.switch``) or
         as a virtual device (:func:`_local_io`; one stage, static, and ``lax.cond`` skips an
         idle slot). Either way an idle slot computes nothing, and every parameter cotangent is
-        added inside its branch (an idle branch returns the accumulator as it is), so no
-        parameter-sized temporary leaves a branch.
+        added inside its branch to the stage's row of the accumulator (B; ZB-H1's W: to the
+        accumulator), which an idle branch returns as it is, so no cotangent leaves a branch.
         """
         K, n, zb, m = self.K, io.n, self.zb, self.m
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
@@ -661,7 +661,7 @@ class _Program:
 
         def f_branch(v):
             def run(rows_p, x_in, f):
-                prow, x = engine.take(rows_p, fs // n), io.unpack(x_in, v.x_layout)
+                prow, x = io.row(rows_p, fs // n), io.unpack(x_in, v.x_layout)
                 y, dloss, saved, st = self.save(v, prow, x, *self._inputs(f, fs))
                 y = io.msg_zeros(v.y_layout) if y is None else io.pack(y)
                 dloss = loss0 if dloss is None else dloss.astype(loss0.dtype)
@@ -679,10 +679,10 @@ class _Program:
         xb = engine.take(stash, (bs // n) * K + b % K)
 
         def b_branch(v):
-            def run(rows_p, xb, g, b, grad):
+            def run(rows_p, xb, g, b, grow):
                 dx, dp = self.pull(
                     v,
-                    engine.take(rows_p, bs // n),
+                    io.row(rows_p, bs // n),
                     io.s_unpack(xb, v),
                     None if v.last else io.unpack(g, v.y_layout),
                     *self._inputs(b, bs),
@@ -690,14 +690,19 @@ class _Program:
                     wrt_input=not v.first,
                 )
                 dx = io.msg_zeros(v.x_layout) if dx is None else io.pack(dx)
-                return dx, grad if dp is None else _add_row(grad, bs // n, dp), one
+                return dx, grow if dp is None else _add_to(grow, dp), one
 
             return run
 
-        def b_idle(rows_p, xb, g, b, grad):
-            return io.msg_zeros(io.variant.x_layout), grad, zero
+        def b_idle(rows_p, xb, g, b, grow):
+            return io.msg_zeros(io.variant.x_layout), grow, zero
 
-        dx, grad, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, dev.grad)
+        # the branch adds to the stage's row of the accumulator, which is written back here: an
+        # accumulator passed through the branch was copied there whole (the branch cannot update
+        # its operand in place); a row is half of it at 2 repeats, and then written in place
+        grow = None if zb else _get_row(dev.grad, bs // n)
+        dx, grow, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, grow)
+        grad = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
         gstash, c2 = dev.gstash, zero
         if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
             if gstash is not None:  # (the last stage seeds its own)
@@ -710,7 +715,7 @@ class _Program:
                     g = None if v.last else io.unpack(gw, v.y_layout)
                     _, dp = self.pull(
                         v,
-                        engine.take(rows_p, 0),
+                        io.row(rows_p, 0),
                         io.s_unpack(xw, v),
                         g,
                         *self._inputs(w, d),
@@ -852,13 +857,14 @@ class _Program:
         cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
         def body(prows, xs, mask, ts, key, cs, state, aux_scale):
-            # the device's stages as rows (v, ...); a slot picks row `stage // n`
+            # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
+            # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
+            # XLA copied the parameters), and the gradients accumulate in blocks of that type
             prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
             # everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch)
             prows, xs, mask, ts, key, cs, state = compat.to_varying(
                 (prows, xs, mask, ts, key, cs, state), axes
             )
-            rows_p = prows if v_rep == 1 else jax.tree.map(lambda a: a[:, 0], prows)
             d = lax.axis_index(axis)
             prog = _Program(
                 pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs, self.weighted
@@ -869,7 +875,7 @@ class _Program:
 
             def tick(dev, r):
                 f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
-                dev, y, dx = prog.slots(io, d, rows_p, dev, f, b, w, fs, bs)
+                dev, y, dx = prog.slots(io, d, prows, dev, f, b, w, fs, bs)
                 fin = engine.shift(y, axis, n, ring=v_rep > 1)
                 bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
                 return dev._replace(fin=fin, bin=bin_), None
@@ -879,20 +885,18 @@ class _Program:
                 io.msg_zeros(),
                 io.s_zeros((v_rep * K,)),
                 io.msg_zeros(lead=(n,)) if zb else None,
-                _zeros_like(rows_p),
+                _zeros_like(prows),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
                 io.st_zeros((S, self.m)),
             )
             dev, _ = lax.scan(tick, compat.to_varying(init, axes), rows)
             stats = engine.sum_exact(dev.stats, axis)  # each (stage, micro-batch) written by one device
-            # rows (v, ...) -> the device's block of the stacked stages: (1, ...) or (v, 1, ...)
-            lead = lambda tree: jax.tree.map(lambda a: a if v_rep == 1 else a[:, None], tree)
             loss, grad, counts = lax.psum(dev.loss, axis), dev.grad, dev.counts
             if data is None:
-                return loss, lead(grad), counts[None], stats
+                return loss, grad, counts[None], stats
             # every data shard ran its own micro-batches: sum their losses and gradients
-            return lax.psum(loss, data), devices.sum_over_data(lead(grad)), counts[None, None], stats
+            return lax.psum(loss, data), devices.sum_over_data(grad), counts[None, None], stats
 
         fn = jax.shard_map(
             body,
@@ -951,6 +955,7 @@ class _IO(NamedTuple):
     """How a device of the training loop runs: messages, stashes and the dispatch of a slot."""
 
     n: int  # stage s is row s // n of the device's stages
+    row: Callable[[Any, Any], Any]  # (the device's parameter block, row) -> that row's parameters
     variant: _Variant  # a variant whose types an idle slot's zeros take
     pack: Callable[[Any], Any]  # a typed activation or cotangent -> its message
     unpack: Callable[[Any, Layout], Any]  # (message, layout) -> the typed value
@@ -1005,6 +1010,7 @@ def _mesh_io(prog: _Program, variants, index, box, row, n, axes) -> _IO:
 
     return _IO(
         n,
+        lambda block, r: engine._row(block, r, prog.pipe.repeats),
         variants[0],
         pack,
         unpack,
@@ -1032,6 +1038,7 @@ def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
 
     return _IO(
         n,
+        lambda block, r: engine._row(block, r, 1),
         v,
         ident,
         lambda msg, layout: msg,
@@ -1088,14 +1095,21 @@ def _plus(loss, extra):
 
 
 def _add_row(acc, r, delta):
-    """``acc[r] += delta``."""
+    """``acc[r] += delta`` (of ``(repeats, 1, ...)`` blocks: ``acc[r, 0] += delta``)."""
+    return _set_row(acc, r, _add_to(_get_row(acc, r), delta))
 
-    def one(a, g):
-        return lax.dynamic_update_index_in_dim(
-            a, lax.dynamic_index_in_dim(a, r, keepdims=False) + g.astype(a.dtype), r, 0
-        )
 
-    return jax.tree.map(one, acc, delta)
+def _get_row(acc, r):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), acc)
+
+
+def _set_row(acc, r, row):
+    return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, r, 0), acc, row)
+
+
+def _add_to(row, delta):
+    """``row + delta``, ``delta`` without the unit stage axis of a ``(1, ...)`` row."""
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype).reshape(a.shape), row, delta)
 
 
 def _add(acc, delta):
