@@ -509,6 +509,16 @@ def _local(devices):
     return [d for d in devices if d.process_index == jax.process_index()]
 
 
+def _stage_row(shard, d: int, r: int | None):
+    """Stage ``d``'s row (``(1, ...)``) of a buffer's shard on one of its devices (``r``: the
+    repeat, for a device-major ``(v, n, ...)`` buffer). A shard placed as the pipeline places it
+    is that row already; one that holds more of the stage axis (a buffer that arrived replicated,
+    as JAX 0.11 can leave a jitted result) is sliced at its offset."""
+    data = shard.data if r is None else shard.data[r]
+    start = shard.index[0 if r is None else 1].start or 0
+    return data[d - start : d - start + 1]
+
+
 def _unpack_on_devices(pipe, params: StageParams):
     """Every stage's parameter pytree, unpacked on that stage's devices from their own shards."""
     major = any(params.device_major())
@@ -535,7 +545,8 @@ def _unpack_on_devices(pipe, params: StageParams):
         for b, spec in zip(params.buffers, params.container.slot_specs((pipe.axis_name,)), strict=True):
             row_shape = (1, *b.shape[2 if major else 1 :])
             sharding = NamedSharding(sub, spec)
-            pieces = [(sh.data[r] if major else sh.data) for sh in b.addressable_shards if sh.device in mine]
+            held = [sh for sh in b.addressable_shards if sh.device in mine]
+            pieces = [_stage_row(sh, d, r if major else None) for sh in held]
             rows.append(jax.make_array_from_single_device_arrays(row_shape, sharding, pieces))
         unpack = jax.jit(
             lambda rows, layout=layout: params.container.unpack(tuple(x[0] for x in rows), layout),

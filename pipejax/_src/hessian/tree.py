@@ -67,6 +67,8 @@ def _contract(q: jax.Array, lead_q: int, a: jax.Array, lead_a: int) -> jax.Array
     """
     rank = q.ndim - lead_q
     batch = sorted(_sharded_axes(q, lead_q) | _sharded_axes(a, lead_a))
+    if batch:  # both split alike on the batch axes (newer JAX refuses to pick one of two shardings)
+        q, a = _split_alike(q, lead_q, a, lead_a), _split_alike(a, lead_a, q, lead_q)
     con = [d for d in range(rank) if d not in batch]
     dims = (
         (tuple(lead_q + d for d in con), tuple(lead_a + d for d in con)),
@@ -74,6 +76,30 @@ def _contract(q: jax.Array, lead_q: int, a: jax.Array, lead_a: int) -> jax.Array
     )
     out = jax.lax.dot_general(q, a.astype(q.dtype), dims)  # (*batch, *lead_q axes, *lead_a axes)
     return jnp.sum(out, axis=tuple(range(len(batch)))) if batch else out
+
+
+def _typed(a: jax.Array):
+    """``a``'s typed sharding when it names a mesh, else None."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return None if mesh is None or mesh.empty else sharding
+
+
+def _split_alike(a: jax.Array, lead: int, other: jax.Array, lead_other: int) -> jax.Array:
+    """``a`` resharded so that its vector axes (after ``lead``) are split as ``other``'s are,
+    where ``a`` leaves whole an axis that ``other`` splits (values unchanged: each device keeps
+    its slice, no collective). Newer JAX refuses to choose between two shardings itself."""
+    theirs = _typed(other)
+    if theirs is None:
+        return a
+    ours = _typed(a)
+    pad = lambda spec, n: (tuple(spec) + (None,) * n)[:n]
+    want = pad(theirs.spec, other.ndim)[lead_other:]
+    have = (None,) * (a.ndim - lead) if ours is None else pad(ours.spec, a.ndim)[lead:]
+    if have == want or any(h is not None and h != w for h, w in zip(have, want, strict=True)):
+        return a  # alike already, or split differently (not just less): left to JAX
+    spec = jax.sharding.PartitionSpec(*([None] * lead), *want)
+    return jax.sharding.reshard(a, jax.sharding.NamedSharding(theirs.mesh, spec))
 
 
 def _sum(terms: list[jax.Array]) -> jax.Array:
@@ -119,8 +145,14 @@ def astype(v: PyTree, dtype: Any) -> PyTree:
 
 def zeros_basis(like: PyTree, m: int, dtype: Any) -> PyTree:
     """A basis of ``m`` zero vectors shaped (and sharded) like ``like``."""
-    # repeat keeps the sharding of ``like`` on the trailing axes (broadcast_to would drop it)
-    return jax.tree.map(lambda a: jnp.repeat(jnp.zeros_like(a, dtype)[None], m, axis=0), like)
+
+    def one(a):
+        # JAX 0.10's repeat keeps the sharding of ``a`` on the trailing axes (broadcast_to would
+        # drop it); 0.11's drops it there too, so it is put back
+        basis = jnp.repeat(jnp.zeros_like(a, dtype)[None], m, axis=0)
+        return _split_alike(basis, 1, a, 0)
+
+    return jax.tree.map(one, like)
 
 
 def row(basis: PyTree, i: jax.Array) -> PyTree:
@@ -128,7 +160,12 @@ def row(basis: PyTree, i: jax.Array) -> PyTree:
 
 
 def set_row(basis: PyTree, i: jax.Array, v: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, b: a.at[i].set(b.astype(a.dtype)), basis, v)
+    def one(a, b):
+        # a row split as the basis's rows are (newer JAX will not guess the update's sharding)
+        b, a = _split_alike(b, 0, a, 1), _split_alike(a, 1, b, 0)
+        return a.at[i].set(b.astype(a.dtype))
+
+    return jax.tree.map(one, basis, v)
 
 
 def stack(vectors: list[PyTree]) -> PyTree:
