@@ -248,22 +248,22 @@ def test_dropout_pipeline_matches_composition_with_stage_keys():
 
 @pytest.mark.parametrize("placement", ["none", "explicit"])
 def test_except_last_gradients_with_dropout(placement):
-    """Issue 22's case: 4 equal stages of ``tanh(x @ w)`` then ``pj.dropout`` at rate 0.5,
-    chunks=4, 8 identical rows. ``"always"`` and ``"never"`` are bitwise equal; ``"except_last"``
-    (two scans: the parameter cotangents of each are summed apart, another association) gives
-    bitwise-equal outputs and input gradients, and parameter gradients within a few ulp
-    (measured: up to 16 ulp in float32; ``docs/pipeline.md`` says why it is not made bitwise)."""
+    """Issue 22's case, made harder: 4 stages of ``tanh(x @ w)`` then ``pj.dropout`` at rate 0.5,
+    16 x 16 weights, 32 random rows in 8 micro-batches. All three modes give bitwise-equal
+    outputs and gradients: ``"except_last"`` runs two scans, and its parameter cotangents reach
+    one running sum through the carried link of ``engine._port``. (Summed in two sums of their
+    own, as before, they differed from the other modes' by 1-2 ulp here.)"""
 
     def stage(p, x, key):
         return pj.dropout(jnp.tanh(x @ p["w"]), key, 0.5)
 
     r = np.random.default_rng(3)
-    params = [{"w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32)} for _ in range(4)]
-    x = jnp.tile(jnp.asarray(r.normal(size=(1, 6)), jnp.float32), (8, 1))
+    params = [{"w": jnp.asarray(r.normal(size=(16, 16)) / 3, jnp.float32)} for _ in range(4)]
+    x = jnp.asarray(r.normal(size=(32, 16)), jnp.float32)
     mesh = models.make_mesh(placement, 4)
     runs = {}
     for mode in ("never", "always", "except_last"):
-        pipe = pj.pipeline([stage] * 4, chunks=4, checkpoint=mode, mesh=mesh)
+        pipe = pj.pipeline([stage] * 4, chunks=8, checkpoint=mode, mesh=mesh)
         placed = params if mesh is None else pipe.place(params)
 
         def loss(p, x, pipe=pipe):
@@ -272,11 +272,7 @@ def test_except_last_gradients_with_dropout(placement):
 
         (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(placed, x)
         runs[mode] = jax.tree.map(np.asarray, (y, g))
-    y_ref, (gp_ref, gx_ref) = runs["never"]
+    y_ref = runs["never"][0]
     assert np.any(y_ref == 0) and np.any(y_ref != 0), "dropout had no effect"
     models.assert_trees_equal(runs["always"], runs["never"])
-    y, (gp, gx) = runs["except_last"]
-    models.assert_trees_equal((y, gx), (y_ref, gx_ref))
-    for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gp_ref), strict=True):
-        ulp = np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(np.float32))
-        assert np.all(np.abs(a - b) <= 32 * ulp), np.max(np.abs(a - b) / ulp)
+    models.assert_trees_equal(runs["except_last"], runs["never"])

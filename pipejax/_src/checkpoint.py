@@ -126,9 +126,9 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     * a policy: the user's policy, with the same exception.
     * ``"except_last"``: ``"always"`` until the last ``n`` ticks (the drain, which includes the
       last micro-batch on every device; ``n`` = devices), ``"never"`` from there on. Memory per
-      tick is a static property of a scan, so this is the one mode with two scans. The backward
-      pass then sums the parameter cotangents of each scan separately, so its gradients equal the
-      other modes' to rounding, while every other pair of modes is bitwise equal.
+      tick is a static property of a scan, so this is the one mode with two scans. The parameter
+      cotangents of both reach one running sum (see ``engine._scan``), so its gradients are
+      bitwise those of the other modes.
 
     With one scan every stage function appears once in the forward program.
     """

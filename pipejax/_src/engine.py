@@ -547,18 +547,62 @@ def _scan(schedule, phases, carry, tick, inputs: Inputs):
     """Runs the ticks, one ``lax.scan`` per phase (see :mod:`pipejax._src.checkpoint`);
     ``tick(phase, inputs)`` is the scan body, which reads ``inputs`` as constants of its scan.
 
-    (Several phases -- ``"except_last"`` -- therefore sum the parameter cotangents of each scan
-    separately, another association than one scan's: equal to rounding. Carrying the inputs
-    through the scans instead would make it one running sum, bitwise that of one scan, but a
-    carried value is no loop invariant: the checkpointed scan then saved the parameters and the
-    batch at every tick, 13.7 -> 25.9 MiB per device at n = 4, m = 16 in
-    ``benchmarks/pipeline.py``'s memory section.)
+    Several phases (``"except_last"``) read the parameters through :func:`_port` with a
+    ``link`` carried from scan to scan, so the backward pass adds every tick's parameter
+    cotangent to one running sum, in the order one scan would: the gradients are bitwise those
+    of ``"always"`` and ``"never"``. The parameters themselves stay constants of each scan
+    (loop-invariant, so the checkpointed scan does not store them at every tick, as a carried
+    copy would: 13.7 -> 25.9 MiB per device at n = 4, m = 16 in ``benchmarks/pipeline.py``'s
+    memory section).
     """
     table = rows(schedule)
+    if len(phases) == 1:
+        phase = phases[0]
+        carry, _ = lax.scan(tick(phase, inputs), carry, table[phase.start : phase.stop])
+        return carry
+    link = jax.tree.map(_tap, inputs.params)
     for phase in phases:
-        body = tick(phase, inputs)
-        carry, _ = lax.scan(body, carry, table[phase.start : phase.stop])
+
+        def body(c, row, phase=phase):
+            c, link = c
+            params = jax.tree.map(_port, inputs.params, link)
+            c, out = tick(phase, inputs._replace(params=params))(c, row)
+            # the barrier keeps the link a carry: a carry returned as it came is turned into a
+            # constant of the scan, whose cotangent has a sum of its own again
+            return (c, lax.optimization_barrier(link)), out
+
+        (carry, link), _ = lax.scan(body, (carry, link), table[phase.start : phase.stop])
     return carry
+
+
+@jax.custom_jvp
+def _tap(value):
+    """Zeros of ``value``'s type whose tangent is ``value``'s: the start of a cotangent
+    :func:`_port` (the gradient that reaches it goes to ``value``)."""
+    return lax.full_like(value, 0)
+
+
+@_tap.defjvp
+def _tap_jvp(primals, tangents):
+    return _tap(primals[0]), tangents[0]
+
+
+@jax.custom_jvp
+def _port(value, link):
+    """``value``, whose tangent is ``link``'s (and ``value``'s own tangent is dropped).
+
+    Read through this, a scan's constant ``value`` keeps its place as a loop invariant while
+    its cotangent leaves through ``link``, a carry: the transposed scan adds each tick's
+    cotangent to the carry's running sum instead of to a sum of its own. Under ``jax.jvp`` the
+    primal is ``value`` itself (the rule returns it), so nothing in the scan depends on the
+    link's value and a checkpoint stores nothing more.
+    """
+    return value
+
+
+@_port.defjvp
+def _port_jvp(primals, tangents):
+    return primals[0], tangents[1]
 
 
 class LocalDevices:
