@@ -189,7 +189,8 @@ def test_hvp_of_value_and_grad():
     flat, unravel = jax.flatten_util.ravel_pytree(PARAMS)
     v = jax.random.normal(jax.random.key(3), flat.shape, jnp.float64)
     _, hvp = jax.jvp(lambda f: ravel(step(unravel(f), X10, T10)[1]), (flat,), (v,))
-    hess = jax.hessian(lambda f: reference_loss(unravel(f), X10, T10, True))(flat)
+    # jitted: one compile instead of op-by-op autodiff of the per-micro-batch loop
+    hess = jax.jit(jax.hessian(lambda f: reference_loss(unravel(f), X10, T10, True)))(flat)
     close(hvp, hess @ v)
 
 
@@ -280,7 +281,9 @@ def weighted_ref(form):
     return WREFS[form]
 
 
-@pytest.mark.parametrize("checkpoint", [None, "always"])
+# checkpoint: the default (the training schedules' is "always": B rebuilds the stage's pullback)
+# and "never" (B reads the residuals F stashed), the two paths that seed the aux term
+@pytest.mark.parametrize("checkpoint", [None, "never"])
 @pytest.mark.parametrize("on_mesh", [False, True], ids=["no-mesh", "mesh"])
 @pytest.mark.parametrize("form", ["masked", "homogeneous"])
 @pytest.mark.parametrize("schedule,repeats", SCHEDULES)
@@ -289,7 +292,7 @@ def test_weighted_loss_with_aux_loss(schedule, repeats, form, on_mesh, checkpoin
     schedules scale each aux term by the batch's total weight, computed up front from the
     targets, and equal GPipe's autodiff and the composed model."""
     if checkpoint is not None and schedule not in ("1f1b", "zb-h1"):
-        pytest.skip("the pullback path once per training schedule is enough")
+        pytest.skip("the stashed-residual path once per training schedule is enough")
     mesh = request.getfixturevalue("mesh2" if repeats > 1 else "mesh4") if on_mesh else None
     params = PARAMS if form == "masked" else STACKED
     if form == "masked":

@@ -43,11 +43,12 @@ def plain_loss(params, x, y):
 def setup():
     params, x, y = models.random_mlp(SIZES, BATCH)
     flat, unravel = ravel_pytree(params)
-    dense = np.asarray(jax.hessian(lambda f: plain_loss(unravel(f), x, y))(flat))
+    # jitted: one compile instead of op-by-op autodiff
+    dense = np.asarray(jax.jit(jax.hessian(lambda f: plain_loss(unravel(f), x, y)))(flat))
     ends = np.cumsum([a * b + b for a, b in itertools.pairwise(SIZES)])
     spans = list(zip([0, *ends[:-1]], ends, strict=True))  # ravel order: stage by stage
     dense_blocks = [dense[a:b, a:b] for a, b in spans]
-    return dict(params=params, x=x, y=y, blocks=dense_blocks)
+    return dict(params=params, x=x, y=y, dense=dense, blocks=dense_blocks)
 
 
 def test_per_stage_curvature_through_the_pipeline(setup):
@@ -103,8 +104,7 @@ def test_parameter_subset_blocks_without_a_pipeline(setup):
     w0 = [{"w": jnp.ones(()), "b": jnp.zeros(())}, *zeros[1:]]  # scalars broadcast to the leaf
     biases = [{"w": jnp.zeros(()), "b": jnp.ones(())} for _ in params]
     args = (params, setup["x"], setup["y"])
-    flat, unravel = ravel_pytree(params)
-    dense = np.asarray(jax.hessian(lambda f: plain_loss(unravel(f), setup["x"], setup["y"]))(flat))
+    dense = setup["dense"]  # jax.hessian of plain_loss at these parameters
     full = lambda m: jax.tree.map(lambda a, p: jnp.broadcast_to(a, p.shape), m, params)
     idx = [np.flatnonzero(np.asarray(ravel_pytree(full(m))[0])) for m in (w0, biases)]
     vals = ph.eigenvalues(plain_loss, *args, key=jax.random.key(0), k=2, num_steps=22, blocks=[w0, biases])

@@ -5,7 +5,6 @@ The model is a small MLP (8 -> 16 -> 5, tanh, softmax cross-entropy; 229 paramet
 gradients (``jax.jacrev``) are cheap to form, and every spectrum function is checked against them.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,14 +39,16 @@ def model():
     params, x, y = models.random_mlp(SIZES, BATCH)
     flat, unravel = ravel_pytree(params)
     z = logits(params, x, y)
-    jac = np.asarray(jax.jacfwd(lambda f: logits(unravel(f), x, y))(flat)).reshape(z.size, flat.size)
-    h_z = np.asarray(jax.hessian(lambda z: ce(z.reshape(BATCH, -1), x, y))(z.ravel()))
+    # each reference under jax.jit: one compile, where op-by-op autodiff dispatched thousands of ops
+    jac = np.asarray(jax.jit(jax.jacfwd(lambda f: logits(unravel(f), x, y)))(flat))
+    jac = jac.reshape(z.size, flat.size)
+    h_z = np.asarray(jax.jit(jax.hessian(lambda z: ce(z.reshape(BATCH, -1), x, y)))(z.ravel()))
 
     def example_grad(xi, yi):  # the gradient of one example's loss
         return jax.grad(lambda f: LOSS(unravel(f), xi[None], yi[None]))(flat)
 
-    g = np.asarray(jax.vmap(example_grad)(x, y))  # (BATCH, n)
-    hessian = np.asarray(jax.hessian(lambda f: LOSS(unravel(f), x, y))(flat))
+    g = np.asarray(jax.jit(jax.vmap(example_grad))(x, y))  # (BATCH, n)
+    hessian = np.asarray(jax.jit(jax.hessian(lambda f: LOSS(unravel(f), x, y)))(flat))
     return dict(
         params=params,
         x=x,

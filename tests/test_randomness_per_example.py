@@ -16,9 +16,16 @@ def dense(p, x, key):
     return pj.dropout(jnp.tanh(x @ p), key, DROP_RATE)
 
 
-def mask_stage(p, x, key):
-    """Returns the dropout mask drawn with the stage's keys (float 0/1), ignoring x's values."""
-    return (pj.dropout(jnp.ones_like(x), key, DROP_RATE) != 0).astype(x.dtype) + 0.0 * x
+def recording(s):
+    """Stage ``s`` of a 3-stage ``dense`` pipeline that also records its dropout mask (float 0/1,
+    drawn with the same keys and shape as ``dense``'s) in column ``s`` of the masks it carries."""
+
+    def stage(p, carry, key):
+        h, masks = carry
+        mask = (pj.dropout(jnp.ones_like(h), key, DROP_RATE) != 0).astype(h.dtype)
+        return dense(p, h, key), masks.at[:, s].set(mask)
+
+    return stage
 
 
 def params(n=3):
@@ -29,21 +36,21 @@ def params(n=3):
 @pytest.mark.parametrize("batch", [8, 11])
 @pytest.mark.parametrize("mesh_size", [None, 3])
 def test_masks_and_outputs_do_not_depend_on_chunks(batch, mesh_size):
+    """Every stage's mask (bitwise) and the output are those of ``chunks=1``; one program per
+    chunk count computes both."""
     x = jnp.asarray(np.random.RandomState(1).randn(batch, D), jnp.float32)
+    carry = (x, jnp.zeros((batch, 3, D), jnp.float32))
     key = jax.random.key(7)
     mesh = None if mesh_size is None else jax.make_mesh((mesh_size,), ("stage",))
-    masks, outs = [], []
+    stages = [recording(s) for s in range(3)]
+    outs, masks = [], []
     for chunks in (1, 2, 4, 8):
-        masks.append(
-            jax.jit(
-                pj.pipeline([mask_stage, dense, mask_stage], chunks=chunks, mesh=mesh, per_example_keys=True)
-            )(params(), x, key)
+        out, mask = jax.jit(pj.pipeline(stages, chunks=chunks, mesh=mesh, per_example_keys=True))(
+            params(), carry, key
         )
-        outs.append(
-            jax.jit(pj.pipeline([dense] * 3, chunks=chunks, mesh=mesh, per_example_keys=True))(
-                params(), x, key
-            )
-        )
+        outs.append(out)
+        masks.append(mask)
+    assert 0 < float(jnp.mean(masks[0])) < 1  # dropout is on: some entries kept, some dropped
     for mask in masks[1:]:
         np.testing.assert_array_equal(mask, masks[0])  # masks: exactly the same
     for out in outs[1:]:

@@ -274,6 +274,18 @@ def test_placed_params_give_placed_grads(name, placement):
 # --- second order -------------------------------------------------------------------------------
 
 
+@functools.cache
+def _composed_hessian(repeats, batch):
+    """``jax.hessian`` of the composed model's mean loss (``STAGES``, or ``STAGES4`` for
+    ``repeats=2``) at the flat parameters, jitted (one compile instead of op-by-op autodiff) and
+    computed once per (stages, batch) for the tests that share it."""
+    stages, params = (STAGES4, _params4()) if repeats == 2 else (STAGES, models.token_params())
+    flat, unravel = ravel_pytree(params)
+    x, labels = models.token_inputs(batch), _labels(batch)
+    composed = lambda v: jnp.mean(xent(models.compose(stages, unravel(v), x), labels))
+    return np.asarray(jax.jit(jax.hessian(composed))(flat))
+
+
 @pytest.mark.parametrize(
     ("name", "placement", "checkpoint"),
     [("1f1b", "explicit", "always"), ("zb-h1", "none", "never"), ("interleaved-1f1b", "explicit", "never")],
@@ -295,8 +307,7 @@ def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
     def grad_flat(v):
         return ravel_pytree(step(unravel(v), x, labels)[1])[0]
 
-    composed = lambda v: jnp.mean(xent(models.compose(stages, unravel(v), x), labels))
-    hessian = jax.hessian(composed)(flat)
+    hessian = _composed_hessian(v, batch)
     direction = jnp.asarray(np.random.default_rng(1).normal(size=flat.shape))
     _, hvp = jax.jit(lambda v, u: jax.jvp(grad_flat, (v,), (u,)))(flat, direction)
     np.testing.assert_allclose(np.asarray(hvp), np.asarray(hessian @ direction), **TOL)
@@ -419,8 +430,7 @@ def test_hessian_tools_take_the_schedule_gradient():
     pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule="1f1b", mesh=models.make_mesh("auto", 3))
     loss = pj.hessian.from_value_and_grad(pipe.value_and_grad(xent))
     flat, unravel = ravel_pytree(params)
-    composed = lambda v: jnp.mean(xent(models.compose(STAGES, unravel(v), x), labels))
-    hessian = np.asarray(jax.hessian(composed)(flat))
+    hessian = _composed_hessian(1, batch)
     u = jnp.asarray(np.random.default_rng(2).normal(size=flat.shape))
     got = ravel_pytree(pj.hessian.hvp(loss, params, unravel(u), x, labels))[0]
     np.testing.assert_allclose(np.asarray(got), hessian @ np.asarray(u), **TOL)
