@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     x0, y0 = next(data)
     with jax.set_mesh(mesh):
         params = jax.jit(model.init)(jax.random.key(0), x0)["params"]
-    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(plain.init(jax.random.key(0), x0)))
+    shapes = jax.eval_shape(plain.init, jax.random.key(0), x0)  # shapes only: nothing runs
+    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes))
     print(f"model: {count:,} parameters; {BLOCKS} blocks in {NUM_STAGES} stages, chunks={args.chunks}")
 
     # 1. Step 0: the pipeline computes what the plain model computes (no dropout).
