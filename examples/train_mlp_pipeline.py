@@ -22,7 +22,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse
-import functools
 import sys
 import time
 
@@ -115,7 +114,6 @@ def sequential_model(params, x, key=None):
 TASK_DIRECTIONS = jax.random.normal(jax.random.key(1234), (IN_DIM, 4)) / jnp.sqrt(IN_DIM)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # one program per size n, not op by op
 def make_data(key, n):
     """``n`` examples of a synthetic regression task: a smooth nonlinear function plus noise."""
     k_x, k_noise = jax.random.split(key)
@@ -129,15 +127,15 @@ def make_data(key, n):
 
 
 def relative_difference(a, b):
-    """max |a - b| / max |b| over matching leaves of two pytrees (in numpy, on the host)."""
+    """max |a - b| / max |b| over matching leaves of two pytrees."""
     pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(float(np.max(np.abs(np.subtract(u, v))) / np.max(np.abs(v))) for u, v in pairs)
+    return max(float(jnp.max(jnp.abs(u - v)) / jnp.max(jnp.abs(v))) for u, v in pairs)
 
 
 def check_against_sequential(apply, params, params_list, loss_fn, x, y):
     """Pipelined loss and gradients (no dropout) vs the stages composed on the whole batch."""
     pipe_loss, pipe_grads = jax.jit(jax.value_and_grad(loss_fn))(params, x, y, None)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: jnp.mean((sequential_model(p, x) - y) ** 2)))(
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: jnp.mean((sequential_model(p, x) - y) ** 2))(
         params_list
     )
     # The gradient with respect to a `StageParams` is a `StageParams`. Fetched to the host, its
@@ -161,11 +159,10 @@ def check_dropout(apply, params, params_list, x, key):
     same dropout masks, whatever the mesh or checkpoint mode.
     """
     xs, _, plan = pj.split_microbatches(x, apply.chunks)
-    stages = [jax.jit(stage) for stage in STAGES]  # (jitted: one program per stage, not op by op)
     outs = []
     for i in range(plan.num_micro):
         h = xs[i]
-        for s, (stage, p) in enumerate(zip(stages, params_list, strict=True)):
+        for s, (stage, p) in enumerate(zip(STAGES, params_list, strict=True)):
             h = stage(p, h, pj.stage_key(key, i, s))
         outs.append(h)
     ref = pj.merge_microbatches(jnp.stack(outs), plan)
@@ -204,7 +201,7 @@ def main(argv=None):
     k_init, k_train, k_test, k_drop = jax.random.split(jax.random.key(0), 4)
     x_train, y_train = make_data(k_train, 16384)
     x_test, y_test = make_data(k_test, 1024)
-    params_list = jax.jit(init_params)(k_init)  # (jitted: one program, not op by op)
+    params_list = init_params(k_init)
 
     # `place` packs each stage's parameters into one flat buffer per dtype, stacks the stages and
     # shards the stage axis over the mesh: device s stores only stage s's parameters (padded to the
