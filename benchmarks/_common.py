@@ -38,8 +38,13 @@ def section(title: str) -> None:
 
 
 def temp_bytes(fn, *args) -> int:
-    """Compiled XLA temp bytes of ``jax.jit(fn)`` on ``args`` (deterministic on CPU)."""
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    """Compiled XLA temp bytes of ``jax.jit(fn)`` on ``args`` (deterministic on CPU).
+
+    A function that is jitted already is lowered as it is: if it ran on ``args``, JAX reuses its
+    executable (wrapping it in another ``jax.jit`` would compile the same program again).
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def nbytes(tree) -> int:

@@ -196,7 +196,11 @@ def breakdown_row(sizes, batch, m, rounds, dtype):
 
         return jax.lax.fori_loop(0, m, loop, (v, tree.zeros_basis(v, m + 1, dtype)))[1]
 
-    partial = jax.jit(lambda p, v, x, y: _lanczos(matvec(p, x, y), v, m, None, False, "", "partial")[0].diag)
+    @jax.jit
+    def partial(p, v, x, y):  # T's diagonal, and the pass count read below (no second program)
+        t, passes = _lanczos(matvec(p, x, y), v, m, None, False, "", "partial")[:2]
+        return t.diag, passes
+
     full_pass = jax.jit(
         lambda p, v, x, y: (
             ph.lanczos(lambda u: jax.tree.map(jnp.multiply, u, diag), v, m, reorthogonalise="full").diag
@@ -206,7 +210,7 @@ def breakdown_row(sizes, batch, m, rounds, dtype):
     args = (params, v, x, y)
     _, cpu, _ = cpu_and_wall_times(fns, args, rounds)
     med = {k: float(np.median(t)) for k, t in cpu.items()}
-    passes = int(_lanczos(matvec(*args[:1], x, y), v, m, None, False, "", "partial")[1])
+    passes = int(partial(*args)[1])
     total = ratio_stats(cpu["partial"], cpu["bare"])[0] - 1
     basis = ratio_stats(cpu["bare + basis"], cpu["bare"])[0] - 1
     pass_share = passes * med["full pass"] / m / med["bare"]

@@ -555,7 +555,11 @@ def main(argv=None) -> int:
     args = parse(argv)
     start = time.perf_counter()
     devices = stage_devices(args.stages)
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("stage",))
+    # Explicit axes (as `jax.make_mesh` gives): `init` then lays each stage's parameters on its own
+    # device, as the train step returns them, so the step compiles once (with Auto axes the
+    # parameters and Adam's moments start replicated, and step 2 compiled again).
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("stage",), axis_types=explicit)
     kind = devices[0].platform.upper() + (" (simulated)" if devices[0].platform == "cpu" else "")
     report: dict = {"devices": f"{args.stages} x {kind}", "stages": args.stages, "chunks": args.chunks}
     print(f"pipejax demo on {args.stages} {kind} devices; report folder {args.out}")

@@ -72,12 +72,14 @@ def python_blocks(markdown):
         "docs/flax.md",
         "docs/batchnorm.md",
         "docs/migrating_from_torchgpipe.md",
-        "docs/multihost.md",
         "docs/invertible.md",
     ],
 )
 def test_docs_code_runs(page):
     """Every python snippet of the page runs, in order, as one script (their asserts included).
+
+    (docs/multihost.md's script runs in tests/test_multihost.py, in one process and on two: a run
+    here would repeat the one-process run.)
 
     The train steps of the pages in ``TRAIN_STEPS`` must compile on their first call only: a
     prelude counts the XLA compilations of every call of every function the page jits.
