@@ -555,9 +555,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     start = time.perf_counter()
     devices = stage_devices(args.stages)
-    # Explicit axes (as `jax.make_mesh` gives): `init` then lays each stage's parameters on its own
-    # device, as the train step returns them, so the step compiles once (with Auto axes the
-    # parameters and Adam's moments start replicated, and step 2 compiled again).
+    # Explicit axes, as `jax.make_mesh` gives: `init` lays each stage's parameters on its own
+    # device, as the train step returns them, so the step compiles once. (Auto axes do the same
+    # since `Pipeline.place` constrains inside `jit`; before, step 2 compiled again.)
     explicit = (jax.sharding.AxisType.Explicit,)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("stage",), axis_types=explicit)
     kind = devices[0].platform.upper() + (" (simulated)" if devices[0].platform == "cpu" else "")

@@ -122,6 +122,38 @@ def test_linen_from_sequential_with_on_mesh_compiles_once():
     assert counter().per_call(run, 3)[1:] == [0, 0]
 
 
+def test_linen_init_on_an_auto_mesh_compiles_the_step_once():
+    """``jax.sharding.Mesh(devices, names)`` has Auto axes. ``jax.jit(model.init)`` then placed
+    the stage parameters with a ``device_put``, which inside ``jit`` on Auto axes leaves them
+    replicated; the optimizer's state followed, the first step returned them sharded over the stage
+    axis, and the second step compiled again (found in the demo). ``place`` constrains them."""
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("stage",))
+    blocks = [Block() for _ in range(4)]
+    model = LinenPipeline(blocks, balance=[2, 2], chunks=2, mesh=mesh)
+    h = jnp.ones((6, D), jnp.float32)
+    params = jax.jit(model.init)(jax.random.key(0), h)["params"]
+    optimizer = optax.sgd(0.1, momentum=0.9)  # a parameter-shaped trace, as Adam has moments
+    state = [params, optimizer.init(params)]  # eager: the trace is laid out as the parameters
+
+    @jax.jit
+    def step(params, opt_state, key):
+        def loss(params):
+            y = model.apply({"params": params}, h, deterministic=False, rngs={"dropout": key})
+            return jnp.mean(y**2)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run(i):
+        state[:] = step(*state, jax.random.key(i))
+        jax.block_until_ready(state)
+
+    assert counter().per_call(run, 3)[1:] == [0, 0]
+
+
 class NBlock(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(D, D, rngs=rngs)

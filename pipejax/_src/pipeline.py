@@ -508,8 +508,17 @@ class Pipeline:
             return params
         if self.repeats > 1 and self.num_devices > 1:
             params = stage_forms.device_major(self, params)
-        put = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))
         specs = stage_forms.leaf_specs(self, params, splits)
+
+        def put(a, spec):
+            sharding = NamedSharding(self.mesh, spec)
+            if isinstance(a, jax.core.Tracer) and not compat.is_explicit(self.mesh, self.axis_name):
+                # inside `jit` on Auto axes (a Flax `init`, a restore target) `device_put` does
+                # not constrain the result: it came out replicated, the first training step
+                # returned another layout, and the second step compiled again
+                return jax.lax.with_sharding_constraint(a, sharding)
+            return jax.device_put(a, sharding)
+
         if isinstance(params, StageParams):
             buffers = tuple(put(b, sp) for b, sp in zip(params.buffers, specs, strict=True))
             return StageParams(buffers, params.container, params.layouts)
