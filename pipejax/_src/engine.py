@@ -219,9 +219,10 @@ class Heterogeneous:
         # on a mesh the micro-batch of x travels in the same container (see MeshDevices)
         self.box = Container.for_layouts(boundaries if switch else boundaries[1:])
         self.statbox = Container.for_layouts(stats_layouts)
-        if switch:  # the containers the packed parameters and state were built with
+        if switch:  # the containers the packed parameters (and state) were built with
             self.pbox = Container.for_layouts(param_layouts)
-            self.sbox = Container.for_layouts(state_layouts)
+            if state_layouts is not None:  # (the training program reads the state whole)
+                self.sbox = Container.for_layouts(state_layouts)
 
     computes_bubbles = False  # a bubble is one more branch of the stage switch
 
@@ -241,6 +242,21 @@ class Heterogeneous:
     def input_message(self, x):
         """A micro-batch of ``x`` as the message stage 0 reads (on a mesh)."""
         return self.box.pack(x)
+
+    # The one container layout of every schedule's messages, stashes and stats on a mesh. A
+    # value typed with Explicit axes inside a stage (``param_specs`` over a "model" axis) is
+    # replicated before it is flattened (a reshape across a sharded dimension is refused).
+
+    def pack(self, tree):
+        """An activation (or its cotangent) as the message every device sends."""
+        return self.box.pack(compat.replicate(tree))
+
+    def unpack(self, message, layout: Layout):
+        return self.box.unpack(message, layout)
+
+    def stats_message(self, stats):
+        """A slot's stats (records) as the one type every stage's branch returns."""
+        return self.statbox.pack(compat.replicate(stats))
 
     def output(self, d, message):
         """The last stage's output, read from the message of the last device ``d``."""
@@ -281,13 +297,10 @@ class Heterogeneous:
 
                 return f
 
+            working, prev = (True, None) if guard is None else guard
+            idle = lambda *args: prev
             branches = [branch(t) for t in range(self.S)]
-            index = s
-            if guard is not None:
-                working, prev = guard
-                index = jnp.where(working, s, self.S)
-                branches.append(lambda *args: prev)
-            return lax.switch(index, branches, prow, srow, x_in, xs, mask, ic, key_for(s))
+            return dispatch(working, s, branches, idle, prow, srow, x_in, xs, mask, ic, key_for(s))
         # a virtual device (no mesh) runs its own stage d on raw activations: a direct call
         assert guard is None and self.v == 1, "virtual devices run one stage each, without bubbles"
         x = take(xs, ic) if d == 0 else x_in
@@ -334,6 +347,15 @@ class Homogeneous:
 
     def output(self, d, message):
         return message
+
+    def pack(self, tree):  # one activation type: messages, stashes and stats are the values
+        return tree
+
+    def unpack(self, message, layout: Layout):
+        return message
+
+    def stats_message(self, stats):
+        return stats
 
     # On a mesh a bubble tick runs the stage on a micro-batch of x, delivered by the devices as
     # its input (`device_tick`'s ``bubbles_fresh`` or ``safe``), and its output goes only to
@@ -386,6 +408,25 @@ def _read_as_jvp(primals, tangents):
 
 
 _read_as.defjvp(_read_as_jvp, symbolic_zeros=True)
+
+
+def dispatch(working, index, branches, idle, *args):
+    """The one stage dispatch of every slot of every schedule: ``branches[index](*args)`` where
+    ``working``, ``idle(*args)`` elsewhere (a bubble, an idle F, B or W slot).
+
+    A traced ``index`` (a device of the mesh: one SPMD program picks its stage) is one
+    ``lax.switch`` with ``idle`` as its last branch -- one level of control flow, not a ``cond``
+    around a ``switch``; no ``idle`` branch when ``working`` is ``True``. A static ``index`` (a
+    virtual device, which runs its own stage) is a direct call, under ``lax.cond`` when
+    ``working`` is traced. Every branch returns one type; collectives never sit in a branch.
+    """
+    if isinstance(index, (int, np.integer)):
+        if working is True:
+            return branches[index](*args)
+        return lax.cond(working, branches[index], idle, *args)
+    if working is True:
+        return lax.switch(index, branches, *args)
+    return lax.switch(jnp.where(working, index, len(branches)), [*branches, idle], *args)
 
 
 def _row(tree, r, repeats):

@@ -305,8 +305,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     prog.param_specs, prog.aux_loss, prog.aux_scale = param_specs, aux_loss, aux_scale
     if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
         prog.state = compat.replicate(_per_stage_state(pipe, state))
-    if _records(pipe):  # the layouts of each stage's records (stats, aux outputs or both)
-        prog.stats_layouts = stats_layouts
+    prog.stats_layouts = stats_layouts  # each stage's records (stats, aux outputs or both), if any
     if pipe.mesh is None:
         totals, grads, counts, stats = prog.local(runner)
     else:
@@ -814,18 +813,19 @@ class _Program:
         n, v_rep = pipe.num_devices, pipe.repeats  # device d holds stages d, d + n, ...
         axis, mesh = pipe.axis_name, pipe.mesh
         bnd = self.boundaries
+        # the engine's stage objects: the containers of messages, stashes and stats
         if pipe.homogeneous:
             variants, index = self._homogeneous_variants()
             prows_in = runner
-            box = None
+            stages = engine.Homogeneous(self.cfg, bnd, self.stats_layouts, n, local=False)
         else:
-            pbox = Container.for_layouts(runner.layouts)
+            stages = engine.Heterogeneous(self.cfg, bnd, self.stats_layouts, runner.layouts, None, n, True)
             variants = [
                 _Variant(
                     pipe.stages[t],
                     t == 0,
                     t == S - 1,
-                    lambda prow, t=t: pbox.unpack(prow, runner.layouts[t]),
+                    lambda prow, t=t: stages.pbox.unpack(prow, runner.layouts[t]),
                     bnd[t],
                     bnd[t + 1],
                     t,
@@ -834,15 +834,13 @@ class _Program:
             ]
             index = np.arange(S)
             prows_in = runner.buffers
-            box = Container.for_layouts(bnd)
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
         row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
-        st_unpack = _stats_container(pipe, self.stats_layouts)[2]
         loss0 = self._loss_zero(variants[-1])
         rows = tuple(jnp.asarray(a) for a in self._rows())
         data = pipe.data_axis_name
         axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
-        io = _mesh_io(self, variants, index, box, row, n, axes)
+        io = _mesh_io(self, stages, variants, index, row, n, axes)
         spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
         rep = PartitionSpec()
         batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
@@ -888,10 +886,10 @@ class _Program:
                 _zeros_like(prows),
                 loss0,
                 jnp.zeros((3,), jnp.int32),
-                io.st_zeros((S, self.m)),
+                io.st_zeros((v_rep, self.m)),
             )
             dev, _ = lax.scan(tick, compat.to_varying(init, axes), rows)
-            stats = engine.sum_exact(dev.stats, axis)  # each (stage, micro-batch) written by one device
+            stats = engine._gather_stages(dev.stats, d, n, axis)  # (n, v, m, ...) as the forward's
             loss, grad, counts = lax.psum(dev.loss, axis), dev.grad, dev.counts
             if data is None:
                 return loss, grad, counts[None], stats
@@ -915,7 +913,7 @@ class _Program:
                 rep,
                 param_in,
                 PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
-                rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
+                rep if data is None else PartitionSpec(None, None, data),  # stats (n, v, m, ...)
             ),
             axis_names=manual,
         )
@@ -924,7 +922,9 @@ class _Program:
         loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state, aux_scale)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
-        return loss, grads, counts, st_unpack(stats)
+        if stats is not None:  # per stage, as the forward call returns them
+            stats = stages.stats_rows(stats if pipe.homogeneous else engine._unstack(stats, n))
+        return loss, grads, counts, stats
 
     def _homogeneous_variants(self):
         """One stage function, so one branch per role: (first, last) pairs that occur."""
@@ -970,32 +970,25 @@ class _IO(NamedTuple):
     dispatch: Callable[..., Any]  # (working, stage, make_branch, idle, *args) -> the slot's outputs
 
 
-def _mesh_io(prog: _Program, variants, index, box, row, n, axes) -> _IO:
+def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
     """A device of the mesh: one SPMD program, so a slot picks the branch of its stage's variant
-    with ``lax.switch`` (one more branch: idle), and heterogeneous stages send their messages in
-    flat containers (one type for every device; ``box``) and stash in one more (``row``: the
-    type of one of the device's parameter rows)."""
-    # Values typed with Explicit axes inside a stage (param_specs over a "model" axis) are
-    # replicated before they are flattened into a container (a reshape across a sharded
-    # dimension is refused there); other values pass unchanged.
-    if box is None:  # homogeneous: one activation type
-        first = prog.boundaries[0]
-        pack, unpack = (lambda tree: tree), (lambda msg, layout: msg)
-        msg_zeros = lambda layout=None, lead=(): engine.zeros(first, lead)
-    else:
-        pack, unpack = (lambda tree: box.pack(compat.replicate(tree))), box.unpack
-        msg_zeros = lambda layout=None, lead=(): box.zeros(lead)
+    (:func:`engine.dispatch`), and messages, stashes and stats have the containers of the
+    engine's stage objects (``stages``; ``row``: the type of one of the device's parameter
+    rows)."""
+    msg_zeros = lambda layout=None, lead=(): stages.message_zeros(0, lead)[0]
     if prog.keep:  # residuals differ per stage (and role): one container for all
         saved_layouts = [Layout.of(prog.saved_structs(v, row)) for v in variants]
         sbox = Container.for_layouts(saved_layouts)
         s_pack, s_zeros = (lambda tree: sbox.pack(compat.replicate(tree))), sbox.zeros
         s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
     else:  # the stage input, as a message
-        s_pack, s_zeros = pack, (lambda lead=(): msg_zeros(lead=lead))
-        s_unpack = lambda msg, v: unpack(msg, v.x_layout)
-    # stateful stages: a device records the stats of its F slots at (stage, micro-batch) of an
-    # (S, m) buffer (heterogeneous: flat containers); a psum of exact zeros merges them
-    st_pack, st_zeros, _ = _stats_container(prog.pipe, prog.stats_layouts)
+        s_pack, s_zeros = stages.pack, (lambda lead=(): msg_zeros(lead=lead))
+        s_unpack = lambda msg, v: stages.unpack(msg, v.x_layout)
+    # a device records the stats of its F slots at (round, micro-batch) of a (v, m) buffer, as
+    # the forward does (gathered over the devices after the loop)
+    st_pack, st_zeros = (lambda tree: None), (lambda lead=(): None)
+    if _records(prog.pipe):
+        st_pack, st_zeros = stages.stats_message, (lambda lead=(): stages.message_zeros(0, lead)[1])
     variant_of = jnp.asarray(index, jnp.int32)
 
     def dispatch(working, s, make, idle, *args):
@@ -1005,23 +998,22 @@ def _mesh_io(prog: _Program, variants, index, box, row, n, axes) -> _IO:
         # a differentiated value sits in a branch, whose transpose (a psum) only some devices
         # would reach.
         vary = lambda f: lambda *a: compat.to_varying(f(*a), axes)
-        which = jnp.where(working, variant_of[s], len(variants))
-        return lax.switch(which, [*(vary(make(v)) for v in variants), vary(idle)], *args)
+        return engine.dispatch(working, variant_of[s], [vary(make(v)) for v in variants], vary(idle), *args)
 
     return _IO(
         n,
         lambda block, r: engine._row(block, r, prog.pipe.repeats),
         variants[0],
-        pack,
-        unpack,
+        stages.pack,
+        stages.unpack,
         msg_zeros,
         s_pack,
         s_unpack,
         s_zeros,
         st_pack,
         st_zeros,
-        lambda s: s,
-        lambda s, fresh, inbox: jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), pack(fresh), inbox),
+        lambda s: engine._round(s, n, prog.pipe.repeats),
+        lambda s, fresh, inbox: jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), stages.pack(fresh), inbox),
         dispatch,
     )
 
@@ -1034,7 +1026,7 @@ def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
     stats_layout = prog._stats_layout(v.stage) if _records(prog.pipe) else None
 
     def dispatch(working, s, make, idle, *args):
-        return lax.cond(working, make(v), idle, *args)
+        return engine.dispatch(working, 0, [make(v)], idle, *args)
 
     return _IO(
         n,
@@ -1055,31 +1047,6 @@ def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
 
 
 # --- small exact helpers ---------------------------------------------------------------------
-
-
-def _stats_container(pipe, layouts):
-    """``(pack, zeros, unpack)`` of the stats buffer of a stateful pipeline on a mesh: the stats
-    of one slot as one value every stage's branch returns (heterogeneous: a flat container), and
-    the ``(S, m, ...)`` buffer back as the stats of each stage (a list of ``(m, ...)`` pytrees;
-    homogeneous: one pytree ``(S, m, ...)``, as the forward call returns them)."""
-    if not _records(pipe):
-        return (lambda tree: None), (lambda lead=(): None), (lambda acc: None)
-    if pipe.homogeneous:
-        return (lambda tree: tree), (lambda lead=(): engine.zeros(layouts, lead)), (lambda acc: acc)
-    box = Container.for_layouts(layouts)
-
-    def unpack(acc):
-        out = []
-        for s, layout in enumerate(layouts):
-            rows = tuple(a[s] for a in acc)
-            out.append(
-                jax.vmap(lambda r, layout=layout: box.unpack(r, layout))(rows)
-                if layout.shapes
-                else layout.structs()
-            )
-        return out
-
-    return (lambda tree: box.pack(compat.replicate(tree))), box.zeros, unpack
 
 
 class _WithAux(NamedTuple):
