@@ -61,6 +61,7 @@ from pipejax._src import (
     checks,
     compat,
     engine,
+    loss,
     microbatch,
     options,
     placement,
@@ -615,7 +616,7 @@ class Pipeline:
         if context is not None:
             microbatch.check_side_batch(context, batch)
         if targets is not None:
-            train.check_targets(targets, batch)
+            loss.check_targets(targets, batch)
         return batch
 
     def schedule(self, batch: int) -> sched.Schedule:
