@@ -308,17 +308,26 @@ class Heterogeneous:
 
     def stats_rows(self, stats_by_device):
         """Per-device stats accumulators ``[d] -> (v, m, ...)`` -> a list with one pytree per stage."""
+        rows = [
+            jax.tree.map(lambda a, s=s: a[s // self.D], stats_by_device[s % self.D]) for s in range(self.S)
+        ]
+        return self.stage_rows(rows, self.switch)
+
+    def stage_rows(self, rows, packed=True):
+        """Stage-major stats, a buffer ``(S, m, ...)`` or a list ``[s] -> (m, ...)``, as a list
+        of each stage's pytree (unpacked from the stats container when ``packed``)."""
+        if not isinstance(rows, list):
+            rows = [jax.tree.map(lambda a, s=s: a[s], rows) for s in range(self.S)]
         out = []
         for s in range(self.S):
-            d, r = s % self.D, s // self.D
-            rows = jax.tree.map(lambda a, r=r: a[r], stats_by_device[d])
-            if self.packed(d):
-                layout = self.stats_layouts[s]
-                if not layout.shapes:
-                    rows = layout.structs()
-                else:
-                    rows = jax.vmap(lambda b, layout=layout: self.statbox.unpack(b, layout))(rows)
-            out.append(rows)
+            row, layout = rows[s], self.stats_layouts[s]
+            if packed:
+                row = (
+                    layout.structs()
+                    if not layout.shapes
+                    else jax.vmap(lambda b, lay=layout: self.statbox.unpack(b, lay))(row)
+                )
+            out.append(row)
         return out
 
 
@@ -382,6 +391,9 @@ class Homogeneous:
     def stats_rows(self, stats_by_device):
         """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""
         return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:])), stats_by_device)
+
+    def stage_rows(self, rows, packed=True):  # stage-major (S, m, ...) already
+        return rows
 
 
 @jax.custom_jvp
