@@ -21,8 +21,10 @@ After the slots, activations go one device forward and cotangents one device bac
 on a mesh; without one the devices are virtual and run one after the other within the tick).
 Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
 One function runs a device's slots of a tick (:meth:`_Program.slots`), on the mesh and on
-virtual devices alike; what differs is an :class:`_IO` (a ``lax.switch`` over the stages and
-flat containers, or ``lax.cond`` on typed values). On the mesh the ``shard_map`` checks varying
+virtual devices alike; what differs is an :class:`_IO`: on the mesh, the engine's stage objects'
+flat containers and a traced stage; on a virtual device, typed values and a static stage. Every
+slot picks its branch with the engine's one stage dispatch (:func:`engine.dispatch`: a
+``lax.switch`` with an idle branch, or ``lax.cond``). On the mesh the ``shard_map`` checks varying
 types: every input is cast to vary along the manual axes before the loop.
 Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
 stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
