@@ -625,7 +625,7 @@ class _Program:
         # the branch adds to the stage's row of the accumulator, which is written back here: an
         # accumulator passed through the branch was copied there whole (the branch cannot update
         # its operand in place); a row is half of it at 2 repeats, and then written in place
-        grow = None if zb else _get_row(dev.grad, bs // n)
+        grow = None if zb else engine.take(dev.grad, bs // n)
         dx, grow, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, grow)
         grad = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
         gstash, c2 = dev.gstash, zero
@@ -991,11 +991,7 @@ def _plus(loss, extra):
 
 def _add_row(acc, r, delta):
     """``acc[r] += delta`` (of ``(repeats, 1, ...)`` blocks: ``acc[r, 0] += delta``)."""
-    return _set_row(acc, r, _add_to(_get_row(acc, r), delta))
-
-
-def _get_row(acc, r):
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), acc)
+    return _set_row(acc, r, _add_to(engine.take(acc, r), delta))
 
 
 def _set_row(acc, r, row):
