@@ -239,16 +239,13 @@ class Heterogeneous:
     def acc_zeros(self, m):
         return zeros(self.boundaries[self.S], (m,))
 
-    def input_message(self, x):
-        """A micro-batch of ``x`` as the message stage 0 reads (on a mesh)."""
-        return self.box.pack(x)
-
     # The one container layout of every schedule's messages, stashes and stats on a mesh. A
     # value typed with Explicit axes inside a stage (``param_specs`` over a "model" axis) is
     # replicated before it is flattened (a reshape across a sharded dimension is refused).
 
     def pack(self, tree):
-        """An activation (or its cotangent) as the message every device sends."""
+        """An activation (or its cotangent, or a micro-batch of ``x`` for stage 0) as the
+        message every device sends."""
         return self.box.pack(compat.replicate(tree))
 
     def unpack(self, message, layout: Layout):
@@ -293,7 +290,7 @@ class Heterogeneous:
                         x_in = jax.tree.map(_read_as, x_in, fresh)
                     x = self.box.unpack(x_in, self.boundaries[t])
                     y, stats = call(p, x, k, st, read(self.cfg, mask, ic))
-                    return vary((self.box.pack(y), self.statbox.pack(stats)))
+                    return vary((self.pack(y), self.stats_message(stats)))
 
                 return f
 
@@ -350,9 +347,6 @@ class Homogeneous:
 
     def acc_zeros(self, m):
         return zeros(self.layout, (m,))
-
-    def input_message(self, x):
-        return x
 
     def output(self, d, message):
         return message
@@ -869,7 +863,7 @@ class MeshDevices:
             def body(c, row):
                 c, queue, drain = c
                 j = split_row(row)[2] % k
-                fresh = stages.input_message(read(cfg, queue, j))
+                fresh = stages.pack(read(cfg, queue, j))
                 carry, out = device_tick(
                     ctx,
                     d,
@@ -900,7 +894,7 @@ class MeshDevices:
         bubbles_fresh = stages.computes_bubbles and not streams
         safe = None
         if stages.computes_bubbles and streams:
-            safe = stages.input_message(take(inputs.xs, 0))
+            safe = stages.pack(take(inputs.xs, 0))
         queue = inputs.xs  # (k, b, ...) of this device; all m micro-batches when not streamed
         k = jax.tree.leaves(queue)[0].shape[0] if streams else 1
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
