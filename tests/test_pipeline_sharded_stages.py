@@ -383,3 +383,46 @@ def test_training_schedules_with_param_specs_heterogeneous():
         hlo = step.lower(placed, x, jnp.flip(x, axis=0)).compile().as_text()
         gathered = re.findall(r"= \S+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)
         assert all(shape.split(",")[0] == str(B // 4) for shape in gathered), (name, gathered)
+
+
+def col(p, x, key):
+    """A column-parallel layer whose output stays split over ``"model"`` (on Explicit axes its
+    type says so): the next stage reads it, whole."""
+    return jnp.tanh(x @ p["w"] + p["b"][None])
+
+
+@pytest.mark.parametrize(
+    "name, repeats", [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+)
+def test_homogeneous_stage_whose_output_is_split_over_the_model_axis(name, repeats):
+    """On Explicit axes a homogeneous stage's output may be typed split over an inner axis while
+    its input is whole; the pipeline passes it on whole (as the heterogeneous containers do).
+    (This failed under every schedule with "select cases must have the same shardings" or
+    "switch branches must have equal output types".)"""
+    mesh = jax.make_mesh((2, 2), ("stage", "model"), axis_types=(AxisType.Explicit,) * 2)
+    S = 2 * repeats
+    r = np.random.default_rng(5)
+    per_stage = [
+        {"w": jnp.asarray(r.normal(size=(D, D)) / 2), "b": jnp.asarray(r.normal(size=(D,)))} for _ in range(S)
+    ]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_stage)
+    specs = {"w": COL, "b": P("model")}
+    pipe = pj.pipeline(
+        col, num_stages=S, chunks=4, mesh=mesh, param_specs=specs, schedule=name, repeats=repeats
+    )
+    x = x_batch()
+    t = jnp.flip(x, axis=0)
+    loss, grads = jax.jit(pipe.value_and_grad(SQ))(pipe.place(stacked), x, t)
+
+    def ref(ps, x):
+        for p in ps:
+            x = col(p, x, None)
+        return jnp.mean(SQ(x, t))
+
+    ref_loss, ref_grads = jax.value_and_grad(ref)(per_stage, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    for s in range(S):
+        for g, w in zip(
+            jax.tree.leaves(pipe.stage_params(grads, s)), jax.tree.leaves(ref_grads[s]), strict=True
+        ):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)

@@ -351,14 +351,19 @@ class Homogeneous:
     def output(self, d, message):
         return message
 
-    def pack(self, tree):  # one activation type: messages, stashes and stats are the values
-        return tree
+    # One activation type: messages, stashes and stats are the values themselves, typed as the
+    # stage's input. A value typed with Explicit axes inside the stage (``param_specs``: e.g. the
+    # output of a column-parallel layer, sharded over a "model" axis) is replicated, as the
+    # heterogeneous containers do, so that it has the input's type (a no-op otherwise).
+
+    def pack(self, tree):
+        return compat.replicate(tree)
 
     def unpack(self, message, layout: Layout):
         return message
 
     def stats_message(self, stats):
-        return stats
+        return compat.replicate(stats)
 
     # On a mesh a bubble tick runs the stage on a micro-batch of x, delivered by the devices as
     # its input (`device_tick`'s ``bubbles_fresh`` or ``safe``), and its output goes only to
@@ -380,7 +385,8 @@ class Homogeneous:
             )
         else:
             p, st = _row((params, state), _round(s, self.D, self.v), self.v)
-        return vary(self.call(p, x, key_for(s), st, read(self.cfg, mask, ic)))
+        y, stats = self.call(p, x, key_for(s), st, read(self.cfg, mask, ic))
+        return vary((self.pack(y), self.stats_message(stats)))
 
     def stats_rows(self, stats_by_device):
         """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""

@@ -607,7 +607,8 @@ class Pipeline:
             if stage_forms.is_device_major(self, params):
                 n = self.num_devices
                 return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
-            return jax.tree.map(lambda a: a[s], params)
+            # (an index across an Explicit stage axis is refused: the stage, replicated)
+            return jax.tree.map(lambda a: compat.replicate(a)[s], params)
         return params[s]
 
     def _check_batch(self, x, context=None, targets=None) -> int:
