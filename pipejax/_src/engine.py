@@ -100,7 +100,9 @@ def read(cfg: Config, xs, i):
     1F1B device must not grow with. Pinned, a micro-batch is resharded when it is read.
     """
     x = take(xs, i)
-    if not cfg.inner_axes:
+    # (no mesh context: a shape analysis outside the ``shard_map``, e.g. of what a training
+    # schedule's F slot saves, where no value is placed)
+    if not cfg.inner_axes or not compat.mesh_context_set():
         return x
     return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), x)
 

@@ -478,7 +478,7 @@ class _Program:
 
             def leaves(prow, x, k, t, mask):
                 out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
-                info["out"] = jax.tree.map(_struct, out)
+                info["out"] = jax.tree.map(_typed_struct, out)  # the seeds' types (shardings too)
                 # inside the shard_map: the axes it (the aux loss beside y: that) varies along
                 info["axes"] = _axes(out.extra if isinstance(out, _WithAux) else out)
                 info["types"] = [_struct(a) for a in res]
@@ -1017,6 +1017,13 @@ def _struct(a):
     """The type of ``a``, weak type included: a weakly typed scalar parameter traces to another
     program (an extra ``convert_element_type``, so other residuals) than a strong one."""
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=jax.typeof(a).weak_type)
+
+
+def _typed_struct(a):
+    """:func:`_struct` with the sharding type: a cotangent seed takes it (an output typed split
+    over an Explicit axis inside a stage is seeded with a cotangent split alike)."""
+    t = jax.typeof(a)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=t.sharding)
 
 
 def _zero_input(v: _Variant, prow):
