@@ -726,6 +726,39 @@ class MeshDevices:
         # per parameter leaf its full PartitionSpec (stage axis and the axes inside a stage), or None
         self.param_specs = param_specs
 
+    def spmd(self, body, params, stage_spec, operands, out_specs):
+        """``body(d, params, *values)`` run by every device ``d`` of the stage axis: the one
+        ``jax.shard_map`` of every program (the forward schedules and the training schedules).
+
+        ``params`` are placed by :meth:`place_params` (the ``shard_map`` is manual over the stage
+        and data axes only with ``param_specs``, over every axis otherwise) and reach ``body``
+        gathered whole over the data axis (FSDP, :meth:`gather_data`). ``operands`` are
+        ``(value, spec, vary)`` triples: each value is constrained to ``spec`` and, where
+        ``vary``, cast to vary along the manual axes before ``body`` reads it (a ``None`` value
+        passes as ``None``). ``out_specs(param_in)`` gives the outputs' specs from the
+        parameters' (the specs of their gradients).
+        """
+        axis = self.cfg.axis_name
+        params, param_in, manual = self.place_params(params, stage_spec)
+        values = [None if v is None else compat.constrain(v, self.mesh, sp, axis) for v, sp, _ in operands]
+        vary = [f for _, _, f in operands]
+
+        def inner(params, *values):
+            params = self.gather_data(params)
+            cast = compat.to_varying((params, [v for v, f in zip(values, vary, strict=True) if f]), self.axes)
+            it = iter(cast[1])
+            values = [next(it) if f else v for v, f in zip(values, vary, strict=True)]
+            return body(lax.axis_index(axis), cast[0], *values)
+
+        in_specs = (
+            param_in,
+            *(None if v is None else sp for v, (_, sp, _) in zip(values, operands, strict=True)),
+        )
+        fn = jax.shard_map(
+            inner, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs(param_in), axis_names=manual
+        )
+        return fn(params, *values)
+
     def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         axis, data = self.cfg.axis_name, self.cfg.data_axis_name
         rep = PartitionSpec()
@@ -733,8 +766,6 @@ class MeshDevices:
         batch_spec = rep if data is None else PartitionSpec(data)
         stats_spec = rep if data is None else PartitionSpec(None, None, data)
         params, state, xs, mask, key = inputs
-        params, param_in, manual = self.place_params(params, stage_spec)
-        state = compat.constrain(state, self.mesh, stage_spec, axis)
         xs_spec = batch_spec
         if self.streams(ctx):  # micro-batches spread over the stage axis, k per device
             k = -(-ctx.m // ctx.D)
@@ -742,24 +773,26 @@ class MeshDevices:
             if pad:  # never read: copies of the last micro-batch
                 xs = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), xs)
             xs_spec = PartitionSpec(axis)
-        xs = compat.constrain(xs, self.mesh, xs_spec, axis)
-        mask = compat.constrain(mask, self.mesh, batch_spec, axis)
-        key = compat.constrain(key, self.mesh, rep, axis)
 
         finished = self.finished(ctx, schedule)  # None: the outputs are summed, not drained
         drains = finished is not None
 
-        def body(params, state, xs, mask, key):
-            return self._body(ctx, schedule, phases, Inputs(params, state, xs, mask, key), finished)
+        def body(d, params, state, xs, mask, key):
+            return self._body(ctx, schedule, phases, d, Inputs(params, state, xs, mask, key), finished)
 
-        fn = jax.shard_map(
+        operands = [
+            (state, stage_spec, True),
+            (xs, xs_spec, True),
+            (mask, batch_spec, True),
+            (key, rep, True),
+        ]
+        acc, stats = self.spmd(
             body,
-            mesh=self.mesh,
-            in_specs=(param_in, stage_spec, xs_spec, batch_spec, None if key is None else rep),
-            out_specs=(PartitionSpec(axis) if drains else batch_spec, stats_spec),
-            axis_names=manual,
+            params,
+            stage_spec,
+            operands,
+            lambda _: (PartitionSpec(axis) if drains else batch_spec, stats_spec),
         )
-        acc, stats = fn(params, state, xs, mask, key)
         if drains:  # the outputs, split over the stage axis (ceil(m / D) per device, padded)
             if compat.is_explicit(self.mesh, axis):
                 # an Explicit type is what the user sees (and it refuses reshapes across the
@@ -850,11 +883,8 @@ class MeshDevices:
         explicit = compat.is_explicit(self.mesh, self.cfg.axis_name)
         return self.cfg.data_axis_name is None and ctx.D > 1 and explicit
 
-    def _body(self, ctx, schedule, phases, inputs, finished):
+    def _body(self, ctx, schedule, phases, d, inputs, finished):
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
-        d = lax.axis_index(axis)
-        params, state = self.gather_data(inputs.params), inputs.state
-        inputs = compat.to_varying(inputs._replace(params=params, state=state), axes)
         stages = ctx.stages
 
         def vary(tree, template):  # inside a branch: give outputs the sharding type of the carry

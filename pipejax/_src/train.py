@@ -24,7 +24,8 @@ One function runs a device's slots of a tick (:meth:`_Program.slots`), on the me
 virtual devices alike; what differs is an :class:`_IO`: on the mesh, the engine's stage objects'
 flat containers and a traced stage; on a virtual device, typed values and a static stage. Every
 slot picks its branch with the engine's one stage dispatch (:func:`engine.dispatch`: a
-``lax.switch`` with an idle branch, or ``lax.cond``). On the mesh the ``shard_map`` checks varying
+``lax.switch`` with an idle branch, or ``lax.cond``). On the mesh the loop runs in the engine's one
+``shard_map`` (:meth:`engine.MeshDevices.spmd`, as the forward's does), which checks varying
 types: every input is cast to vary along the manual axes before the loop.
 Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
 stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
@@ -775,21 +776,12 @@ class _Program:
         devices = engine.MeshDevices(
             self.cfg._replace(data_axis_name=data), mesh, v_rep, pipe.data_size, self.param_specs
         )
-        prows_in, param_in, manual = devices.place_params(prows_in, spec)
-        xs, mask, ts = (compat.constrain(a, mesh, batch_spec, axis) for a in (self.xs, self.mask, self.ts))
-        key = compat.constrain(self.key, mesh, rep, axis)
-        cs = None if self.cs is None else compat.constrain(self.cs, mesh, batch_spec, axis)
 
-        def body(prows, xs, mask, ts, key, cs, state, aux_scale):
+        def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
             # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
             # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
-            # XLA copied the parameters), and the gradients accumulate in blocks of that type
-            prows = devices.gather_data(prows)  # FSDP: dimensions stored over the data axis, whole
-            # everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch)
-            prows, xs, mask, ts, key, cs, state = compat.to_varying(
-                (prows, xs, mask, ts, key, cs, state), axes
-            )
-            d = lax.axis_index(axis)
+            # XLA copied the parameters), and the gradients accumulate in blocks of that type.
+            # Everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch).
             prog = _Program(
                 pipe, self.cfg, self.loss_fn, self.table, bnd, self.plan, xs, mask, ts, key, cs, self.weighted
             )
@@ -825,30 +817,22 @@ class _Program:
             # every data shard ran its own micro-batches: sum their losses and gradients
             return lax.psum(loss, data), devices.sum_over_data(grad), counts[None, None], stats
 
-        fn = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(
-                param_in,
-                batch_spec,
-                batch_spec,
-                batch_spec,
-                None if key is None else rep,
-                None if cs is None else batch_spec,
-                None if self.state is None else rep,
-                None if self.aux_scale is None else rep,  # a weighted loss's total weight
-            ),
-            out_specs=(
-                rep,
-                param_in,
-                PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
-                rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
-            ),
-            axis_names=manual,
+        operands = [
+            (self.xs, batch_spec, True),
+            (self.mask, batch_spec, True),
+            (self.ts, batch_spec, True),
+            (self.key, rep, True),
+            (self.cs, batch_spec, True),
+            (self.state, rep, True),
+            (self.aux_scale, rep, False),  # a weighted loss's total weight
+        ]
+        out_specs = lambda param_in: (
+            rep,
+            param_in,
+            PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
+            rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
         )
-        state = None if self.state is None else compat.constrain(self.state, mesh, rep, axis)
-        aux_scale = None if self.aux_scale is None else compat.constrain(self.aux_scale, mesh, rep, axis)
-        loss, grads, counts, stats = fn(prows_in, xs, mask, ts, key, cs, state, aux_scale)
+        loss, grads, counts, stats = devices.spmd(body, prows_in, spec, operands, out_specs)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
         if stats is not None:  # per stage, as the forward call returns them

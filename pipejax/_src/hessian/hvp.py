@@ -153,7 +153,6 @@ def _hvp_one(loss: Callable[..., jax.Array], mode: str, params: PyTree, v: PyTre
             return fn.grad(p, *args)
         return jax.grad(fn)(p, *args)
 
-
     if mode == "fwd_rev":  # a JVP of the gradient: about 2-3 gradients of cost
         return jax.jvp(grad, (params,), (v,))[1]
     # reverse-over-reverse: the gradient of <grad, v>; works where forward mode cannot pass
