@@ -100,3 +100,32 @@ def test_nnx_partition_spec_reports_the_stage_axis():
         for layer in back:
             h = layer(h)
     np.testing.assert_allclose(nnx.jit(lambda p, x: p(x))(pipe, x), h, rtol=1e-12, atol=1e-12)
+
+
+def test_nnx_column_parallel_layers_on_explicit_axes_train_under_1f1b():
+    """``nnx.Linear`` layers split by columns (``nnx.with_partitioning``) on an Explicit
+    ``("stage", "model")`` mesh: each layer's output is typed split over ``"model"``. 1F1B with
+    ``checkpoint="never"`` (the F slot keeps the vjp's residuals) gives the un-pipelined loss and
+    gradients, and GPipe's gradients. (Before, its B slot seeded the vjp with a cotangent typed
+    whole, and JAX refused.)"""
+    mesh = jax.make_mesh((2, 2), ("stage", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    bias = nnx.with_partitioning(nnx.initializers.zeros, ("model",))
+    x = jax.random.normal(jax.random.key(1), (8, W), F)
+    t = jnp.flip(x, axis=0)
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    got = {}
+    with jax.set_mesh(mesh):
+        for schedule in ("gpipe", "1f1b"):
+            layers = [
+                nnx.Linear(W, W, kernel_init=kernel, bias_init=bias, param_dtype=F, rngs=nnx.Rngs(s))
+                for s in range(2)
+            ]
+            want_loss = jnp.mean(sq(layers[1](layers[0](x)), t))
+            model = NNXPipeline(
+                layers, num_stages=2, chunks=4, mesh=mesh, schedule=schedule, checkpoint="never"
+            )
+            got[schedule] = model.value_and_grad(sq)(x, t)
+            np.testing.assert_allclose(got[schedule][0], want_loss, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(got["1f1b"][1]), jax.tree.leaves(got["gpipe"][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
