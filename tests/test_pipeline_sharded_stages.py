@@ -444,3 +444,43 @@ def test_homogeneous_stage_whose_output_is_split_over_the_model_axis(name, repea
             jax.tree.leaves(pipe.stage_params(grads, s)), jax.tree.leaves(ref_grads[s]), strict=True
         ):
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_stateful_stage_with_aux_outputs_split_over_the_model_axis_on_auto_axes():
+    """A column-parallel stateful stage with aux outputs on Auto axes: its stats and aux values
+    are split over ``"model"`` until they are recorded. GPipe (and 1F1B) match the composition.
+    (This deadlocked: XLA placed the resharding of the records inside the stage's switch branch,
+    the devices of the two stages waited at different collectives, and XLA's CPU runtime
+    aborted after its collective timeout. The records are now pinned whole before packing.)"""
+    mesh = mesh_of((2, 2), ("stage", "model"))
+
+    def stage(p, x, key, state, mask):
+        y = jnp.tanh(x @ p["w"] + p["b"][None])
+        return y, {"sum": jnp.sum(jnp.where(mask[:, None], y, 0), 0)}, {"bal": jnp.mean(y**2)}
+
+    r = np.random.default_rng(3)
+    per_stage = [
+        {"w": jnp.asarray(r.normal(size=(D, D)) / 2), "b": jnp.asarray(r.normal(size=(D,)))} for _ in range(2)
+    ]
+    specs = [{"w": COL, "b": P("model")}] * 2
+    state = [{"sum": jnp.zeros((D,))}] * 2
+    x = x_batch()
+    t = jnp.flip(x, axis=0)
+
+    def ref(ps):
+        h, bal = x, 0.0
+        for p in ps:
+            h = jnp.tanh(h @ p["w"] + p["b"][None])
+            bal = bal + jnp.mean(h**2)  # one micro-batch of 3 rows per chunk: mean of the means
+        return jnp.mean(SQ(h, t)) + bal
+
+    ref_loss, ref_grads = jax.value_and_grad(ref)(per_stage)
+    for name in ("gpipe", "1f1b"):
+        pipe = pj.pipeline(
+            [stage, stage], chunks=4, mesh=mesh, param_specs=specs, stateful=True, aux="mean", schedule=name
+        )
+        step = pipe.value_and_grad(SQ, aux_loss=lambda a: a["bal"])
+        head, grads = jax.jit(step)(pipe.place(per_stage), x, t, state=state)
+        np.testing.assert_allclose(head[0], ref_loss, rtol=1e-12, err_msg=name)
+        for g, w in zip(jax.tree.leaves(grads.unpack()), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)

@@ -107,6 +107,16 @@ def read(cfg: Config, xs, i):
     return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), x)
 
 
+def whole(cfg: Config, tree):
+    """``tree`` replicated over the mesh axes inside a stage (``cfg.inner_axes``): what a stage
+    sends on or records. On Explicit axes a reshard; on Auto axes a sharding constraint, so
+    that XLA gathers the value within each stage's group of devices."""
+    tree = compat.replicate(tree)
+    if not cfg.inner_axes or not compat.mesh_context_set():
+        return tree
+    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), tree)
+
+
 def clip(i, num_micro):
     return jnp.clip(i, 0, num_micro - 1)
 
@@ -248,14 +258,14 @@ class Heterogeneous:
     def pack(self, tree):
         """An activation (or its cotangent, or a micro-batch of ``x`` for stage 0) as the
         message every device sends."""
-        return self.box.pack(compat.replicate(tree))
+        return self.box.pack(whole(self.cfg, tree))
 
     def unpack(self, message, layout: Layout):
         return self.box.unpack(message, layout)
 
     def stats_message(self, stats):
         """A slot's stats (records) as the one type every stage's branch returns."""
-        return self.statbox.pack(compat.replicate(stats))
+        return self.statbox.pack(whole(self.cfg, stats))
 
     def output(self, d, message):
         """The last stage's output, read from the message of the last device ``d``."""
@@ -359,13 +369,13 @@ class Homogeneous:
     # heterogeneous containers do, so that it has the input's type (a no-op otherwise).
 
     def pack(self, tree):
-        return compat.replicate(tree)
+        return whole(self.cfg, tree)
 
     def unpack(self, message, layout: Layout):
         return message
 
     def stats_message(self, stats):
-        return compat.replicate(stats)
+        return whole(self.cfg, stats)
 
     # On a mesh a bubble tick runs the stage on a micro-batch of x, delivered by the devices as
     # its input (`device_tick`'s ``bubbles_fresh`` or ``safe``), and its output goes only to

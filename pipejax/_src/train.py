@@ -483,6 +483,7 @@ class _Program:
                 # inside the shard_map: the axes it (the aux loss beside y: that) varies along
                 info["axes"] = _axes(out.extra if isinstance(out, _WithAux) else out)
                 info["types"] = [_struct(a) for a in res]
+                info["typed"] = [_typed_struct(a) for a in res]  # sharding types too
                 return res
 
             k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
@@ -490,7 +491,14 @@ class _Program:
             # its manual axes (the input too, as the parameters do)
             x = _zero_input(v, prow)
             per_micro = _depends(leaves, (prow, x, k, t, mask), (False, True, True, True, True))
-            self._meta[id(v)] = (info["treedef"], per_micro, info["out"], info["types"], info["axes"])
+            self._meta[id(v)] = (
+                info["treedef"],
+                per_micro,
+                info["out"],
+                info["types"],
+                info["axes"],
+                info["typed"],
+            )
         return self._meta[id(v)][:3]
 
     def saved_structs(self, v: _Variant, prow):
@@ -517,7 +525,10 @@ class _Program:
         fresh = [None] * len(per_micro)
         if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
             fresh = self._residuals(v, prow, _zero_input(v, prow), k, t, mask)[2]
-        it = iter(saved)
+        # a residual typed split over an Explicit axis inside the stage comes out of the stash
+        # container replicated: its own type back, as the pullback was traced with
+        typed = [a for a, keep in zip(self._meta[id(v)][5], per_micro, strict=True) if keep]
+        it = iter(compat.like(a, want) for a, want in zip(saved, typed, strict=True))
         back = jax.tree.unflatten(
             treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
         )
