@@ -484,3 +484,34 @@ def test_stateful_stage_with_aux_outputs_split_over_the_model_axis_on_auto_axes(
         np.testing.assert_allclose(head[0], ref_loss, rtol=1e-12, err_msg=name)
         for g, w in zip(jax.tree.leaves(grads.unpack()), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_dropout_in_a_stage_split_over_the_model_axis_under_1f1b_never():
+    """Explicit axes, a column-parallel stage with dropout, ``checkpoint="never"``: 1F1B's F slot
+    stashes residuals split over ``"model"`` (the mask among them), and B must read them with
+    that type. 1F1B equals GPipe (the same keys draw the same masks). (The stash gave them back
+    replicated, and the pullback's select refused them.)"""
+    mesh = jax.make_mesh((2, 2), ("stage", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+    def stage(p, x, key):
+        h = col(p, x, key)
+        return jnp.where(jax.random.bernoulli(key, 0.25, h.shape), 0, h / 0.75)
+
+    r = np.random.default_rng(4)
+    per_stage = [
+        {"w": jnp.asarray(r.normal(size=(D, D)) / 2), "b": jnp.asarray(r.normal(size=(D,)))} for _ in range(2)
+    ]
+    specs = [{"w": COL, "b": P("model")}] * 2
+    x = x_batch()
+    t, key = jnp.flip(x, axis=0), jax.random.key(8)
+    got = {}
+    for name in ("gpipe", "1f1b"):
+        pipe = pj.pipeline(
+            [stage, stage], chunks=4, mesh=mesh, param_specs=specs, schedule=name, checkpoint="never"
+        )
+        got[name] = jax.jit(pipe.value_and_grad(SQ))(pipe.place(per_stage), x, t, key)
+    np.testing.assert_allclose(got["1f1b"][0], got["gpipe"][0], rtol=1e-12)
+    for a, b in zip(
+        jax.tree.leaves(got["1f1b"][1].unpack()), jax.tree.leaves(got["gpipe"][1].unpack()), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
