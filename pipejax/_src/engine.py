@@ -109,8 +109,11 @@ def read(cfg: Config, xs, i):
 
 def whole(cfg: Config, tree):
     """``tree`` replicated over the mesh axes inside a stage (``cfg.inner_axes``): what a stage
-    sends on or records. On Explicit axes a reshard; on Auto axes a sharding constraint, so
-    that XLA gathers the value within each stage's group of devices."""
+    sends on, records or stashes (the one rule of every container on a mesh). On Explicit axes
+    a reshard; on Auto axes a sharding constraint, so that XLA gathers the value within each
+    stage's group of devices. (Left to XLA, the resharding of an Auto-typed stats record landed
+    inside the stage's switch branch, the stages' devices waited at different collectives, and
+    the program deadlocked: ``tests/test_pipeline_sharded_stages.py``.)"""
     tree = compat.replicate(tree)
     if not cfg.inner_axes or not compat.mesh_context_set():
         return tree

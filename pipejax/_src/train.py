@@ -903,7 +903,7 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
     if prog.keep:  # residuals differ per stage (and role): one container for all
         saved_layouts = [Layout.of(prog.saved_structs(v, row)) for v in variants]
         sbox = Container.for_layouts(saved_layouts)
-        s_pack, s_zeros = (lambda tree: sbox.pack(compat.replicate(tree))), sbox.zeros
+        s_pack, s_zeros = (lambda tree: sbox.pack(engine.whole(prog.cfg, tree))), sbox.zeros
         s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
     else:  # the stage input, as a message
         s_pack, s_zeros = stages.pack, (lambda lead=(): msg_zeros(lead=lead))
