@@ -515,3 +515,35 @@ def test_dropout_in_a_stage_split_over_the_model_axis_under_1f1b_never():
         jax.tree.leaves(got["1f1b"][1].unpack()), jax.tree.leaves(got["gpipe"][1].unpack()), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_bfloat16_stats_of_stages_sharded_inside():
+    """bfloat16 stats of a stateful pipeline with ``param_specs``: XLA:CPU crashed compiling the
+    bfloat16 all-reduce that gathers them over the stage axis ("Invalid binary instruction opcode
+    copy", the process aborted). They are gathered in float32 (exact) and returned in bfloat16,
+    equal to the stages' own."""
+    mesh = mesh_of((2, 2), ("stage", "model"))
+    bf = jnp.bfloat16
+
+    def stage(p, x, key, state, mask):
+        y = jnp.tanh(x @ p["w"])
+        return y, {"sum": jnp.sum(jnp.where(mask[:, None], y, 0), 0)}
+
+    r = np.random.default_rng(6)
+    per_stage = [{"w": jnp.asarray(r.normal(size=(D, D)) / 2, bf)} for _ in range(2)]
+    pipe = pj.pipeline([stage, stage], chunks=4, mesh=mesh, stateful=True, param_specs=[{"w": ROW}] * 2)
+    x = x_batch().astype(bf)
+    state = [{"sum": jnp.zeros((D,), bf)}] * 2
+    y, stats = jax.jit(lambda p: pipe(p, x, state=state))(pipe.place(per_stage))
+    h = x
+    for s in range(2):
+        want = [stage(per_stage[s], h[i : i + 3], None, None, jnp.ones(3, bool)) for i in range(0, B, 3)]
+        h = jnp.concatenate([w[0] for w in want])
+        assert stats[s]["sum"].dtype == bf
+        np.testing.assert_allclose(
+            np.asarray(stats[s]["sum"], np.float32),
+            np.stack([np.asarray(w[1]["sum"], np.float32) for w in want]),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(h, np.float32), rtol=2e-2, atol=2e-2)

@@ -970,7 +970,7 @@ class MeshDevices:
             return drain, stats
         # Only the last device wrote its accumulator; the others hold zeros, and adding exact
         # zeros is exact, so the sum is bitwise the last device's outputs.
-        return lax.psum(_unlead(carry.acc), axis), stats
+        return sum_exact(_unlead(carry.acc), axis), stats
 
     def finished(self, ctx, schedule):
         """``int[T]``: the micro-batch the last stage finishes at each tick (-1: none), when the
@@ -1081,6 +1081,11 @@ def sum_exact(tree, axis_name):
     def one(a):
         if a.dtype == jnp.bool_:
             return lax.psum(a.astype(jnp.int32), axis_name) > 0
+        if jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32:
+            # bfloat16 / float16 summed as float32 (exact: one term is not zero). XLA:CPU
+            # crashed compiling a bfloat16 all-reduce in a shard_map manual over some axes
+            # only (``param_specs``): "Invalid binary instruction opcode copy".
+            return lax.psum(a.astype(jnp.float32), axis_name).astype(a.dtype)
         return lax.psum(a, axis_name)
 
     return jax.tree.map(one, tree)

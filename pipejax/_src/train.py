@@ -822,7 +822,7 @@ class _Program:
             # (A device's (v, m) rows gathered as the forward's cost one buffer more: 31.2 ->
             # 35.1 KiB per device for a stateful homogeneous 1F1B step of 16 micro-batches.)
             stats = engine.sum_exact(dev.stats, axis)
-            loss, grad, counts = lax.psum(dev.loss, axis), dev.grad, dev.counts
+            loss, grad, counts = engine.sum_exact(dev.loss, axis), dev.grad, dev.counts
             if data is None:
                 return loss, grad, counts[None], stats
             # every data shard ran its own micro-batches: sum their losses and gradients
