@@ -99,12 +99,16 @@ def read(cfg: Config, xs, i):
     keeps that copy as a temporary: one micro-batch of memory per micro-batch, which is what a
     1F1B device must not grow with. Pinned, a micro-batch is resharded when it is read.
     """
-    x = take(xs, i)
-    # (no mesh context: a shape analysis outside the ``shard_map``, e.g. of what a training
-    # schedule's F slot saves, where no value is placed)
+    return _pinned_whole(cfg, take(xs, i))
+
+
+def _pinned_whole(cfg: Config, tree):
+    """``tree`` constrained replicated over the mesh's axes inside a stage (``cfg.inner_axes``);
+    unchanged without them, or without a mesh context (a shape analysis outside the
+    ``shard_map``, e.g. of what a training schedule's F slot saves, where nothing is placed)."""
     if not cfg.inner_axes or not compat.mesh_context_set():
-        return x
-    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), x)
+        return tree
+    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), tree)
 
 
 def whole(cfg: Config, tree):
@@ -114,10 +118,7 @@ def whole(cfg: Config, tree):
     stage's group of devices. (Left to XLA, the resharding of an Auto-typed stats record landed
     inside the stage's switch branch, the stages' devices waited at different collectives, and
     the program deadlocked: ``tests/test_pipeline_sharded_stages.py``.)"""
-    tree = compat.replicate(tree)
-    if not cfg.inner_axes or not compat.mesh_context_set():
-        return tree
-    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, PartitionSpec()), tree)
+    return _pinned_whole(cfg, compat.replicate(tree))
 
 
 def clip(i, num_micro):
