@@ -685,9 +685,13 @@ class _Program:
         return jnp.zeros((2,), out[0].dtype)  # (loss, weight)
 
     def _rows(self):
+        """The scan's per-tick input: one table ``int32[T, 5 D]``, each row the F, B and W
+        micro-batches and the F and B stages of every device (split by :func:`_split_row`).
+
+        One constant, not a tuple of five: as the forward's :func:`engine.rows`."""
         t = self.table
         w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
-        return (t.forward, t.backward, w, *t.stages())
+        return jnp.asarray(np.concatenate([t.forward, t.backward, w, *t.stages()], axis=1).astype(np.int32))
 
     # -- without a mesh: virtual devices, one after the other in each tick -------------------
 
@@ -718,7 +722,7 @@ class _Program:
         rows_p = [jax.tree.map(lambda a: a[None], prow) for prow in prows]
 
         def body(devs, r):
-            f, b, w = r[:3]  # virtual device d runs stage d
+            f, b, w = _split_row(r)[:3]  # virtual device d runs stage d
             new, sent_f, sent_b = [], [], []
             for d in range(S):
                 dev, y, dx = self.slots(ios[d], d, rows_p[d], devs[d], f[d], b[d], w[d], d, d)
@@ -734,7 +738,7 @@ class _Program:
             ]
             return new, None
 
-        devs, _ = lax.scan(body, init, tuple(jnp.asarray(a) for a in self._rows()))
+        devs, _ = lax.scan(body, init, self._rows())
         # only the last stage adds to the loss: the others' are exact zeros
         loss = sum((dev.loss for dev in devs[1:]), devs[0].loss)
         grads = [jax.tree.map(lambda a: a[0], dev.grad) for dev in devs]
@@ -775,7 +779,7 @@ class _Program:
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
         row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
         loss0 = self._loss_zero(variants[-1])
-        rows = tuple(jnp.asarray(a) for a in self._rows())
+        rows = self._rows()
         data = pipe.data_axis_name
         axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
         io = _mesh_io(self, stages, variants, index, row, n, axes)
@@ -801,7 +805,7 @@ class _Program:
             prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
 
             def tick(dev, r):
-                f, b, w, fs, bs = (a[d] for a in r)  # micro-batches and stages of the slots
+                f, b, w, fs, bs = (a[d] for a in _split_row(r))  # micro-batches and stages of the slots
                 dev, y, dx = prog.slots(io, d, prows, dev, f, b, w, fs, bs)
                 fin = engine.shift(y, axis, n, ring=v_rep > 1)
                 bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
@@ -860,6 +864,12 @@ class _Program:
 
 
 # --- where a device runs its slots ------------------------------------------------------------
+
+
+def _split_row(row):
+    """A row of :meth:`_Program._rows` as its five columns ``(f, b, w, fs, bs)``, each ``[D]``."""
+    D = row.shape[0] // 5
+    return tuple(row[k * D : (k + 1) * D] for k in range(5))
 
 
 class _Dev(NamedTuple):
