@@ -5,7 +5,6 @@ and numpy rank/dtype promotion that raises instead of silently broadcasting or u
 """
 
 import os
-import re
 
 # XLA's CPU collectives (ppermute, psum between fake devices) abort a program whose devices do not all
 # reach a collective within a timeout. On a loaded 2-core machine (pytest -n 2, each process running
@@ -15,22 +14,9 @@ PATIENT_COLLECTIVES = (
     "--xla_cpu_collective_timeout_seconds=300 --xla_cpu_collective_call_terminate_timeout_seconds=300"
 )
 
-# The suite compiles about 4,000 small programs and runs each for milliseconds, so compiling is most
-# of its time. XLA:CPU's backend optimisation level 0 turns off LLVM's optimisations of the emitted
-# code (XLA's own HLO passes, fusion and buffer assignment, which decide results and temp bytes,
-# run as before); results are the same IEEE operations in the same order, and the suite takes about
-# a quarter less time (BUILD_NOTES.md, "Twelfth session"). The demo, which CI runs first, runs at
-# XLA's default level. To run the tests at the default level too, set the flag yourself, e.g.
-# `XLA_FLAGS=--xla_backend_optimization_level=2 bash scripts/test.sh`: an explicit level is kept,
-# here and in the scripts the tests start.
-_given = re.search(r"--xla_backend_optimization_level=\S+", os.environ.get("XLA_FLAGS", ""))
-OPT_LEVEL = _given.group(0) if _given else "--xla_backend_optimization_level=0"
-# The flags for the scripts that the tests start in fresh processes (examples, benchmarks, launched
-# processes), which set their own device count.
-SUBPROCESS_FLAGS = f"{PATIENT_COLLECTIVES} {OPT_LEVEL}"
-
-_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4 {PATIENT_COLLECTIVES}"
-os.environ["XLA_FLAGS"] = (_flags if _given else f"{_flags} {OPT_LEVEL}").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4 " + PATIENT_COLLECTIVES
+).strip()
 
 import jax  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import SUBPROCESS_FLAGS
+from tests.conftest import PATIENT_COLLECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def run_quick(script: str, *args: str) -> str:
     """Runs ``benchmarks/<script> --quick *args`` in a fresh process; returns its stdout."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = SUBPROCESS_FLAGS  # each script sets its own device count
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # each script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],
         capture_output=True,

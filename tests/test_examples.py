@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SUBPROCESS_FLAGS
+from tests.conftest import PATIENT_COLLECTIVES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(args, timeout=300):
-    flags = f"--xla_force_host_platform_device_count=4 {SUBPROCESS_FLAGS}"
+    flags = f"--xla_force_host_platform_device_count=4 {PATIENT_COLLECTIVES}"
     # A script's own folder comes first on sys.path, not the checkout: put the checkout there so that
     # the scripts import this pipejax, not another installed copy.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

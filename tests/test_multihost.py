@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from pipejax import launch
-from tests.conftest import SUBPROCESS_FLAGS
+from tests.conftest import PATIENT_COLLECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_3d_mesh_pipeline_on_two_processes_equals_one():
     argv += ["--timeout", "240", script, "--sharding", "tensor"]
     two = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False, cwd=ROOT)
     assert two.returncode == 0, two.stdout[-6000:] + two.stderr[-3000:]
-    env_one = dict(env, XLA_FLAGS=SUBPROCESS_FLAGS)
+    env_one = dict(env, XLA_FLAGS=PATIENT_COLLECTIVES)
     one = subprocess.run(
         [sys.executable, script, "--sharding", "tensor"],
         capture_output=True,
@@ -85,7 +85,7 @@ def test_docs_script_trains_the_same_on_two_processes_as_on_one(tmp_path):
     path = tmp_path / "train.py"
     path.write_text(source)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = SUBPROCESS_FLAGS  # the script sets its own device count
+    env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     run = lambda argv: subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
     launched = run(
         [sys.executable, "-m", "pipejax.launch", "-n", "2", "-d", "2", "--timeout", "240", str(path)]
