@@ -177,13 +177,25 @@ def rows(schedule: Schedule):
     backward pass."""
     micro, stage = schedule.table, schedule.stages()
     tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
-    return jnp.asarray(np.concatenate([micro, stage, tick], axis=1).astype(np.int32))
+    return table(micro, stage, tick)
+
+
+def table(*columns) -> jax.Array:
+    """A schedule's integer columns ``[T, w]`` side by side: one ``int32[T, sum w]`` constant,
+    the per-tick input of a scan (the forward's :func:`rows`, the training program's)."""
+    return jnp.asarray(np.concatenate(columns, axis=1).astype(np.int32))
 
 
 def split_row(row):
     """A row of :func:`rows` as ``(micro[D], stage[D], tick)``."""
     D = (row.shape[0] - 1) // 2
     return row[:D], row[D : 2 * D], row[2 * D]
+
+
+def columns(row, n: int):
+    """A row of a :func:`table` of ``n`` equally wide columns, as ``n`` vectors."""
+    w = row.shape[0] // n
+    return tuple(row[k * w : (k + 1) * w] for k in range(n))
 
 
 def loop_delay(schedule: Schedule) -> int:

@@ -686,12 +686,11 @@ class _Program:
 
     def _rows(self):
         """The scan's per-tick input: one table ``int32[T, 5 D]``, each row the F, B and W
-        micro-batches and the F and B stages of every device (split by :func:`_split_row`).
-
-        One constant, not a tuple of five: as the forward's :func:`engine.rows`."""
+        micro-batches and the F and B stages of every device (split by ``engine.columns(row,
+        5)``). One constant, not a tuple of five, as the forward's :func:`engine.rows`."""
         t = self.table
         w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
-        return jnp.asarray(np.concatenate([t.forward, t.backward, w, *t.stages()], axis=1).astype(np.int32))
+        return engine.table(t.forward, t.backward, w, *t.stages())
 
     # -- without a mesh: virtual devices, one after the other in each tick -------------------
 
@@ -722,7 +721,7 @@ class _Program:
         rows_p = [jax.tree.map(lambda a: a[None], prow) for prow in prows]
 
         def body(devs, r):
-            f, b, w = _split_row(r)[:3]  # virtual device d runs stage d
+            f, b, w = engine.columns(r, 5)[:3]  # virtual device d runs stage d
             new, sent_f, sent_b = [], [], []
             for d in range(S):
                 dev, y, dx = self.slots(ios[d], d, rows_p[d], devs[d], f[d], b[d], w[d], d, d)
@@ -805,7 +804,7 @@ class _Program:
             prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
 
             def tick(dev, r):
-                f, b, w, fs, bs = (a[d] for a in _split_row(r))  # micro-batches and stages of the slots
+                f, b, w, fs, bs = (a[d] for a in engine.columns(r, 5))  # the slots' micro-batches, stages
                 dev, y, dx = prog.slots(io, d, prows, dev, f, b, w, fs, bs)
                 fin = engine.shift(y, axis, n, ring=v_rep > 1)
                 bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
@@ -864,12 +863,6 @@ class _Program:
 
 
 # --- where a device runs its slots ------------------------------------------------------------
-
-
-def _split_row(row):
-    """A row of :meth:`_Program._rows` as its five columns ``(f, b, w, fs, bs)``, each ``[D]``."""
-    D = row.shape[0] // 5
-    return tuple(row[k * D : (k + 1) * D] for k in range(5))
 
 
 class _Dev(NamedTuple):
