@@ -182,7 +182,7 @@ def _reference4(batch, chunks, seed):
 @pytest.mark.parametrize(("placement", "checkpoint"), [("explicit", "always"), ("none", "never")])
 def test_interleaved_heterogeneous_with_dropout_uneven_batch(placement, checkpoint):
     """4 stages on 2 devices (stages 0, 2 on device 0; 1, 3 on device 1); without a mesh the
-    stages run as 1F1B on 4 virtual devices."""
+    micro-batches' gradients are accumulated one after the other."""
     batch, chunks = 11, 4  # micro-batches of 3, the last with one padding row
     x, labels = models.token_inputs(batch), _labels(batch)
     mesh = None if placement == "none" else models.make_mesh(placement, 2)

@@ -53,3 +53,34 @@ def test_training_memory_flat_in_micro_batches_with_param_specs():
     small, large = temp_kib("1f1b", 4, specs), temp_kib("1f1b", 16, specs)
     # before the micro-batches were read pinned: +2 KiB per micro-batch (x and t, half width)
     assert large <= 1.15 * small, (small, large)
+
+
+def test_without_a_mesh_the_training_schedules_accumulate_gradients():
+    """One device has no bubble to fill: a training schedule without a mesh is gradient
+    accumulation over the micro-batches, the F and B slots of micro-batch ``i`` before those of
+    ``i + 1``. Its memory is one micro-batch's worth, flat in ``m``; its loss and gradients are
+    GPipe's; every stage runs one F and one B slot per micro-batch."""
+    from pipejax._src import train
+
+    stages = [stage] * 4
+    r = np.random.default_rng(1)
+    params = [
+        {
+            "w": jnp.asarray(r.normal(size=(2, WIDTH, WIDTH)) / WIDTH**0.5, jnp.float32),
+            "b": jnp.asarray(r.normal(size=(2, WIDTH)), jnp.float32),
+        }
+        for _ in stages
+    ]
+    for schedule in ("1f1b", "zb-h1"):
+        kib = {}
+        for m in (4, 16):
+            x = jnp.asarray(r.normal(size=(m * MICRO, WIDTH)), jnp.float32)
+            pipe = pj.pipeline(stages, chunks=m, schedule=schedule)
+            compiled = jax.jit(pipe.value_and_grad(loss)).lower(params, x, x).compile()
+            kib[m] = compiled.memory_analysis().temp_size_in_bytes / 1024
+        assert kib[16] <= 1.05 * kib[4], (schedule, kib)
+        got = pipe.value_and_grad(loss)(params, x, x)
+        want = pj.pipeline(stages, chunks=16).value_and_grad(loss)(params, x, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+        counts = train.slot_counts(pipe, loss, params, x, x)
+        np.testing.assert_array_equal(counts, [[16, 16, 0]] * 4)

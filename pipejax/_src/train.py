@@ -17,16 +17,17 @@ program produces, so the program here runs their table itself, in one ``lax.scan
   cotangent only and stashes the output cotangent for W. Stage 0 computes no input cotangent.
 * **W** ("zb-h1"): the parameter cotangent, from the stash and the stashed output cotangent.
 
-After the slots, activations go one device forward and cotangents one device back (``ppermute``
-on a mesh; without one the devices are virtual and run one after the other within the tick).
-Idle slots compute nothing (a ``lax.switch`` branch, or ``lax.cond``, that returns zeros).
-One function runs a device's slots of a tick (:meth:`_Program.slots`), on the mesh and on
-virtual devices alike; what differs is an :class:`_IO`: on the mesh, the engine's stage objects'
-flat containers and a traced stage; on a virtual device, typed values and a static stage. Every
-slot picks its branch with the engine's one stage dispatch (:func:`engine.dispatch`: a
-``lax.switch`` with an idle branch, or ``lax.cond``). On the mesh the loop runs in the engine's one
-``shard_map`` (:meth:`engine.MeshDevices.spmd`, as the forward's does), which checks varying
+After the slots, activations go one device forward and cotangents one device back
+(``ppermute``). Idle slots compute nothing (a ``lax.switch`` branch that returns zeros). One
+function runs a device's slots of a tick (:meth:`_Program.slots`); every slot picks its branch
+with the engine's one stage dispatch (:func:`engine.dispatch`), and messages, stashes and stats
+travel in the engine's stage objects' containers (:class:`_IO`). The loop runs in the engine's
+one ``shard_map`` (:meth:`engine.MeshDevices.spmd`, as the forward's does), which checks varying
 types: every input is cast to vary along the manual axes before the loop.
+
+Without a mesh there is one device and no bubble to fill, so there is no table to run: every
+training schedule is gradient accumulation over the micro-batches (:meth:`_Program.local`), with
+the same keys, loss terms and checkpoint modes, and one micro-batch's activations kept at a time.
 Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
 stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
 
@@ -140,7 +141,8 @@ def value_and_grad(
 def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
-    ``p``. For tests and benchmarks."""
+    ``p``; without a mesh ``int[S, 3]``, one F and one B slot per stage and micro-batch (the
+    gradient accumulation of :meth:`_Program.local`). For tests and benchmarks."""
     _check_params(pipe, params)
     pipe._check_batch(x, None, targets)
     counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)  # stateless
@@ -184,7 +186,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     )
     name = pipe.schedule_name
     if name == "interleaved-1f1b" and pipe.mesh is None:
-        name = "1f1b"  # virtual devices: one per stage, no ring to share (the same keys and sums)
+        name = "1f1b"  # one device: gradient accumulation (`_Program.local`), no ring to share
     elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
         n, p = pipe.num_devices, pipe.data_size
         per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
@@ -583,10 +585,9 @@ class _Program:
         ``f``, ``b``, ``w`` are the micro-batches of its F, B and W slots (-1: idle), ``fs`` and
         ``bs`` the stages of its F and B slots (W's is the device's own: ZB-H1 runs one stage per
         device). ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row
-        ``s // io.n``). ``io`` says where the device runs: on a mesh (:func:`_mesh_io`; ``d``
-        and the stages are traced and a slot picks its stage's branch with ``lax.switch``) or
-        as a virtual device (:func:`_local_io`; one stage, static, and ``lax.cond`` skips an
-        idle slot). Either way an idle slot computes nothing, and every parameter cotangent is
+        ``s // io.n``). ``io`` holds the containers and the dispatch (:func:`_mesh_io`): ``d``
+        and the stages are traced and a slot picks its stage's branch with ``lax.switch``. An
+        idle slot computes nothing, and every parameter cotangent is
         added inside its branch to the stage's row of the accumulator (B; ZB-H1's W: to the
         accumulator), which an idle branch returns as it is, so no cotangent leaves a branch.
         """
@@ -594,24 +595,25 @@ class _Program:
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
         loss0 = jnp.zeros_like(dev.loss)
         # F: stage 0 reads micro-batch f of x, the other stages what the previous device sent
-        x_in = io.stage_input(fs, engine.read(self.cfg, self.xs, engine.clip(f, m)), dev.fin)
+        fresh = io.pack(engine.read(self.cfg, self.xs, engine.clip(f, m)))
+        x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, dev.fin)
 
         def f_branch(v):
             def run(rows_p, x_in, f):
                 prow, x = io.row(rows_p, fs // n), io.unpack(x_in, v.x_layout)
                 y, dloss, saved, st = self.save(v, prow, x, *self._inputs(f, fs))
-                y = io.msg_zeros(v.y_layout) if y is None else io.pack(y)
+                y = io.msg_zeros() if y is None else io.pack(y)
                 dloss = loss0 if dloss is None else dloss.astype(loss0.dtype)
                 return y, dloss, io.s_pack(saved), io.st_pack(st), one
 
             return run
 
         def f_idle(rows_p, x_in, f):
-            return io.msg_zeros(io.variant.y_layout), loss0, io.s_zeros(), io.st_zeros(), zero
+            return io.msg_zeros(), loss0, io.s_zeros(), io.st_zeros(), zero
 
         y, dloss, saved, st, c0 = io.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
         stash = engine.put(dev.stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
-        stats = engine.write(dev.stats, st, io.stat_row(fs), engine.clip(f, m), f >= 0)
+        stats = engine.write(dev.stats, st, fs, engine.clip(f, m), f >= 0)
         # B: the stage's pullback, from what F kept, of the cotangent the next device sent
         xb = engine.take(stash, (bs // n) * K + b % K)
 
@@ -626,13 +628,13 @@ class _Program:
                     wrt_params=not zb,
                     wrt_input=not v.first,
                 )
-                dx = io.msg_zeros(v.x_layout) if dx is None else io.pack(dx)
+                dx = io.msg_zeros() if dx is None else io.pack(dx)
                 return dx, grow if dp is None else _add_to(grow, dp), one
 
             return run
 
         def b_idle(rows_p, xb, g, b, grow):
-            return io.msg_zeros(io.variant.x_layout), grow, zero
+            return io.msg_zeros(), grow, zero
 
         # the branch adds to the stage's row of the accumulator, which is written back here: an
         # accumulator passed through the branch was copied there whole (the branch cannot update
@@ -671,10 +673,6 @@ class _Program:
         )
         return new, y, dx
 
-    def _stats_layout(self, s: int) -> Layout:
-        """The layout of stage ``s``'s stats (one for every stage when they are homogeneous)."""
-        return self.stats_layouts if self.pipe.homogeneous else self.stats_layouts[s]
-
     def _loss_zero(self, v):
         out = jax.eval_shape(
             lambda y, t, mask: self._loss(y, t, mask),
@@ -692,57 +690,55 @@ class _Program:
         w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
         return engine.table(t.forward, t.backward, w, *t.stages())
 
-    # -- without a mesh: virtual devices, one after the other in each tick -------------------
+    # -- without a mesh: one device, the micro-batches one after the other -------------------
 
     def local(self, runner):
-        S, K, zb, pipe, bnd = self.S, self.K, self.zb, self.pipe, self.boundaries
-        if pipe.homogeneous:
-            prows = [jax.tree.map(lambda a, d=d: a[d], runner) for d in range(S)]
-        else:
-            prows = list(runner)
+        """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
+        training schedule is gradient accumulation, one ``lax.scan`` over the micro-batches. At
+        micro-batch ``i`` the F slots of stages ``0, ..., S - 1`` run and keep what B needs (as on
+        a mesh, :meth:`save`: the stage input for ``"always"``, the residuals for ``"never"`` or
+        a policy), then the B slots of stages ``S - 1, ..., 0`` (:meth:`pull`, parameter and
+        input cotangents together), and the parameter cotangents join the sums before micro-batch
+        ``i + 1`` starts. So the device keeps one micro-batch's worth, whatever ``m`` is. Stage 0
+        reads its micro-batch as data. Keys, loss terms and the order of the sums over
+        micro-batches are the mesh program's.
+        """
+        S, m, pipe, bnd = self.S, self.m, self.pipe, self.boundaries
+        prows = (
+            [jax.tree.map(lambda a, s=s: a[s], runner) for s in range(S)]
+            if pipe.homogeneous
+            else list(runner)
+        )
         variants = [
-            _Variant(pipe.stages[d], d == 0, d == S - 1, lambda p: p, bnd[d], bnd[d + 1], d) for d in range(S)
+            _Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
         ]
-        ios = [_local_io(self, v, prow, S) for v, prow in zip(variants, prows, strict=True)]
+
+        def body(carry, i):
+            grads, loss = carry
+            x, saved, stats = engine.read(self.cfg, self.xs, i), [], []
+            for v, prow in zip(variants, prows, strict=True):  # F
+                x, dloss, kept, st = self.save(v, prow, x, *self._inputs(i, v.stage))
+                loss = loss if dloss is None else loss + dloss.astype(loss.dtype)
+                saved.append(kept)
+                stats.append(st)
+            g, new = None, [None] * S
+            for s in reversed(range(S)):  # B
+                v, inputs = variants[s], self._inputs(i, s)
+
+                def b_slot(kept, g, v=v, s=s, inputs=inputs):
+                    return self.pull(v, prows[s], kept, g, *inputs, wrt_params=True, wrt_input=not v.first)
+
+                # B runs as a branch (`i >= 0` always holds): a branch is a computation of its
+                # own, so XLA can neither merge the stage's recomputation ("always") with F's
+                # (XLA:CPU drops optimization barriers, and did merge them) nor start it before
+                # the cotangent from stage s + 1 has arrived
+                g, new[s] = engine.dispatch(i >= 0, 0, [b_slot], _zeros_of(b_slot), saved[s], g)
+            return (_add(grads, new), loss), stats
+
         loss0 = self._loss_zero(variants[-1])
-        init = [
-            _Dev(
-                engine.zeros(v.x_layout),
-                engine.zeros(v.y_layout),
-                ios[d].s_zeros((K,)),
-                engine.zeros(v.y_layout, (S,)) if zb and not v.last else None,
-                jax.tree.map(lambda a: jnp.zeros((1, *a.shape), a.dtype), prows[d]),
-                loss0,
-                jnp.zeros((3,), jnp.int32),
-                ios[d].st_zeros((1, self.m)),
-            )
-            for d, v in enumerate(variants)
-        ]
-        rows_p = [jax.tree.map(lambda a: a[None], prow) for prow in prows]
-
-        def body(devs, r):
-            f, b, w = engine.columns(r, 5)[:3]  # virtual device d runs stage d
-            new, sent_f, sent_b = [], [], []
-            for d in range(S):
-                dev, y, dx = self.slots(ios[d], d, rows_p[d], devs[d], f[d], b[d], w[d], d, d)
-                new.append(dev)
-                sent_f.append(y)
-                sent_b.append(dx)
-            # the sends: a local shift
-            new = [
-                dev._replace(
-                    fin=sent_f[d - 1] if d > 0 else dev.fin, bin=sent_b[d + 1] if d < S - 1 else dev.bin
-                )
-                for d, dev in enumerate(new)
-            ]
-            return new, None
-
-        devs, _ = lax.scan(body, init, self._rows())
-        # only the last stage adds to the loss: the others' are exact zeros
-        loss = sum((dev.loss for dev in devs[1:]), devs[0].loss)
-        grads = [jax.tree.map(lambda a: a[0], dev.grad) for dev in devs]
-        counts = jnp.stack([dev.counts for dev in devs])
-        stats = [jax.tree.map(lambda a: a[0], dev.stats) for dev in devs]  # per stage (m, ...)
+        (grads, loss), stats = lax.scan(body, (_zeros_like(prows), loss0), jnp.arange(m, dtype=jnp.int32))
+        # every stage runs F and B (with W) once per micro-batch
+        counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
         if pipe.homogeneous:
             grads, stats = (jax.tree.map(lambda *a: jnp.stack(a), *t) for t in (grads, stats))
         return loss, grads, counts, stats
@@ -883,17 +879,14 @@ class _IO(NamedTuple):
 
     n: int  # stage s is row s // n of the device's stages
     row: Callable[[Any, Any], Any]  # (the device's parameter block, row) -> that row's parameters
-    variant: _Variant  # a variant whose types an idle slot's zeros take
     pack: Callable[[Any], Any]  # a typed activation or cotangent -> its message
     unpack: Callable[[Any, Layout], Any]  # (message, layout) -> the typed value
-    msg_zeros: Callable[..., Any]  # (layout=None, lead=()) -> a message of zeros
+    msg_zeros: Callable[..., Any]  # (lead=()) -> a message of zeros
     s_pack: Callable[[Any], Any]  # what F saved -> a stash entry
     s_unpack: Callable[[Any, _Variant], Any]
     s_zeros: Callable[..., Any]  # (lead=()) -> stash entries of zeros
     st_pack: Callable[[Any], Any]  # a stateful stage's stats -> a stats entry
     st_zeros: Callable[..., Any]
-    stat_row: Callable[[Any], Any]  # the F slot's stage -> its row of the stats buffer
-    stage_input: Callable[[Any, Any, Any], Any]  # (stage, micro-batch of x, inbox) -> F's input
     dispatch: Callable[..., Any]  # (working, stage, make_branch, idle, *args) -> the slot's outputs
 
 
@@ -902,14 +895,14 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
     (:func:`engine.dispatch`), and messages, stashes and stats have the containers of the
     engine's stage objects (``stages``; ``row``: the type of one of the device's parameter
     rows)."""
-    msg_zeros = lambda layout=None, lead=(): stages.message_zeros(0, lead)[0]
+    msg_zeros = lambda lead=(): stages.message_zeros(0, lead)[0]
     if prog.keep:  # residuals differ per stage (and role): one container for all
         saved_layouts = [Layout.of(prog.saved_structs(v, row)) for v in variants]
         sbox = Container.for_layouts(saved_layouts)
         s_pack, s_zeros = (lambda tree: sbox.pack(engine.whole(prog.cfg, tree))), sbox.zeros
         s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
     else:  # the stage input, as a message
-        s_pack, s_zeros = stages.pack, (lambda lead=(): msg_zeros(lead=lead))
+        s_pack, s_zeros = stages.pack, msg_zeros
         s_unpack = lambda msg, v: stages.unpack(msg, v.x_layout)
     # a device records the stats of its F slots at (stage, micro-batch) of an (S, m) buffer
     st_pack, st_zeros = (lambda tree: None), (lambda lead=(): None)
@@ -929,7 +922,6 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
     return _IO(
         n,
         lambda block, r: engine._row(block, r, prog.pipe.repeats),
-        variants[0],
         stages.pack,
         stages.unpack,
         msg_zeros,
@@ -938,36 +930,6 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
         s_zeros,
         st_pack,
         st_zeros,
-        lambda s: s,
-        lambda s, fresh, inbox: jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), stages.pack(fresh), inbox),
-        dispatch,
-    )
-
-
-def _local_io(prog: _Program, v: _Variant, prow, n) -> _IO:
-    """A virtual device (no mesh) that runs stage ``v.stage``: typed values, no containers, and
-    ``lax.cond`` skips an idle slot."""
-    saved = prog.saved_structs(v, prow)
-    ident = lambda tree: tree
-    stats_layout = prog._stats_layout(v.stage) if _records(prog.pipe) else None
-
-    def dispatch(working, s, make, idle, *args):
-        return engine.dispatch(working, 0, [make(v)], idle, *args)
-
-    return _IO(
-        n,
-        lambda block, r: engine._row(block, r, 1),
-        v,
-        ident,
-        lambda msg, layout: msg,
-        lambda layout=None, lead=(): engine.zeros(layout, lead),
-        ident,
-        lambda msg, v: msg,
-        lambda lead=(): jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), saved),
-        ident,
-        lambda lead=(): None if stats_layout is None else engine.zeros(stats_layout, lead),
-        lambda s: 0,
-        lambda s, fresh, inbox: fresh if s == 0 else inbox,
         dispatch,
     )
 
@@ -1003,6 +965,11 @@ def _add_to(row, delta):
 
 def _add(acc, delta):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, delta)
+
+
+def _zeros_of(fn):
+    """``f(*args) -> zeros`` of the type of ``fn(*args)`` (an idle branch beside ``fn``)."""
+    return lambda *args: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
 
 
 def _zeros_like(tree):
