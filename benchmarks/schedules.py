@@ -14,6 +14,8 @@ Sections (markdown tables):
    keeps F's residuals, "dots" -- ``jax.checkpoint_policies.dots_saveable`` -- keeps what that
    policy saves). The SPMD program is one device's program, so the bytes are per device.
    ``sharded``: the same with ``param_specs`` (tensor-parallel stages on a (stage, model) mesh).
+   ``local``: the same without a mesh, with compile times (the training schedules are gradient
+   accumulation on one device).
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
@@ -67,8 +69,8 @@ def sq(y, t):
 POLICIES = {"dots": jax.checkpoint_policies.dots_saveable}  # named policies of the tables
 
 
-def setup(m, name, checkpoint="always", repeats=1):
-    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+def setup(m, name, checkpoint="always", repeats=1, on_mesh=True):
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,)) if on_mesh else None
     S = N * repeats  # interleaved: `repeats` stages per device
     mode = POLICIES.get(checkpoint, checkpoint)
     pipe = pj.pipeline(
@@ -119,6 +121,31 @@ def memory(quick: bool) -> None:
             ["schedule", *(f"m={m}" for m in ms), f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (len(ms) + 1)
         )
     )
+
+
+def local(quick: bool) -> None:
+    """The same steps without a mesh: one device, where the training schedules are gradient
+    accumulation (F and B of micro-batch ``i`` before ``i + 1``) and GPipe is
+    ``jax.value_and_grad`` of the micro-batched scan."""
+    section("Without a mesh: temp bytes and compile time of one training step against m")
+    ms = (8,) if quick else (8, 64)
+    variants = [("gpipe", "always"), ("1f1b", "always"), ("1f1b", "never")] if quick else VARIANTS
+    rows, got = [], {}
+    for name, ckpt in variants:
+        row = [f"{name} {ckpt}"]
+        for m in ms:
+            _, f, args = setup(m, name, ckpt, on_mesh=False)
+            t0 = time.perf_counter()
+            compiled = jax.jit(f).lower(*args).compile()
+            seconds = time.perf_counter() - t0
+            got[m] = compiled.memory_analysis().temp_size_in_bytes
+            row += [kib(got[m]), f"{seconds:.2f}"]
+        row.append(f"{got[ms[-1]] / got[8]:.2f}x")
+        rows.append(row)
+    print(f"The memory section's {N} stages on one device. KiB; compile: trace + lower + compile, seconds.")
+    print()
+    heads = [h for m in ms for h in (f"m={m} KiB", f"m={m} compile s")]
+    print(table(["schedule", *heads, f"m={ms[-1]} / m=8"], rows, align="l" + "r" * (2 * len(ms) + 1)))
 
 
 def sharded_memory(quick: bool) -> None:
@@ -283,6 +310,7 @@ def predicted(quick: bool) -> None:
 SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
+    "local": local,
     "slots": slots,
     "compile": compile_time,
     "predicted": predicted,

@@ -39,7 +39,10 @@ def run_quick(script: str, *args: str) -> str:
         ),
         ("hessian.py", ("HVP / grad", "Lanczos / m HVPs", "partial, bfloat16 basis")),  # --quick: float32
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
-        ("schedules.py", ("Memory: compiled temp bytes", "Slots:", "Compile time", "Predicted step time")),
+        (
+            "schedules.py",
+            ("Memory: compiled temp bytes", "Without a mesh", "Slots:", "Compile time", "Predicted"),
+        ),
         (
             "maxtext_style.py",
             ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),

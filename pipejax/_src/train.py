@@ -704,43 +704,58 @@ class _Program:
         micro-batches are the mesh program's.
         """
         S, m, pipe, bnd = self.S, self.m, self.pipe, self.boundaries
-        prows = (
-            [jax.tree.map(lambda a, s=s: a[s], runner) for s in range(S)]
-            if pipe.homogeneous
-            else list(runner)
-        )
+        params = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
         variants = [
             _Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
         ]
 
+        def row(params, s):  # stage s's parameters, picked inside its branch
+            return jax.tree.map(lambda a: a[s], params) if pipe.homogeneous else params[s]
+
+        def add_row(grads, s, dp):
+            if pipe.homogeneous:
+                return jax.tree.map(lambda a, d: a.at[s].add(d.astype(a.dtype)), grads, dp)
+            return [_add(a, dp) if t == s else a for t, a in enumerate(grads)]
+
         def body(carry, i):
             grads, loss = carry
             x, saved, stats = engine.read(self.cfg, self.xs, i), [], []
-            for v, prow in zip(variants, prows, strict=True):  # F
-                x, dloss, kept, st = self.save(v, prow, x, *self._inputs(i, v.stage))
+            for v in variants:  # F
+
+                def f_slot(params, x, v=v):
+                    return self.save(v, row(params, v.stage), x, *self._inputs(i, v.stage))
+
+                # a branch, as B is: outside one, XLA hoisted the stage's slices of its
+                # parameters (`w[j]`) out of the loop, a copy of every parameter in temp memory
+                x, dloss, kept, st = engine.dispatch(i >= 0, 0, [f_slot], _zeros_of(f_slot), params, x)
                 loss = loss if dloss is None else loss + dloss.astype(loss.dtype)
                 saved.append(kept)
                 stats.append(st)
-            g, new = None, [None] * S
-            for s in reversed(range(S)):  # B
-                v, inputs = variants[s], self._inputs(i, s)
+            g = None
+            for v in reversed(variants):  # B
+                s = v.stage
 
-                def b_slot(kept, g, v=v, s=s, inputs=inputs):
-                    return self.pull(v, prows[s], kept, g, *inputs, wrt_params=True, wrt_input=not v.first)
+                def b_slot(params, kept, g, v=v, s=s):
+                    p = row(params, s)
+                    return self.pull(
+                        v, p, kept, g, *self._inputs(i, s), wrt_params=True, wrt_input=not v.first
+                    )
 
                 # B runs as a branch (`i >= 0` always holds): a branch is a computation of its
                 # own, so XLA can neither merge the stage's recomputation ("always") with F's
                 # (XLA:CPU drops optimization barriers, and did merge them) nor start it before
-                # the cotangent from stage s + 1 has arrived
-                g, new[s] = engine.dispatch(i >= 0, 0, [b_slot], _zeros_of(b_slot), saved[s], g)
-            return (_add(grads, new), loss), stats
+                # the cotangent from stage s + 1 has arrived. Its parameter cotangent is added
+                # to the sums as soon as it leaves the branch.
+                g, dp = engine.dispatch(i >= 0, 0, [b_slot], _zeros_of(b_slot), params, saved[s], g)
+                grads = add_row(grads, s, dp)
+            return (grads, loss), stats
 
         loss0 = self._loss_zero(variants[-1])
-        (grads, loss), stats = lax.scan(body, (_zeros_like(prows), loss0), jnp.arange(m, dtype=jnp.int32))
+        (grads, loss), stats = lax.scan(body, (_zeros_like(params), loss0), jnp.arange(m, dtype=jnp.int32))
         # every stage runs F and B (with W) once per micro-batch
         counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
         if pipe.homogeneous:
-            grads, stats = (jax.tree.map(lambda *a: jnp.stack(a), *t) for t in (grads, stats))
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
         return loss, grads, counts, stats
 
     # -- on a mesh: one SPMD program, a device per stage ------------------------------------
