@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -84,3 +85,37 @@ def test_without_a_mesh_the_training_schedules_accumulate_gradients():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
         counts = train.slot_counts(pipe, loss, params, x, x)
         np.testing.assert_array_equal(counts, [[16, 16, 0]] * 4)
+
+
+@pytest.mark.parametrize("as_branch", [True, False], ids=["branch", "barrier"])
+def test_without_a_mesh_every_slot_is_kept_apart(monkeypatch, as_branch):
+    """Each F and B slot of the gradient accumulation is its own computation (a branch on CPU,
+    an optimization barrier elsewhere: ``train._as_branch``), so XLA does not merge B's
+    recomputation under ``"always"`` with F's forward pass: the compiled program holds twice the
+    ``tanh`` of ``"never"``. Both forms give GPipe's loss and gradients. (XLA:CPU removes
+    barriers before some of its CSE passes, and merged 4 of the 8 recomputed ``tanh`` here, which
+    is why CPU runs the branch; the barrier form's count was checked on an H200, where it keeps
+    as many as the branch: BUILD_NOTES, fourteenth session.)"""
+    from pipejax._src import train
+
+    monkeypatch.setattr(train, "_as_branch", lambda: as_branch)
+    r = np.random.default_rng(2)
+    params = [
+        {
+            "w": jnp.asarray(r.normal(size=(2, WIDTH, WIDTH)) / WIDTH**0.5, jnp.float32),
+            "b": jnp.asarray(r.normal(size=(2, WIDTH)), jnp.float32),
+        }
+        for _ in range(4)
+    ]
+    x = jnp.asarray(r.normal(size=(4 * MICRO, WIDTH)), jnp.float32)
+    want = pj.pipeline([stage] * 4, chunks=4).value_and_grad(loss)(params, x, x)
+    tanh = {}
+    for mode in ("always", "never"):
+        pipe = pj.pipeline([stage] * 4, chunks=4, schedule="1f1b", checkpoint=mode)
+        step = jax.jit(pipe.value_and_grad(loss))
+        compiled = step.lower(params, x, x).compile()
+        tanh[mode] = compiled.as_text().count(" tanh(")
+        got = compiled(params, x, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    if as_branch:
+        assert tanh == {"always": 16, "never": 8}, tanh

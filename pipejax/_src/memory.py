@@ -233,13 +233,13 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     Measured against XLA on CPU (``benchmarks/maxtext_style.py``, 4 devices, m = 4 to 32) the
     estimate is within 10 % on jax 0.10.2 (0.894 at m = 4 on jax 0.11.2, whose ``jax.vjp`` of
     gelu keeps one residual fewer while XLA's bytes stay); that is measured on that model and
-    the tests', not guaranteed: ``R`` is what ``jax.vjp`` keeps, and XLA may keep less where it fuses a recomputation (a gelu
-    stage's 1F1B: 1.27), or more where a stage's parameters are several times its residuals
-    (1F1B ``"always"`` at ``P = 3.7 R``: 0.67). It assumes a loss that keeps one output-sized
-    value per micro-batch (a squared error, a cross-entropy's softmax) and homogeneous, balanced
-    stages: for
-    heterogeneous stages ``A`` and ``R`` are the largest stage's, while ``"never"`` keeps the
-    union of the stages' residual shapes (more). Use :func:`memory_report` for the exact number.
+    the tests', not guaranteed: ``R`` is what ``jax.vjp`` keeps, and XLA may keep less where it
+    fuses a recomputation (a gelu stage's 1F1B: 1.27), or more where a stage's parameters are
+    several times its residuals (1F1B ``"always"`` at ``P = 3.7 R``: 0.67). It assumes a loss
+    that keeps one output-sized value per micro-batch (a squared error, a cross-entropy's
+    softmax) and homogeneous, balanced stages: for heterogeneous stages ``A`` and ``R`` are the
+    largest stage's, while ``"never"`` keeps the union of the stages' residual shapes (more).
+    Use :func:`memory_report` for the exact number.
 
     Args:
       pipe: a :func:`pipeline` on a mesh, with ``schedule`` "gpipe", "circular", "1f1b" or

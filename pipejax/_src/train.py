@@ -979,18 +979,31 @@ def _add(acc, delta):
 
 
 def _computation(i, fn, *args):
-    """``fn(*args)`` as a computation of its own inside a loop body: the one branch of the engine's
-    dispatch, taken where ``i >= 0`` (always, for the loop's index ``i``). Inline in the body of
-    :meth:`_Program.local`, XLA:CPU (which drops optimization barriers) merged a stage's
-    recomputation in B ("always") with F's forward pass, and hoisted the stage's parameter slices
-    (``w[j]``) out of the loop, a copy of every parameter in temp memory; a branch is a
-    computation that neither crosses, and it starts only once all its operands exist (B of stage
-    ``s`` after the cotangent from stage ``s + 1``)."""
+    """``fn(*args)``, one slot of :meth:`_Program.local`, kept apart from the loop body's other
+    slots, so that XLA neither merges a stage's recomputation in B (``"always"``) with F's
+    forward pass nor hoists the stage's parameter slices (``w[j]``) out of the loop (a copy of
+    every parameter in temp memory). Written inline, XLA did both, on CPU and on GPU.
+
+    On CPU the slot is the one branch of the engine's dispatch, taken where ``i >= 0`` (always,
+    for the loop's index ``i``): a computation of its own, which starts once all its operands
+    exist. XLA:CPU removes optimization barriers before it hoists loop invariants, so a barrier
+    keeps the recomputation but not the parameters in place (temp 95.5 -> 322.7 KiB on
+    ``benchmarks/gpu.py --quick``'s 1F1B ``"always"``). On other backends the slot reads its
+    operands through an optimization barrier: on an H200 a branch per slot cost 2.8x (``"always"``)
+    to 5.2x (``"never"``) the temp bytes and 13-14 % of the step (see BUILD_NOTES, fourteenth
+    session); :func:`_as_branch` chooses."""
+    if not _as_branch():
+        return fn(*lax.optimization_barrier(args))
 
     def idle(*args):  # never taken: zeros of the branch's type
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
 
     return engine.dispatch(i >= 0, 0, [fn], idle, *args)
+
+
+def _as_branch() -> bool:
+    """Whether :func:`_computation` runs a slot as a branch (XLA:CPU) or behind a barrier."""
+    return jax.default_backend() == "cpu"
 
 
 def _zeros_like(tree):
