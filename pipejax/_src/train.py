@@ -994,10 +994,7 @@ def _computation(i, fn, *args):
     session); :func:`_as_branch` chooses."""
     if not _as_branch():
         return fn(*lax.optimization_barrier(args))
-
-    def idle(*args):  # never taken: zeros of the branch's type
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args))
-
+    idle = lambda *args: _zeros_like(jax.eval_shape(fn, *args))  # never taken: the branch's type
     return engine.dispatch(i >= 0, 0, [fn], idle, *args)
 
 
