@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pipejax._src import checks
 from pipejax._src.layout import Layout
@@ -162,14 +163,16 @@ def remat_for(checkpoint: Any) -> Remat:
 
 
 def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
-    """Phases for :func:`pipejax._src.schedule.sequential` (``mesh=None``): no tick is a bubble,
-    so none is guarded; ``"except_last"`` keeps the activations of the last micro-batch (as
-    torchgpipe does) in a second scan."""
+    """Phases for :func:`pipejax._src.schedule.sequential` and
+    :func:`~pipejax._src.schedule.one_device` (``mesh=None``): no tick is a bubble, so none is
+    guarded; ``"except_last"`` keeps the activations of the last micro-batch (as torchgpipe
+    does) in a second scan, from its first tick on."""
     m = schedule.num_ticks
     if checkpoint == "except_last":
+        cut = int(np.argmax(schedule.table[:, 0] == schedule.num_micro - 1))
         cuts = [
-            Phase(0, m - 1, remat_for("always"), guard=False),
-            Phase(m - 1, m, remat_for("never"), guard=False),
+            Phase(0, cut, remat_for("always"), guard=False),
+            Phase(cut, m, remat_for("never"), guard=False),
         ]
         return [p for p in cuts if p.stop > p.start]
     return [Phase(0, m, remat_for(checkpoint), guard=False)]

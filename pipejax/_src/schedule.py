@@ -170,6 +170,26 @@ def sequential(num_stages: int, num_micro: int) -> Schedule:
     return Schedule(table=np.array(table), num_micro=num_micro, fill_ticks=0)
 
 
+def one_device(num_stages: int, num_micro: int) -> Schedule:
+    """Every stage in turn on one device: stage ``t mod S`` of micro-batch ``t // S`` at tick
+    ``t`` (``mesh=None`` with stages stacked on a stage axis: one stage function, whose row of
+    parameters the tick picks). No bubble; ``m S`` ticks.
+
+    >>> s = one_device(2, 2)
+    >>> s.table.T.tolist(), s.stages().T.tolist(), s.num_stages
+    ([[0, 0, 1, 1]], [[0, 1, 0, 1]], 2)
+    """
+    num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
+    micro, stage = np.divmod(np.arange(num_micro * num_stages, dtype=np.int32), num_stages)
+    return Schedule(
+        table=micro[:, None],
+        num_micro=num_micro,
+        fill_ticks=(num_micro - 1) * num_stages,
+        stage_table=stage[:, None].astype(np.int32),
+        repeats=num_stages,
+    )
+
+
 def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
     """GPipe's ideal bubble fraction, ``(n - 1) / (m + n - 1)``."""
     num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
