@@ -486,6 +486,8 @@ def _round(s, D: int, v: int):
     XLA) kept its result in a buffer of its own through the backward loop."""
     if isinstance(s, int):
         return s // D
+    if D == 1:  # one device holds every stage (``schedule.one_device``)
+        return s
     return sum(((s >= r * D).astype(s.dtype) for r in range(2, v)), (s >= D).astype(s.dtype))
 
 
@@ -1137,7 +1139,8 @@ def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):
     """Runs ``schedule`` on ``devices`` with ``stages``: ``(outputs (m, ...), stats per stage)``.
 
     Without a mesh the same work runs on one device, every stage in turn on each micro-batch
-    (:func:`pipejax._src.schedule.sequential`): no bubble, no guard, no switch.
+    (:func:`pipejax._src.schedule.sequential`, or for stacked stages
+    :func:`~pipejax._src.schedule.one_device`): no bubble, no guard, no switch.
     """
     S = len(cfg.stages)
     if isinstance(devices, LocalDevices):
