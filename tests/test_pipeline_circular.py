@@ -228,7 +228,11 @@ def test_bubble_counted_in_the_stage(n, m):
         return x * p["w"]
 
     apply = pj.pipeline(
-        [stage] * (v * n), chunks=m, schedule="circular", repeats=v, checkpoint="always",
+        [stage] * (v * n),
+        chunks=m,
+        schedule="circular",
+        repeats=v,
+        checkpoint="always",
         mesh=models.make_mesh("explicit", n),
     )
     params = apply.place([{"idx": jnp.asarray(s), "w": jnp.asarray(1.0)} for s in range(v * n)])
@@ -295,7 +299,12 @@ def test_never_keeps_no_parameter_copy_per_tick():
         return x
 
     apply = pj.pipeline(
-        stage, num_stages=4, chunks=4, schedule="circular", repeats=2, checkpoint="never",
+        stage,
+        num_stages=4,
+        chunks=4,
+        schedule="circular",
+        repeats=2,
+        checkpoint="never",
         mesh=models.make_mesh("explicit", 2),
     )
     w = apply.place({"w": jnp.full((4, 2, width, width), 0.01)})
