@@ -287,9 +287,6 @@ class Heterogeneous:
         """The last stage's output, read from the message of the last device ``d``."""
         return self.box.unpack(message, self.boundaries[self.S]) if self.packed(d) else message
 
-    def stage_input(self, d, inbox, xs, ic, s):  # only the stage function knows; see `compute`
-        return inbox
-
     def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
         """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
 
