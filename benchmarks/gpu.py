@@ -6,7 +6,9 @@ Run from the repository root on a machine with a GPU (or TPU)::
     python benchmarks/gpu.py --quick    # a smoke run (any backend, CPU included)
 
 On one device the pipeline runs with ``mesh=None``: the same schedule table on one device,
-every stage in turn on each micro-batch (no bubble). What this shows is the cost of the
+every stage in turn on each micro-batch (no bubble). Two more rows run GPipe's step on the
+same stages given as a list (heterogeneous: a Python loop of direct calls) and the circular
+schedule on a one-device mesh, the other forms of the same work. What this shows is the cost of the
 pipeline's machinery on real hardware (micro-batching, the tick loop, the checkpoint modes and
 the training schedules' own backward) against ``jax.value_and_grad`` of the stages composed on
 the whole batch: step time (median of interleaved rounds), compile time (trace + lower +
@@ -85,7 +87,8 @@ def main() -> None:
         f"{S} homogeneous stages of {L} pre-RMSNorm MLP blocks ({width} -> {hidden} -> {width}, "
         f"float32), batch {m * micro} in m = {m} micro-batches of {micro}; `mesh=None`.\n"
     )
-    variants = {"composed (jax.value_and_grad)": composed}
+    args = (params, x, t)
+    variants = {"composed (jax.value_and_grad)": (composed, args)}
     for name, ckpt in [
         ("gpipe", "never"),
         ("gpipe", "except_last"),
@@ -95,20 +98,30 @@ def main() -> None:
         ("zb-h1", "always"),
     ]:
         pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule=name, checkpoint=ckpt)
-        variants[f"{name} {ckpt}"] = pipe.value_and_grad(sq)
+        variants[f"{name} {ckpt}"] = (pipe.value_and_grad(sq), args)
+    # the same stages given as a list (one function per stage: a Python loop of direct calls), and
+    # the same work on a one-device mesh (the circular table, S stages on one device)
+    as_list = [jax.tree.map(lambda a, s=s: a[s], params) for s in range(S)]
+    pipe = pj.pipeline([stage] * S, chunks=m, checkpoint="always")
+    variants["gpipe always, stages as a list"] = (pipe.value_and_grad(sq), (as_list, x, t))
+    mesh = jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1])
+    pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule="circular", repeats=S, mesh=mesh)
+    variants["circular always, one-device mesh"] = (pipe.value_and_grad(sq), args)
     compiled, rows = {}, []
     ref_loss = None
-    for label, fn in variants.items():
-        secs, c = compile_seconds(fn, params, x, t)
-        compiled[label] = c
-        loss, _ = c(params, x, t)
+    for label, (fn, fn_args) in variants.items():
+        secs, c = compile_seconds(fn, *fn_args)
+        compiled[label] = (c, fn_args)
+        loss, _ = c(*fn_args)
         loss = float(loss)
         ref_loss = loss if ref_loss is None else ref_loss
         mem = c.memory_analysis()
         rows.append(
             [label, f"{secs:.2f}", kib(mem.temp_size_in_bytes), f"{abs(loss - ref_loss) / abs(ref_loss):.1e}"]
         )
-    times = interleaved_times(compiled, (params, x, t), rounds=rounds)
+    # every program takes the arrays of `args` (the list form: views of the same parameters)
+    calls = {label: (lambda *_, c=c, a=a: c(*a)) for label, (c, a) in compiled.items()}
+    times = interleaved_times(calls, (), rounds=rounds)
     ref = times["composed (jax.value_and_grad)"]
     for row in rows:
         tt = times[row[0]]
