@@ -105,7 +105,9 @@ def main() -> None:
     pipe = pj.pipeline([stage] * S, chunks=m, checkpoint="always")
     variants["gpipe always, stages as a list"] = (pipe.value_and_grad(sq), (as_list, x, t))
     mesh = jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1])
-    pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule="circular", repeats=S, mesh=mesh)
+    pipe = pj.pipeline(
+        stage, num_stages=S, chunks=m, schedule="circular", repeats=S, mesh=mesh, checkpoint="always"
+    )
     variants["circular always, one-device mesh"] = (pipe.value_and_grad(sq), args)
     compiled, rows = {}, []
     ref_loss = None

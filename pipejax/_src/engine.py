@@ -483,8 +483,6 @@ def _round(s, D: int, v: int):
     XLA) kept its result in a buffer of its own through the backward loop."""
     if isinstance(s, int):
         return s // D
-    if D == 1:  # one device holds every stage (``schedule.one_device``)
-        return s
     return sum(((s >= r * D).astype(s.dtype) for r in range(2, v)), (s >= D).astype(s.dtype))
 
 
