@@ -167,15 +167,15 @@ def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     :func:`~pipejax._src.schedule.one_device` (``mesh=None``): no tick is a bubble, so none is
     guarded; ``"except_last"`` keeps the activations of the last micro-batch (as torchgpipe
     does) in a second scan, from its first tick on."""
-    m = schedule.num_ticks
+    T = schedule.num_ticks
     if checkpoint == "except_last":
         cut = int(np.argmax(schedule.table[:, 0] == schedule.num_micro - 1))
         cuts = [
             Phase(0, cut, remat_for("always"), guard=False),
-            Phase(cut, m, remat_for("never"), guard=False),
+            Phase(cut, T, remat_for("never"), guard=False),
         ]
         return [p for p in cuts if p.stop > p.start]
-    return [Phase(0, m, remat_for(checkpoint), guard=False)]
+    return [Phase(0, T, remat_for(checkpoint), guard=False)]
 
 
 # --- checkpoint_sequential ------------------------------------------------------------------------

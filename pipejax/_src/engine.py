@@ -702,6 +702,10 @@ class LocalDevices:
     def __init__(self, cfg: Config, stacked: bool):
         self.cfg, self.stacked = cfg, stacked
 
+    def table(self, num_stages: int, num_micro: int) -> Schedule:
+        """The table these devices run (see the class)."""
+        return (sched.one_device if self.stacked else sched.sequential)(num_stages, num_micro)
+
     def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         cfg, S, m = self.cfg, ctx.S, ctx.m
         ident = lambda t: t
@@ -1139,8 +1143,7 @@ def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):
     """
     S = len(cfg.stages)
     if isinstance(devices, LocalDevices):
-        local = sched.one_device if devices.stacked else sched.sequential
-        schedule = local(S, schedule.num_micro)
+        schedule = devices.table(S, schedule.num_micro)
         phases = ckpt.sequential_phases(cfg.checkpoint, schedule)
     else:
         phases = ckpt.phases(cfg.checkpoint, schedule)

@@ -185,7 +185,7 @@ def one_device(num_stages: int, num_micro: int) -> Schedule:
         table=micro[:, None],
         num_micro=num_micro,
         fill_ticks=(num_micro - 1) * num_stages,
-        stage_table=stage[:, None].astype(np.int32),
+        stage_table=stage[:, None],
         repeats=num_stages,
     )
 
