@@ -24,7 +24,13 @@ was not written for, so no ``nan`` reaches a gradient: heterogeneous stages skip
 switch branch), and a homogeneous stage computes on a micro-batch of ``x`` (its function is
 stage 0's) and the result goes nowhere but to other bubbles (see :class:`Homogeneous`).
 
-Each checkpoint mode is one wrapper around the device's stage computation, and every mode but
+A training table (1F1B, ZB-H1, interleaved 1F1B: :class:`~pipejax._src.schedule.TrainingSchedule`)
+runs in the same loop on a mesh (:meth:`MeshDevices.loop`): its F slot is the tick's stage
+computation (the training program's, :class:`Slots`), and its B and W slots run after it in the
+same tick, their cotangents sent one device back. Such a program owns its backward pass, so it
+is not differentiated; it is one scan with no remat wrapper.
+
+Each checkpoint mode of a forward table is one wrapper around the device's stage computation, and every mode but
 ``"except_last"`` is a single scan over all ticks (see :func:`pipejax._src.checkpoint.phases`),
 so every stage function appears once in the forward program. There is no ``custom_vjp``:
 forward- and reverse-mode autodiff of every order compose with the loop. Collectives
@@ -35,7 +41,7 @@ collective that only some devices reach deadlocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -166,36 +172,39 @@ def stage_keys(cfg: Config, key, i, s, micro_size):
     return keys.key_for(key, i, s)
 
 
-def rows(schedule: Schedule):
+def rows(schedule):
     """The scan's per-tick input: one table ``int32[T, 2 D + 1]``, each row the tick's micro-batch
-    and stage of every device and the tick itself (split by :func:`split_row`).
+    and stage of every device and the tick itself (split by :func:`split_row`); a training table
+    (:class:`~pipejax._src.schedule.TrainingSchedule`) has its F slots there and, after them,
+    the micro-batches of its B and W slots and the stages of its B slots (:func:`back_row`):
+    ``int32[T, 5 D + 1]``.
 
     One table, not a ``tick = arange(T)`` beside the others: XLA turns such a constant into an
     ``iota`` computed into a buffer of its own, kept through both loops; the table stays a
     constant of the program. A row is split where it is read, inside the checkpoints (the
     stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
     backward pass."""
-    micro, stage = schedule.table, schedule.stages()
     tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
-    return table(micro, stage, tick)
+    if isinstance(schedule, sched.TrainingSchedule):
+        fs, bs = schedule.stages()
+        w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
+        return table(schedule.forward, fs, tick, schedule.backward, w, bs)
+    return table(schedule.table, schedule.stages(), tick)
 
 
 def table(*columns) -> jax.Array:
-    """A schedule's integer columns ``[T, w]`` side by side: one ``int32[T, sum w]`` constant,
-    the per-tick input of a scan (the forward's :func:`rows`, the training program's)."""
+    """A schedule's integer columns ``[T, w]`` side by side: one ``int32[T, sum w]`` constant."""
     return jnp.asarray(np.concatenate(columns, axis=1).astype(np.int32))
 
 
-def split_row(row):
-    """A row of :func:`rows` as ``(micro[D], stage[D], tick)``."""
-    D = (row.shape[0] - 1) // 2
+def split_row(row, D: int):
+    """A row of :func:`rows` as ``(micro[D], stage[D], tick)`` (a training table: of F slots)."""
     return row[:D], row[D : 2 * D], row[2 * D]
 
 
-def columns(row, n: int):
-    """A row of a :func:`table` of ``n`` equally wide columns, as ``n`` vectors."""
-    w = row.shape[0] // n
-    return tuple(row[k * w : (k + 1) * w] for k in range(n))
+def back_row(row, D: int):
+    """A training table's row of :func:`rows` as ``(B micro[D], W micro[D], B stage[D])``."""
+    return row[2 * D + 1 : 3 * D + 1], row[3 * D + 1 : 4 * D + 1], row[4 * D + 1 : 5 * D + 1]
 
 
 def loop_delay(schedule: Schedule) -> int:
@@ -499,6 +508,7 @@ class Carry(NamedTuple):
     stats: Any  # this device's stats, (v, m, ...)
     loop: Any  # circular schedule: activations waiting for their next round (device 0), a
     # delay line of `loop_delay + 1` slots; () when they start it the tick they arrive
+    back: Any = None  # a training table: the state of its B and W slots (`Slots`); None: none
 
 
 def device_tick(
@@ -523,11 +533,11 @@ def device_tick(
     S, D, v, m = ctx.S, ctx.D, ctx.v, ctx.m
 
     def take_input(row, inbox, loop, fresh, safe):
-        i, s = at(row, d, static_stage)
+        i, s = at(row, d, D, static_stage)
         if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
             # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
             # with m <= n on what arrives now, the inbox itself (no buffer)
-            tick, size = split_row(row)[2], jax.tree.leaves(loop)[0].shape[0]
+            tick, size = split_row(row, D)[2], jax.tree.leaves(loop)[0].shape[0]
             loop = jax.tree.map(
                 lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox
             )
@@ -542,12 +552,12 @@ def device_tick(
         return inbox, loop
 
     def put_output(row, acc, y):
-        i, s = at(row, d, static_stage)
+        i, s = at(row, d, D, static_stage)
         return write(acc, y, 0, clip(i, m), (i >= 0) & (s == S - 1))
 
     def put_stats(row, stats, new):
-        i, s = at(row, d, static_stage)
-        return write(stats, new, _round(s, D, v), clip(i, m), i >= 0)
+        i, s = at(row, d, D, static_stage)
+        return write(stats, new, s if ctx.stage_major else _round(s, D, v), clip(i, m), i >= 0)
 
     inbox, loop = recomputed(take_input)(row, carry.inbox, carry.loop, fresh, safe)
     out = step(d, params, state, inbox, carry.prev, row, static_stage, fresh)
@@ -555,19 +565,23 @@ def device_tick(
     if acc is not None and _may_be(d, D - 1):
         acc = recomputed(put_output)(row, acc, ctx.stages.output(d, out[0]))
     stats = recomputed(put_stats)(row, carry.stats, out[1])
-    return Carry(None, out, acc, stats, loop), out
+    # the last output is kept only where a bubble returns it (a carry without `prev`: none)
+    prev = None if carry.prev is None else out
+    return Carry(None, prev, acc, stats, loop, carry.back), out
 
 
-def at(row, d, static_stage=None):
-    """Device ``d``'s micro-batch and stage in the tick's row of the table (``static_stage``:
-    the stage, when the phase runs one stage only)."""
-    micro, stage, _ = split_row(row)
-    pick = lambda a: (
-        a[d]
-        if isinstance(d, int)
-        else lax.dynamic_index_in_dim(a, d, keepdims=False, allow_negative_indices=False)
-    )
-    return pick(micro), (pick(stage) if static_stage is None else static_stage)
+def at(row, d, D: int, static_stage=None):
+    """Device ``d``'s micro-batch and stage in the tick's row of the table (of ``D`` devices;
+    ``static_stage``: the stage, when the phase runs one stage only)."""
+    micro, stage, _ = split_row(row, D)
+    return at_device(micro, d), (at_device(stage, d) if static_stage is None else static_stage)
+
+
+def at_device(column, d):
+    """Device ``d``'s entry of a column of the tick's row."""
+    if isinstance(d, int):
+        return column[d]
+    return lax.dynamic_index_in_dim(column, d, keepdims=False, allow_negative_indices=False)
 
 
 def recomputed(fn):
@@ -585,12 +599,33 @@ def _may_be(d, target) -> bool:
     return not isinstance(d, int) or d == target
 
 
+class Slots(Protocol):
+    """What a training table's program gives :meth:`MeshDevices.loop` (see :mod:`pipejax._src.train`)."""
+
+    def step(self, d, params, state, inbox, prev, row, static_stage=None, fresh=None):
+        """The F slot, as :func:`make_step`'s step: ``(message, stats, ...)``."""
+
+    def init(self):
+        """The B and W slots' state at the first tick (:attr:`Carry.back`)."""
+
+    def back(self, state, out, row):
+        """The B and W slots after F (``out``: the F slot's): ``(state, cotangent to send back)``."""
+
+    def arrive(self, state, received):
+        """``state`` with the cotangent the next device sent."""
+
+
 class _Ctx(NamedTuple):
     S: int
     D: int
     v: int
     m: int
     stages: Any
+    # a device's stats buffer: (v, m, ...), row `s // D` for each of its stages, gathered after
+    # the loop (the forward); or stage-major (S, m, ...), summed exactly after it (the training
+    # tables: a device's (v, m) rows gathered cost a buffer more, 233.0 -> 241.2 KiB per device
+    # for a stateful homogeneous 1F1B step of 8 micro-batches, probe/stateful_mem.py)
+    stage_major: bool = False
 
 
 def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro):
@@ -611,7 +646,7 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         # backward pass reads that row again rather than a copy of them kept per tick (a static
         # stage stays static)
         def g(params, state, xs, mask, key, inbox, prev, fresh, row):
-            return f(d, params, state, xs, mask, key, inbox, prev, fresh, *at(row, d, static_stage))
+            return f(d, params, state, xs, mask, key, inbox, prev, fresh, *at(row, d, ctx.D, static_stage))
 
         return phase.remat(g)(params, state, xs, mask, key, inbox, prev, fresh, row)
 
@@ -828,9 +863,12 @@ class MeshDevices:
                 # stage axis): replicated, as the stages composed would give it
                 acc = compat.replicate(acc)
             acc = jax.tree.map(lambda a: a[: ctx.m], acc)
-        return acc, ctx.stages.stats_rows(
-            stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
-        )
+        return acc, self.stage_stats(ctx, stats)
+
+    @staticmethod
+    def stage_stats(ctx, stats):
+        """The devices' gathered stats ``(D, v, m, ...)`` (:func:`_gather_stages`) per stage."""
+        return ctx.stages.stats_rows(stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D))
 
     def place_params(self, params, stage_spec):
         """``(params, in_specs, manual axes)``: stage parameters constrained for the ``shard_map``.
@@ -913,6 +951,27 @@ class MeshDevices:
         return self.cfg.data_axis_name is None and ctx.D > 1 and explicit
 
     def _body(self, ctx, schedule, phases, d, inputs, finished):
+        """The forward schedules' device: the loop, then its outputs and stats."""
+        carry, drain = self.loop(ctx, schedule, phases, d, inputs, finished)
+        stats = _gather_stages(carry.stats, d, ctx.D, self.cfg.axis_name)
+        if drain is not None:
+            slots = jax.tree.leaves(drain)[0].shape[0]
+            for i in range(ctx.m, slots * ctx.D):  # padding entries, so every output reaches its device
+                pad = self.pushes(np.array([i]), slots, ctx.D)
+                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), pad, None, d)
+            return drain, stats
+        # Only the last device wrote its accumulator; the others hold zeros, and adding exact
+        # zeros is exact, so the sum is bitwise the last device's outputs.
+        return sum_exact(_unlead(carry.acc), self.cfg.axis_name), stats
+
+    def loop(self, ctx, schedule, phases, d, inputs, finished=None, slots=None):
+        """The one tick loop of device ``d``: every schedule's table, run by :func:`device_tick`.
+
+        ``slots`` (:class:`Slots`): a training table's F slot (the tick's stage computation) and
+        its B and W slots, which run after F and send cotangents one device back; ``None``: a
+        forward table, whose stage computation is :func:`make_step`'s. Returns the final
+        :class:`Carry` and the drain queue (``None`` unless ``finished``, see :meth:`finished`).
+        """
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
         stages = ctx.stages
 
@@ -925,11 +984,14 @@ class MeshDevices:
             return lax.axis_index(cfg.data_axis_name) * m + i
 
         def tick(phase, inputs):
-            step = make_step(cfg, ctx, inputs, phase, vary, global_micro)
+            step = make_step(cfg, ctx, inputs, phase, vary, global_micro) if slots is None else slots.step
 
             def body(c, row):
                 c, queue, drain = c
-                j = split_row(row)[2] % k
+                if slots is None:  # stage 0 starts micro-batch t at tick t (see `streams`)
+                    j = split_row(row, D)[2] % k
+                else:  # the micro-batch of the device's F slot
+                    j = clip(at(row, d, D)[0], m)
                 fresh = stages.pack(read(cfg, queue, j))
                 carry, out = device_tick(
                     ctx,
@@ -950,11 +1012,15 @@ class MeshDevices:
                     )
                 if drain is not None:  # the last stage's output joins the drain queue
                     drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
+                if slots is not None:  # B and W; their input cotangents go one device back
+                    back, sent = slots.back(carry.back, out, row)
+                    back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
+                    carry = carry._replace(back=back)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
 
-        streams = self.streams(ctx)
+        streams = slots is None and self.streams(ctx)
         # a bubble's input (homogeneous stages): the tick's micro-batch of x, which every device
         # reads when every device holds x; when x is streamed a later device's queue slot may
         # hold zeros, so a bubble there reads micro-batch 0 (loop-invariant: no per-tick residual)
@@ -967,26 +1033,19 @@ class MeshDevices:
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
-        delay = loop_delay(schedule) if ctx.v > 1 else 0
+        delay = loop_delay(schedule) if ctx.v > 1 and slots is None else 0
         loop = stages.message_zeros(0, (delay + 1,))[0] if delay else ()
         drain, acc = None, _lead(stages.acc_zeros(m))
         if finished is not None:  # ceil(m / D) output slots per device instead of m
             drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
             pushes = self.pushes(finished, -(-m // D), D)
-        init = Carry(message, (message, stat), acc, stages.message_zeros(0, (ctx.v, m))[1], loop)
-        carry, queue, drain = _scan(
-            schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs
-        )
-        stats = _gather_stages(carry.stats, d, D, axis)
-        if drain is not None:
-            slots = jax.tree.leaves(drain)[0].shape[0]
-            for i in range(m, slots * D):  # padding entries, so every output reaches its device
-                pad = self.pushes(np.array([i]), slots, D)
-                drain = self._drain(drain, jax.tree.map(lambda a: a[0], drain), pad, None, d)
-            return drain, stats
-        # Only the last device wrote its accumulator; the others hold zeros, and adding exact
-        # zeros is exact, so the sum is bitwise the last device's outputs.
-        return sum_exact(_unlead(carry.acc), axis), stats
+        prev, back = (message, stat), None
+        if slots is not None:  # no outputs, no bubble that returns the last one
+            acc, prev, back = None, None, slots.init()
+        stats = stages.message_zeros(0, (ctx.S if ctx.stage_major else ctx.v, m))[1]
+        init = Carry(message, prev, acc, stats, loop, back)
+        carry, _, drain = _scan(schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs)
+        return carry, drain
 
     def finished(self, ctx, schedule):
         """``int[T]``: the micro-batch the last stage finishes at each tick (-1: none), when the
@@ -1029,7 +1088,7 @@ class MeshDevices:
         D = pushes[0].shape[1]
 
         def where_to(row):
-            t = 0 if row is None else split_row(row)[2]
+            t = 0 if row is None else split_row(row, D)[2]
             code = lax.dynamic_index_in_dim(
                 jnp.asarray(pushes[0])[t], d, keepdims=False, allow_negative_indices=False
             )

@@ -3,7 +3,9 @@
 GPipe and circular pipelines are forward scans, and ``jax.value_and_grad`` of them is their
 training step. The 1F1B and ZB-H1 schedules (:func:`pipejax._src.schedule.training`) interleave
 forward and backward work of different micro-batches, which no transformation of a forward
-program produces, so the program here runs their table itself, in one ``lax.scan`` over its ticks:
+program produces. On a mesh their table runs in the engine's one tick loop
+(:meth:`engine.MeshDevices.loop`, the loop of the forward schedules), with the slots this
+program gives it (:class:`engine.Slots`):
 
 * **F** (micro-batch ``i``): the device runs its stage on its input -- micro-batch ``i`` of ``x``
   on stage 0, the activation the previous device sent otherwise -- and stashes that input (or
@@ -17,13 +19,14 @@ program produces, so the program here runs their table itself, in one ``lax.scan
   cotangent only and stashes the output cotangent for W. Stage 0 computes no input cotangent.
 * **W** ("zb-h1"): the parameter cotangent, from the stash and the stashed output cotangent.
 
-After the slots, activations go one device forward and cotangents one device back
-(``ppermute``). Idle slots compute nothing (a ``lax.switch`` branch that returns zeros). One
-function runs a device's slots of a tick (:meth:`_Program.slots`); every slot picks its branch
+The engine's tick runs F as the stage computation of every table: its input selection (the
+micro-batch of ``x`` for stage 0), its stats buffer and its forward send; B and W follow in the
+same tick (:meth:`_Program.back`), and their cotangents go one device back (``ppermute``). Idle
+slots compute nothing (a ``lax.switch`` branch that returns zeros). Every slot picks its branch
 with the engine's one stage dispatch (:func:`engine.dispatch`), and messages, stashes and stats
 travel in the engine's stage objects' containers (:class:`_IO`). The loop runs in the engine's
-one ``shard_map`` (:meth:`engine.MeshDevices.spmd`, as the forward's does), which checks varying
-types: every input is cast to vary along the manual axes before the loop.
+one ``shard_map`` (:meth:`engine.MeshDevices.spmd`), which checks varying types: every input is
+cast to vary along the manual axes before the loop.
 
 Without a mesh there is one device and no bubble to fill, so there is no table to run: every
 training schedule is gradient accumulation over the micro-batches (:meth:`_Program.local`), with
@@ -579,42 +582,67 @@ class _Program:
 
     # -- one tick of one device: its F, B (and W) slots --------------------------------------
 
-    def slots(self, io: _IO, d, rows_p, dev: _Dev, f, b, w, fs, bs):
-        """One tick of device ``d``: ``(its new state, what it sends forward, what it sends back)``.
+    # A device of the mesh runs these as the slots of the engine's one tick loop
+    # (:meth:`engine.MeshDevices.loop`, :class:`engine.Slots`): ``step`` is its F slot, ``back``
+    # its B (and W) slots after it; ``self.io`` holds the containers and the dispatch
+    # (:func:`_mesh_io`), ``self.d`` the device (traced) and a slot picks its stage's branch with
+    # ``lax.switch``. An idle slot computes nothing.
 
-        ``f``, ``b``, ``w`` are the micro-batches of its F, B and W slots (-1: idle), ``fs`` and
-        ``bs`` the stages of its F and B slots (W's is the device's own: ZB-H1 runs one stage per
-        device). ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row
-        ``s // io.n``). ``io`` holds the containers and the dispatch (:func:`_mesh_io`): ``d``
-        and the stages are traced and a slot picks its stage's branch with ``lax.switch``. An
-        idle slot computes nothing, and every parameter cotangent is
-        added inside its branch to the stage's row of the accumulator (B; ZB-H1's W: to the
-        accumulator), which an idle branch returns as it is, so no cotangent leaves a branch.
-        """
-        K, n, zb, m = self.K, io.n, self.zb, self.m
+    def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
+        """F: the device's stage on ``x_in`` (the engine's tick delivers micro-batch ``f`` of x
+        to stage 0, the previous device's activation to the others); returns ``(message, stats,
+        loss part, saved, count)``: what it sends on, its stats (the engine writes them), its
+        ``(loss, weight)`` sums, what B and W read back (:meth:`save`) and 1 (0 when idle).
+        ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row ``s // n``)."""
+        io = self.io
+        f, fs = engine.at(row, d, io.n)
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
-        loss0 = jnp.zeros_like(dev.loss)
-        # F: stage 0 reads micro-batch f of x, the other stages what the previous device sent
-        fresh = io.pack(engine.read(self.cfg, self.xs, engine.clip(f, m)))
-        x_in = jax.tree.map(lambda a, b: jnp.where(fs == 0, a, b), fresh, dev.fin)
 
         def f_branch(v):
             def run(rows_p, x_in, f):
-                prow, x = io.row(rows_p, fs // n), io.unpack(x_in, v.x_layout)
+                prow, x = io.row(rows_p, fs // io.n), io.unpack(x_in, v.x_layout)
                 y, dloss, saved, st = self.save(v, prow, x, *self._inputs(f, fs))
                 y = io.msg_zeros() if y is None else io.pack(y)
-                dloss = loss0 if dloss is None else dloss.astype(loss0.dtype)
-                return y, dloss, io.s_pack(saved), io.st_pack(st), one
+                dloss = self.loss0 if dloss is None else dloss.astype(self.loss0.dtype)
+                return y, io.st_pack(st), dloss, io.s_pack(saved), one
 
             return run
 
         def f_idle(rows_p, x_in, f):
-            return io.msg_zeros(), loss0, io.s_zeros(), io.st_zeros(), zero
+            return io.msg_zeros(), io.st_zeros(), self.loss0, io.s_zeros(), zero
 
-        y, dloss, saved, st, c0 = io.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
-        stash = engine.put(dev.stash, saved, (fs // n) * K + f % K, f >= 0)  # K slots per stage held
-        stats = engine.write(dev.stats, st, fs, engine.clip(f, m), f >= 0)
-        # B: the stage's pullback, from what F kept, of the cotangent the next device sent
+        return io.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
+
+    def init(self):
+        """The B and W slots' state at the first tick (:class:`_Back`)."""
+        io, K = self.io, self.K
+        return _Back(
+            io.msg_zeros(),
+            io.s_zeros((self.pipe.repeats * K,)),
+            io.msg_zeros(lead=(io.n,)) if self.zb else None,
+            _zeros_like(self.prows),
+            self.loss0,
+            jnp.zeros((3,), jnp.int32),
+        )
+
+    def arrive(self, dev, received):
+        return dev._replace(bin=received)
+
+    def back(self, dev: _Back, out, row):
+        """B (and W) after F: ``(the new state, the input cotangent sent back)``.
+
+        F's ``saved`` goes to the stash (``K`` slots per stage held), its loss part to the sums.
+        B pulls the stage back, from what F kept, with the cotangent the next device sent; W
+        ("zb-h1") the parameter cotangent, from the stash and B's stashed output cotangent.
+        Every parameter cotangent is added inside its branch to the stage's row of the
+        accumulator (B; ZB-H1's W: to the accumulator), which an idle branch returns as it is,
+        so no cotangent leaves a branch."""
+        io, K, n, zb, d, rows_p = self.io, self.K, self.io.n, self.zb, self.d, self.prows
+        one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
+        f, fs = engine.at(row, d, n)
+        b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
+        _, _, dloss, saved, c0 = out
+        stash = engine.put(dev.stash, saved, (fs // n) * K + f % K, f >= 0)
         xb = engine.take(stash, (bs // n) * K + b % K)
 
         def b_branch(v):
@@ -668,10 +696,8 @@ class _Program:
             w_idle = lambda rows_p, xw, gw, w, grad: (grad, zero)
             grad, c2 = io.dispatch(w >= 0, d, w_branch, w_idle, rows_p, xw, gw, w, grad)
         counts = dev.counts + jnp.stack([c0, c1, c2])
-        new = dev._replace(
-            stash=stash, gstash=gstash, grad=grad, loss=dev.loss + dloss, counts=counts, stats=stats
-        )
-        return new, y, dx
+        new = dev._replace(stash=stash, gstash=gstash, grad=grad, loss=dev.loss + dloss, counts=counts)
+        return new, dx
 
     def _loss_zero(self, v):
         out = jax.eval_shape(
@@ -681,14 +707,6 @@ class _Program:
             _micro(self.mask),
         )
         return jnp.zeros((2,), out[0].dtype)  # (loss, weight)
-
-    def _rows(self):
-        """The scan's per-tick input: one table ``int32[T, 5 D]``, each row the F, B and W
-        micro-batches and the F and B stages of every device (split by ``engine.columns(row,
-        5)``). One constant, not a tuple of five, as the forward's :func:`engine.rows`."""
-        t = self.table
-        w = t.weight if t.weight is not None else np.full_like(t.forward, -1)
-        return engine.table(t.forward, t.backward, w, *t.stages())
 
     # -- without a mesh: one device, the micro-batches one after the other -------------------
 
@@ -757,7 +775,9 @@ class _Program:
     # -- on a mesh: one SPMD program, a device per stage ------------------------------------
 
     def mesh(self, runner):
-        pipe, S, K, zb = self.pipe, self.S, self.K, self.zb
+        """On a mesh: the table runs in the engine's one tick loop (:meth:`engine.MeshDevices.loop`),
+        with this program's F, B and W slots (:meth:`step`, :meth:`back`)."""
+        pipe, S = self.pipe, self.S
         n, v_rep = pipe.num_devices, pipe.repeats  # device d holds stages d, d + n, ...
         axis, mesh = pipe.axis_name, pipe.mesh
         bnd = self.boundaries
@@ -785,7 +805,6 @@ class _Program:
         lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
         row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
         loss0 = self._loss_zero(variants[-1])
-        rows = self._rows()
         data = pipe.data_axis_name
         axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
         io = _mesh_io(self, stages, variants, index, row, n, axes)
@@ -797,6 +816,8 @@ class _Program:
         devices = engine.MeshDevices(
             self.cfg._replace(data_axis_name=data), mesh, v_rep, pipe.data_size, self.param_specs
         )
+        ctx = engine._Ctx(S, n, v_rep, self.m, stages, stage_major=True)
+        whole = [ckpt.Phase(0, self.table.num_ticks, None, guard=False)]  # one scan, no remat
 
         def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
             # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
@@ -809,29 +830,12 @@ class _Program:
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
             prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
-
-            def tick(dev, r):
-                f, b, w, fs, bs = (a[d] for a in engine.columns(r, 5))  # the slots' micro-batches, stages
-                dev, y, dx = prog.slots(io, d, prows, dev, f, b, w, fs, bs)
-                fin = engine.shift(y, axis, n, ring=v_rep > 1)
-                bin_ = engine.shift(dx, axis, n, ring=v_rep > 1, back=True)
-                return dev._replace(fin=fin, bin=bin_), None
-
-            init = _Dev(
-                io.msg_zeros(),
-                io.msg_zeros(),
-                io.s_zeros((v_rep * K,)),
-                io.msg_zeros(lead=(n,)) if zb else None,
-                _zeros_like(prows),
-                loss0,
-                jnp.zeros((3,), jnp.int32),
-                io.st_zeros((S, self.m)),
-            )
-            dev, _ = lax.scan(tick, compat.to_varying(init, axes), rows)
-            # each (stage, micro-batch) written by one device: a sum of exact zeros merges them.
-            # (A device's (v, m) rows gathered as the forward's cost one buffer more: 31.2 ->
-            # 35.1 KiB per device for a stateful homogeneous 1F1B step of 16 micro-batches.)
-            stats = engine.sum_exact(dev.stats, axis)
+            prog.io, prog.d, prog.prows, prog.loss0 = io, d, prows, loss0
+            inputs = engine.Inputs(prows, None, xs, None, key)
+            carry, _ = devices.loop(ctx, self.table, whole, d, inputs, slots=prog)
+            dev = carry.back
+            # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
+            stats = engine.sum_exact(carry.stats, axis)
             loss, grad, counts = engine.sum_exact(dev.loss, axis), dev.grad, dev.counts
             if data is None:
                 return loss, grad, counts[None], stats
@@ -856,8 +860,8 @@ class _Program:
         loss, grads, counts, stats = devices.spmd(body, prows_in, spec, operands, out_specs)
         if not pipe.homogeneous:
             grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
-        if stats is not None:  # per stage, as the forward call returns them
-            stats = stages.stage_rows(stats)
+        # per stage, as the forward call returns them
+        stats = stages.stage_rows(stats) if _records(pipe) else None
         return loss, grads, counts, stats
 
     def _homogeneous_variants(self):
@@ -872,17 +876,15 @@ class _Program:
 # --- where a device runs its slots ------------------------------------------------------------
 
 
-class _Dev(NamedTuple):
-    """A device's part of the training loop's state."""
+class _Back(NamedTuple):
+    """A device's state of the B and W slots (:attr:`engine.Carry.back`)."""
 
-    fin: Any  # the activation the previous device sent at the last tick
     bin: Any  # the cotangent the next device sent at the last tick
     stash: Any  # what F kept for B and W: K slots per stage the device holds
     gstash: Any  # ZB-H1: output cotangents B received, for W (None: not ZB, or the last stage)
     grad: Any  # parameter cotangents, one row per stage the device holds
     loss: Any  # f[2]: the (loss, weight) sums of the micro-batches the device's last stage ran
     counts: Any  # int[3]: F, B and W slots run
-    stats: Any  # stateful stages: the stats of the device's F slots (None otherwise)
 
 
 class _IO(NamedTuple):
@@ -916,9 +918,8 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
         s_pack, s_zeros = stages.pack, msg_zeros
         s_unpack = lambda msg, v: stages.unpack(msg, v.x_layout)
     # a device records the stats of its F slots at (stage, micro-batch) of an (S, m) buffer
-    st_pack, st_zeros = (lambda tree: None), (lambda lead=(): None)
-    if _records(prog.pipe):
-        st_pack, st_zeros = stages.stats_message, (lambda lead=(): stages.message_zeros(0, lead)[1])
+    # a stateful stage's stats, as the engine's tick writes them (empty without records)
+    st_pack, st_zeros = stages.stats_message, (lambda lead=(): stages.message_zeros(0, lead)[1])
     variant_of = jnp.asarray(index, jnp.int32)
 
     def dispatch(working, s, make, idle, *args):
