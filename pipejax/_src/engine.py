@@ -30,9 +30,10 @@ computation (the training program's, :class:`Slots`), and its B and W slots run 
 same tick, their cotangents sent one device back. Such a program owns its backward pass, so it
 is not differentiated; it is one scan with no remat wrapper.
 
-Each checkpoint mode of a forward table is one wrapper around the device's stage computation, and every mode but
-``"except_last"`` is a single scan over all ticks (see :func:`pipejax._src.checkpoint.phases`),
-so every stage function appears once in the forward program. There is no ``custom_vjp``:
+Each checkpoint mode of a forward table is one wrapper around the device's stage computation,
+and every mode but ``"except_last"`` is a single scan over all ticks (see
+:func:`pipejax._src.checkpoint.phases`), so every stage function appears once in the forward
+program. There is no ``custom_vjp``:
 forward- and reverse-mode autodiff of every order compose with the loop. Collectives
 (``ppermute``, ``psum``, ``pcast``) are never placed inside a ``cond``/``switch`` branch: a
 collective that only some devices reach deadlocks.
@@ -608,8 +609,9 @@ class Slots(Protocol):
     def init(self):
         """The B and W slots' state at the first tick (:attr:`Carry.back`)."""
 
-    def back(self, state, out, row):
-        """The B and W slots after F (``out``: the F slot's): ``(state, cotangent to send back)``."""
+    def back(self, state, out, row, d):
+        """Device ``d``'s B and W slots after F (``out``: its F slot's): ``(state, the cotangent
+        it sends back)``."""
 
     def arrive(self, state, received):
         """``state`` with the cotangent the next device sent."""
@@ -737,34 +739,49 @@ class LocalDevices:
     def __init__(self, cfg: Config, stacked: bool):
         self.cfg, self.stacked = cfg, stacked
 
-    def table(self, num_stages: int, num_micro: int) -> Schedule:
-        """The table these devices run (see the class)."""
+    def table(self, num_stages: int, num_micro: int, training: bool = False):
+        """The table these devices run (see the class); ``training``: a training table's, the
+        stages' F slots and then their B slots on each micro-batch in turn
+        (:func:`~pipejax._src.schedule.sequential_training`)."""
+        if training:
+            return sched.sequential_training(num_stages, num_micro)
         return (sched.one_device if self.stacked else sched.sequential)(num_stages, num_micro)
 
-    def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
+    def run(self, ctx: _Ctx, schedule, phases, inputs: Inputs, slots=None):
+        """The forward's ``(outputs, stats per stage)``; with ``slots`` (a training table, run on
+        virtual devices, one per stage) the final state of its B slots and the stats."""
         cfg, S, m = self.cfg, ctx.S, ctx.m
         ident = lambda t: t
         untyped = lambda tree, template: tree
         stages = ctx.stages
+        assert slots is None or not self.stacked, "a training table runs a virtual device per stage"
 
         def tick(phase, inputs):
             params, state = inputs.params, inputs.state
-            step = make_step(cfg, ctx, inputs, phase, untyped, ident)
+            step = make_step(cfg, ctx, inputs, phase, untyped, ident) if slots is None else slots.step
 
             def one(d, inbox, acc, stats, row, static=None):
                 carry = Carry(inbox, None, acc, stats, ())
                 carry, out = device_tick(ctx, d, params, state, carry, row, step, static)
-                return out[0], carry.acc, carry.stats
+                return out, carry.acc, carry.stats
 
             def body(c, row):
                 if self.stacked:  # one column: the stage the row names
-                    return one(0, *c, row), None
-                acc, stats = c
-                inbox, new = None, []
+                    out, acc, stats = one(0, *c, row)
+                    return (out[0], acc, stats), None
+                acc, stats, back = c
+                inbox, new, outs = None, [], []
                 for d in range(S):  # a column per stage, each with its own stage
-                    inbox, acc, st = one(d, inbox, acc, stats[d], row, static=d)
+                    out, acc, st = one(d, inbox, acc, stats[d], row, static=d)
+                    inbox = out[0]
                     new.append(st)
-                return (acc, tuple(new)), None
+                    outs.append(out)
+                if slots is not None:  # B: the columns backwards, handing cotangents on in the tick
+                    sent = None
+                    for d in reversed(range(S)):
+                        back, sent = slots.back(slots.arrive(back, sent), outs[d], row, d)
+                    back = slots.arrive(back, sent)  # (stage 0 sends none)
+                return (acc, tuple(new), back), None
 
             return body
 
@@ -777,8 +794,9 @@ class LocalDevices:
             _, acc, stats = _scan(schedule, phases, init, tick, inputs)
             return _unlead(acc), stages.stats_rows(_lead(stats))
         stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
-        acc, stats = _scan(schedule, phases, (_lead(stages.acc_zeros(m)), stats), tick, inputs)
-        return _unlead(acc), stages.stats_rows(list(stats))
+        acc, back = (_lead(stages.acc_zeros(m)), None) if slots is None else (None, slots.init())
+        acc, stats, back = _scan(schedule, phases, (acc, stats, back), tick, inputs)
+        return (_unlead(acc) if slots is None else back), stages.stats_rows(list(stats))
 
 
 class MeshDevices:
@@ -1013,7 +1031,7 @@ class MeshDevices:
                 if drain is not None:  # the last stage's output joins the drain queue
                     drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
                 if slots is not None:  # B and W; their input cotangents go one device back
-                    back, sent = slots.back(carry.back, out, row)
+                    back, sent = slots.back(carry.back, out, row, d)
                     back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
                     carry = carry._replace(back=back)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None

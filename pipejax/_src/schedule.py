@@ -170,6 +170,20 @@ def sequential(num_stages: int, num_micro: int) -> Schedule:
     return Schedule(table=np.array(table), num_micro=num_micro, fill_ticks=0)
 
 
+def sequential_training(num_stages: int, num_micro: int) -> TrainingSchedule:
+    """The training table of one device (``mesh=None``): at tick ``t`` the F slots of every stage
+    on micro-batch ``t``, then its B slots, the columns handing activations on (and cotangents
+    back) within the tick: gradient accumulation, one micro-batch's worth kept at a time.
+
+    >>> s = sequential_training(2, 3)
+    >>> s.forward.T.tolist(), s.stash_slots()
+    ([[0, 1, 2], [0, 1, 2]], 1)
+    """
+    num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
+    table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], (num_micro, num_stages))
+    return TrainingSchedule("sequential", np.array(table), np.array(table), None, num_micro)
+
+
 def one_device(num_stages: int, num_micro: int) -> Schedule:
     """Every stage in turn on one device: stage ``t mod S`` of micro-batch ``t // S`` at tick
     ``t`` (``mesh=None`` with stages stacked on a stage axis: one stage function, whose row of

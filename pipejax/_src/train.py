@@ -374,6 +374,9 @@ class _Program:
         # a weighted loss with an aux loss: the batch's total weight W, by which each aux term is
         # scaled (the final division by the summed weights takes it back out; see `_total_weight`)
         self.aux_scale = None
+        # the slots' device (see `mesh` and `local`): containers and dispatch (None: virtual
+        # devices, no mesh), the device's parameter rows, each stage's variant, a zero loss part
+        self.io, self.prows, self.variants, self.loss0 = None, None, None, None
 
     # -- the slots, on typed values ---------------------------------------------------------
 
@@ -585,7 +588,7 @@ class _Program:
     # A device of the mesh runs these as the slots of the engine's one tick loop
     # (:meth:`engine.MeshDevices.loop`, :class:`engine.Slots`): ``step`` is its F slot, ``back``
     # its B (and W) slots after it; ``self.io`` holds the containers and the dispatch
-    # (:func:`_mesh_io`), ``self.d`` the device (traced) and a slot picks its stage's branch with
+    # (:func:`_mesh_io`); on a mesh the device is traced and a slot picks its stage's branch with
     # ``lax.switch``. An idle slot computes nothing.
 
     def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
@@ -594,6 +597,15 @@ class _Program:
         loss part, saved, count)``: what it sends on, its stats (the engine writes them), its
         ``(loss, weight)`` sums, what B and W read back (:meth:`save`) and 1 (0 when idle).
         ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row ``s // n``)."""
+        if isinstance(d, int):  # a virtual device (no mesh): its own stage, called directly
+            i, v = engine.at(row, d, self.S)[0], self.variants[d]
+            x = engine.read(self.cfg, self.xs, i) if d == 0 else x_in
+
+            def f_slot(params, x):
+                return self.save(v, self._local_row(params, d), x, *self._inputs(i, d))
+
+            y, dloss, kept, st = _computation(i, f_slot, rows_p, x)
+            return y, st, dloss, kept
         io = self.io
         f, fs = engine.at(row, d, io.n)
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
@@ -615,6 +627,8 @@ class _Program:
 
     def init(self):
         """The B and W slots' state at the first tick (:class:`_Back`)."""
+        if self.io is None:  # virtual devices: the parameter cotangents and the loss sums
+            return _Back(None, None, None, _zeros_like(self.prows), self.loss0, None)
         io, K = self.io, self.K
         return _Back(
             io.msg_zeros(),
@@ -628,7 +642,7 @@ class _Program:
     def arrive(self, dev, received):
         return dev._replace(bin=received)
 
-    def back(self, dev: _Back, out, row):
+    def back(self, dev: _Back, out, row, d):
         """B (and W) after F: ``(the new state, the input cotangent sent back)``.
 
         F's ``saved`` goes to the stash (``K`` slots per stage held), its loss part to the sums.
@@ -637,7 +651,9 @@ class _Program:
         Every parameter cotangent is added inside its branch to the stage's row of the
         accumulator (B; ZB-H1's W: to the accumulator), which an idle branch returns as it is,
         so no cotangent leaves a branch."""
-        io, K, n, zb, d, rows_p = self.io, self.K, self.io.n, self.zb, self.d, self.prows
+        if isinstance(d, int):
+            return self._back_local(dev, out, row, d)
+        io, K, n, zb, rows_p = self.io, self.K, self.io.n, self.zb, self.prows
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
         f, fs = engine.at(row, d, n)
         b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
@@ -710,67 +726,65 @@ class _Program:
 
     # -- without a mesh: one device, the micro-batches one after the other -------------------
 
+    def _back_local(self, dev: _Back, out, row, d: int):
+        """B of virtual device ``d`` (no mesh), on what its F slot kept this tick: the parameter
+        and input cotangents together; the parameter cotangent joins the sums as soon as it
+        leaves the slot, the input cotangent goes to the previous column within the tick."""
+        i, v = engine.back_row(row, self.S)[0][d], self.variants[d]
+        _, _, dloss, kept = out
+
+        def b_slot(params, kept, g):
+            p = self._local_row(params, d)
+            return self.pull(v, p, kept, g, *self._inputs(i, d), wrt_params=True, wrt_input=not v.first)
+
+        g, dp = _computation(i, b_slot, self.prows, kept, dev.bin)
+        if self.pipe.homogeneous:
+            grad = jax.tree.map(lambda a, t: a.at[d].add(t.astype(a.dtype)), dev.grad, dp)
+        else:
+            grad = [_add(a, dp) if t == d else a for t, a in enumerate(dev.grad)]
+        loss = dev.loss if dloss is None else dev.loss + dloss.astype(dev.loss.dtype)
+        return dev._replace(grad=grad, loss=loss), g
+
+    def _local_row(self, params, s: int):
+        """Stage ``s``'s parameters, picked inside its slot at a static index (``a[s]``): with the
+        mesh program's dynamic row and ``_add_row``, XLA kept copies of the stacked arrays (temp
+        25.1 -> 73.9 KiB on the 4-stage probe of the thirteenth session)."""
+        return jax.tree.map(lambda a: a[s], params) if self.pipe.homogeneous else params[s]
+
     def local(self, runner):
         """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
-        training schedule is gradient accumulation, one ``lax.scan`` over the micro-batches. At
-        micro-batch ``i`` the F slots of stages ``0, ..., S - 1`` run and keep what B needs (as on
-        a mesh, :meth:`save`: the stage input for ``"always"``, the residuals for ``"never"`` or
-        a policy), then the B slots of stages ``S - 1, ..., 0`` (:meth:`pull`, parameter and
-        input cotangents together), and the parameter cotangents join the sums before micro-batch
-        ``i + 1`` starts. So the device keeps one micro-batch's worth, whatever ``m`` is. Stage 0
-        reads its micro-batch as data. Keys, loss terms and the order of the sums over
-        micro-batches are the mesh program's.
+        training table runs as :func:`~pipejax._src.schedule.sequential_training`, gradient
+        accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one
+        virtual device per stage. At tick ``i`` the F slots of stages ``0, ..., S - 1`` run on
+        micro-batch ``i`` and keep what B needs (as on a mesh, :meth:`save`: the stage input
+        for ``"always"``, the residuals for ``"never"`` or a policy), then the B slots of stages
+        ``S - 1, ..., 0`` (:meth:`pull`, parameter and input cotangents together), and the
+        parameter cotangents join the sums before micro-batch ``i + 1`` starts. So the device
+        keeps one micro-batch's worth, whatever ``m`` is. Stage 0 reads its micro-batch as data.
+        Keys, loss terms and the order of the sums over micro-batches are the mesh program's.
         """
-        S, m, pipe, bnd = self.S, self.m, self.pipe, self.boundaries
-        params = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
-        variants = [
+        S, m, pipe = self.S, self.m, self.pipe
+        bnd = self.boundaries
+        self.prows = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
+        self.variants = [
             _Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
         ]
-
-        # Stage s's row of stacked parameters and gradients at a static index (`a[s]`,
-        # `a.at[s].add`): with the mesh program's dynamic `engine.take` and `_add_row` instead,
-        # XLA kept copies of the stacked arrays (temp 25.1 -> 73.9 KiB on the 4-stage probe).
-        def row(params, s):  # stage s's parameters, picked inside its branch
-            return jax.tree.map(lambda a: a[s], params) if pipe.homogeneous else params[s]
-
-        def add_row(grads, s, dp):
-            if pipe.homogeneous:
-                return jax.tree.map(lambda a, d: a.at[s].add(d.astype(a.dtype)), grads, dp)
-            return [_add(a, dp) if t == s else a for t, a in enumerate(grads)]
-
-        def body(carry, i):
-            grads, loss = carry
-            x, saved, stats = engine.read(self.cfg, self.xs, i), [], []
-            for v in variants:  # F
-
-                def f_slot(params, x, v=v):
-                    return self.save(v, row(params, v.stage), x, *self._inputs(i, v.stage))
-
-                x, dloss, kept, st = _computation(i, f_slot, params, x)
-                loss = loss if dloss is None else loss + dloss.astype(loss.dtype)
-                saved.append(kept)
-                stats.append(st)
-            g = None
-            for v in reversed(variants):  # B
-                s = v.stage
-
-                def b_slot(params, kept, g, v=v, s=s):
-                    p = row(params, s)
-                    return self.pull(
-                        v, p, kept, g, *self._inputs(i, s), wrt_params=True, wrt_input=not v.first
-                    )
-
-                g, dp = _computation(i, b_slot, params, saved[s], g)
-                grads = add_row(grads, s, dp)  # added to the sums as soon as it leaves the branch
-            return (grads, loss), stats
-
-        loss0 = self._loss_zero(variants[-1])
-        (grads, loss), stats = lax.scan(body, (_zeros_like(params), loss0), jnp.arange(m, dtype=jnp.int32))
+        self.loss0 = self._loss_zero(self.variants[-1])
+        layouts = [self.stats_layouts] * S if pipe.homogeneous else self.stats_layouts
+        stages = engine.Heterogeneous(self.cfg, bnd, layouts, None, None, S, switch=False)
+        devices = engine.LocalDevices(self.cfg, stacked=False)
+        table = devices.table(S, m, training=True)
+        ctx = engine._Ctx(S, S, 1, m, stages)
+        whole = [ckpt.Phase(0, table.num_ticks, None, guard=False)]  # one scan, no remat
+        inputs = engine.Inputs(self.prows, None, self.xs, None, self.key)
+        dev, stats = devices.run(ctx, table, whole, inputs, slots=self)
         # every stage runs F and B (with W) once per micro-batch
         counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
-        if pipe.homogeneous:
+        if pipe.homogeneous and _records(pipe):
             stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        return loss, grads, counts, stats
+        elif not _records(pipe):
+            stats = None
+        return dev.loss, dev.grad, counts, stats
 
     # -- on a mesh: one SPMD program, a device per stage ------------------------------------
 
@@ -830,7 +844,7 @@ class _Program:
             if data is not None:
                 prog.offset = lax.axis_index(data) * self.m
             prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
-            prog.io, prog.d, prog.prows, prog.loss0 = io, d, prows, loss0
+            prog.io, prog.prows, prog.loss0 = io, prows, loss0
             inputs = engine.Inputs(prows, None, xs, None, key)
             carry, _ = devices.loop(ctx, self.table, whole, d, inputs, slots=prog)
             dev = carry.back
