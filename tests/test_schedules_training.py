@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -326,6 +327,35 @@ def test_counted_slots_equal_the_table(name, placement):
     slots = table.slots()
     expect = np.stack([slots["F"], slots["B"], slots.get("W", np.zeros(3, int))], axis=1)
     np.testing.assert_array_equal(counts, expect)
+
+
+@pytest.mark.parametrize("placement", ["none", "explicit"])
+def test_every_schedule_runs_its_ticks_in_the_engine_loop(monkeypatch, placement):
+    """One tick loop (issue 22): the forward schedules and the training schedules alike trace
+    their ticks through ``engine.device_tick`` -- a training table's F slot is its stage
+    computation, B and W run after it -- with and without a mesh; the training program has no
+    ``lax.scan`` of its own. Counted while tracing ``value_and_grad``."""
+    from pipejax._src import engine
+
+    calls = []
+    real = engine.device_tick
+    monkeypatch.setattr(engine, "device_tick", lambda *a, **k: calls.append(1) or real(*a, **k))
+    scans, real_scan = [], jax.lax.scan
+
+    def scan(*a, **k):  # a scan started by code in train.py
+        scans.append(sys._getframe(1).f_globals["__name__"] == train.__name__)
+        return real_scan(*a, **k)
+
+    monkeypatch.setattr(jax.lax, "scan", scan)
+    batch, chunks = 10, 4
+    params, x, labels = models.token_params(), models.token_inputs(batch), _labels(batch)
+    mesh = models.make_mesh(placement, 3)
+    for name in ("gpipe", *SCHEDULES):
+        calls.clear()
+        pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh)
+        jax.make_jaxpr(pipe.value_and_grad(xent))(params, x, labels)
+        assert calls, name
+    assert scans and not any(scans)  # the engine's scans ran; none of train.py's own
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -931,8 +931,8 @@ def _mesh_io(prog: _Program, stages, variants, index, row, n, axes) -> _IO:
     else:  # the stage input, as a message
         s_pack, s_zeros = stages.pack, msg_zeros
         s_unpack = lambda msg, v: stages.unpack(msg, v.x_layout)
-    # a device records the stats of its F slots at (stage, micro-batch) of an (S, m) buffer
-    # a stateful stage's stats, as the engine's tick writes them (empty without records)
+    # the stats of a device's F slots, as the engine's tick writes them at (stage, micro-batch)
+    # of an (S, m) buffer (empty without records)
     st_pack, st_zeros = stages.stats_message, (lambda lead=(): stages.message_zeros(0, lead)[1])
     variant_of = jnp.asarray(index, jnp.int32)
 
