@@ -25,10 +25,11 @@ switch branch), and a homogeneous stage computes on a micro-batch of ``x`` (its 
 stage 0's) and the result goes nowhere but to other bubbles (see :class:`Homogeneous`).
 
 A training table (1F1B, ZB-H1, interleaved 1F1B: :class:`~pipejax._src.schedule.TrainingSchedule`)
-runs in the same loop on a mesh (:meth:`MeshDevices.loop`): its F slot is the tick's stage
-computation (the training program's, :class:`Slots`), and its B and W slots run after it in the
-same tick, their cotangents sent one device back. Such a program owns its backward pass, so it
-is not differentiated; it is one scan with no remat wrapper.
+runs in the same loop, on a mesh (:meth:`MeshDevices.loop`) and without one
+(:meth:`LocalDevices.run`, the table :func:`~pipejax._src.schedule.sequential_training`): its F
+slot is the tick's stage computation (the training program's, :class:`Slots`), and its B and W
+slots run after it in the same tick, their cotangents sent one device back. Such a program owns
+its backward pass, so it is not differentiated; it is one scan with no remat wrapper.
 
 Each checkpoint mode of a forward table is one wrapper around the device's stage computation,
 and every mode but ``"except_last"`` is a single scan over all ticks (see
@@ -526,7 +527,8 @@ def device_tick(
     bubbles_fresh=False,
 ):
     """One tick of device ``d`` (a Python int, or traced on a mesh); returns its new carry
-    without the inbox (the devices object delivers the message) and its (message, stats).
+    without the inbox (the devices object delivers the message) and what ``step`` returned:
+    ``(message, stats)``, or a training table's F slot ``(message, stats, ...)`` (:class:`Slots`).
     ``static_stage``: the stage, when the phase runs one stage only (no ``lax.switch``).
     ``fresh``: stage 0's input as a message, when the devices deliver it (on a mesh).
     ``safe``: what a bubble reads, for stages that compute their bubbles (a micro-batch of x);
@@ -601,7 +603,8 @@ def _may_be(d, target) -> bool:
 
 
 class Slots(Protocol):
-    """What a training table's program gives :meth:`MeshDevices.loop` (see :mod:`pipejax._src.train`)."""
+    """What a training table's program gives the loop (:meth:`MeshDevices.loop`,
+    :meth:`LocalDevices.run`; see :mod:`pipejax._src.train`)."""
 
     def step(self, d, params, state, inbox, prev, row, static_stage=None, fresh=None):
         """The F slot, as :func:`make_step`'s step: ``(message, stats, ...)``."""
@@ -881,12 +884,9 @@ class MeshDevices:
                 # stage axis): replicated, as the stages composed would give it
                 acc = compat.replicate(acc)
             acc = jax.tree.map(lambda a: a[: ctx.m], acc)
-        return acc, self.stage_stats(ctx, stats)
-
-    @staticmethod
-    def stage_stats(ctx, stats):
-        """The devices' gathered stats ``(D, v, m, ...)`` (:func:`_gather_stages`) per stage."""
-        return ctx.stages.stats_rows(stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D))
+        return acc, ctx.stages.stats_rows(
+            stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
+        )
 
     def place_params(self, params, stage_spec):
         """``(params, in_specs, manual axes)``: stage parameters constrained for the ``shard_map``.
@@ -1038,13 +1038,18 @@ class MeshDevices:
 
             return body
 
+        # (a training table reads the micro-batch of its F slot from x whole: a streamed queue is
+        # temp memory that grows with m, BUILD_NOTES "Sixteenth session")
         streams = slots is None and self.streams(ctx)
-        # a bubble's input (homogeneous stages): the tick's micro-batch of x, which every device
-        # reads when every device holds x; when x is streamed a later device's queue slot may
-        # hold zeros, so a bubble there reads micro-batch 0 (loop-invariant: no per-tick residual)
-        bubbles_fresh = stages.computes_bubbles and not streams
+        # a bubble's input (homogeneous stages of a forward table): the tick's micro-batch of x,
+        # which every device reads when every device holds x; when x is streamed a later
+        # device's queue slot may hold zeros, so a bubble there reads micro-batch 0
+        # (loop-invariant: no per-tick residual). An idle F slot of a training table computes
+        # nothing.
+        computes_bubbles = stages.computes_bubbles and slots is None
+        bubbles_fresh = computes_bubbles and not streams
         safe = None
-        if stages.computes_bubbles and streams:
+        if computes_bubbles and streams:
             safe = stages.pack(take(inputs.xs, 0))
         queue = inputs.xs  # (k, b, ...) of this device; all m micro-batches when not streamed
         k = jax.tree.leaves(queue)[0].shape[0] if streams else 1
