@@ -3,9 +3,9 @@
 GPipe and circular pipelines are forward scans, and ``jax.value_and_grad`` of them is their
 training step. The 1F1B and ZB-H1 schedules (:func:`pipejax._src.schedule.training`) interleave
 forward and backward work of different micro-batches, which no transformation of a forward
-program produces. On a mesh their table runs in the engine's one tick loop
-(:meth:`engine.MeshDevices.loop`, the loop of the forward schedules), with the slots this
-program gives it (:class:`engine.Slots`):
+program produces. Their table runs in the engine's one tick loop, the loop of the forward
+schedules (:meth:`engine.MeshDevices.loop` on a mesh, :meth:`engine.LocalDevices.run` without
+one), with the slots this program gives it (:class:`engine.Slots`):
 
 * **F** (micro-batch ``i``): the device runs its stage on its input -- micro-batch ``i`` of ``x``
   on stage 0, the activation the previous device sent otherwise -- and stashes that input (or
@@ -28,9 +28,10 @@ travel in the engine's stage objects' containers (:class:`_IO`). The loop runs i
 one ``shard_map`` (:meth:`engine.MeshDevices.spmd`), which checks varying types: every input is
 cast to vary along the manual axes before the loop.
 
-Without a mesh there is one device and no bubble to fill, so there is no table to run: every
-training schedule is gradient accumulation over the micro-batches (:meth:`_Program.local`), with
-the same keys, loss terms and checkpoint modes, and one micro-batch's activations kept at a time.
+Without a mesh there is one device and no bubble to fill: every training schedule is gradient
+accumulation over the micro-batches, the table :func:`~pipejax._src.schedule.sequential_training`
+(:meth:`_Program.local`), with the same keys, loss terms and checkpoint modes, and one
+micro-batch's activations kept at a time.
 Side inputs (``context=``) are cut into micro-batches as ``targets`` are, and every slot hands its
 stage the rows of its micro-batch (``stage(params, x, key, context=c)``), as the forward call does.
 
@@ -585,11 +586,11 @@ class _Program:
 
     # -- one tick of one device: its F, B (and W) slots --------------------------------------
 
-    # A device of the mesh runs these as the slots of the engine's one tick loop
-    # (:meth:`engine.MeshDevices.loop`, :class:`engine.Slots`): ``step`` is its F slot, ``back``
-    # its B (and W) slots after it; ``self.io`` holds the containers and the dispatch
-    # (:func:`_mesh_io`); on a mesh the device is traced and a slot picks its stage's branch with
-    # ``lax.switch``. An idle slot computes nothing.
+    # A device runs these as the slots of the engine's one tick loop (:class:`engine.Slots`):
+    # ``step`` is its F slot, ``back`` its B (and W) slots after it. On a mesh the device is
+    # traced, ``self.io`` holds the containers and the dispatch (:func:`_mesh_io`) and a slot
+    # picks its stage's branch with ``lax.switch`` (an idle slot computes nothing); without one
+    # each virtual device runs its own stage, called directly.
 
     def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
         """F: the device's stage on ``x_in`` (the engine's tick delivers micro-batch ``f`` of x
