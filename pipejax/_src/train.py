@@ -784,9 +784,8 @@ class _Program:
         devices = engine.LocalDevices(self.cfg, stacked=False)
         table = devices.table(S, m, training=True)
         ctx = engine._Ctx(S, S, 1, m, stages)
-        whole = [ckpt.Phase(0, table.num_ticks, None, guard=False)]  # one scan, no remat
         inputs = engine.Inputs(self.prows, None, self.xs, None, self.key)
-        dev, stats = devices.run(ctx, table, whole, inputs, slots=self)
+        dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots=self)
         # every stage runs F and B (with W) once per micro-batch
         counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
         if pipe.homogeneous and _records(pipe):
@@ -840,7 +839,6 @@ class _Program:
             self.cfg._replace(data_axis_name=data), mesh, v_rep, pipe.data_size, self.param_specs
         )
         ctx = engine._Ctx(S, n, v_rep, self.m, stages, stage_major=True)
-        whole = [ckpt.Phase(0, self.table.num_ticks, None, guard=False)]  # one scan, no remat
 
         def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
             # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
@@ -855,7 +853,7 @@ class _Program:
             prog.state, prog.aux_loss, prog.aux_scale = state, self.aux_loss, aux_scale
             prog.io, prog.prows, prog.loss0 = io, prows, loss0
             inputs = engine.Inputs(prows, None, xs, None, key)
-            carry, _ = devices.loop(ctx, self.table, whole, d, inputs, slots=prog)
+            carry, _ = devices.loop(ctx, self.table, ckpt.training_phases(self.table), d, inputs, slots=prog)
             dev = carry.back
             # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
             stats = engine.sum_exact(carry.stats, axis)
