@@ -364,7 +364,7 @@ class _Program:
         # stage checkpointed with that policy, i.e. what the policy saves (see `save`).
         self.keep = cfg.checkpoint != "always"
         self.policy = cfg.checkpoint if callable(cfg.checkpoint) else None
-        self._meta = {}  # variant -> (treedef of its pullback, where its parameter leaves go)
+        self._meta = {}  # id(variant) -> its pullback's :class:`_Pullback`
         self.param_specs = None  # per parameter leaf its full PartitionSpec (see engine.MeshDevices)
         # stateful stages: every stage's state (a list, or stacked on a stage axis), read whole on
         # every device; the layouts of each stage's stats
@@ -424,26 +424,27 @@ class _Program:
             return loss, zero
         return loss, jnp.sum(jnp.where(mask, lax.stop_gradient(weights).astype(losses.dtype), zero))
 
-    def forward(self, v: _Variant, prow, x, k, t, mask):
-        """``(y or None, loss contribution f[2] (loss, weight) or None, stats)``; every stage
-        with an aux loss contributes it."""
-        y, stats = self._stage(v, v.params_of(prow), x, k, mask)
+    def _objective(self, v: _Variant, p, x, k, t, mask):
+        """What a slot differentiates, ``(value, (weight, stats))``: the last stage's loss (its
+        aux loss added), another stage's output (beside its aux loss, :class:`_WithAux`, when it
+        has one); ``weight`` is the last stage's weight sum (``None`` elsewhere), ``stats`` what
+        a stateful stage reported."""
+        y, stats = self._stage(v, p, x, k, mask)
         extra = self._extra(stats, mask)
         if v.last:
             loss, weight = self._loss(y, t, mask)
-            return None, jnp.stack([_plus(loss, extra), weight]), stats
-        if extra is None:
-            return y, None, stats
-        return y, jnp.stack([extra, jnp.zeros_like(extra)]), stats
+            return _plus(loss, extra), (weight, stats)
+        return (y if extra is None else _WithAux(y, extra)), (None, stats)
 
     def save(self, v: _Variant, prow, x, k, t, mask):
-        """F: ``(y or None, loss contribution or None, saved, stats)``; ``saved`` is what B and W
-        read back: the stage input ``x``, or (``checkpoint="never"`` or a policy) the residuals
-        of its vjp; ``stats`` what a stateful stage reported (``None`` otherwise)."""
-        if not self.keep:
-            y, dloss, stats = self.forward(v, prow, x, k, t, mask)
-            return y, dloss, x, stats
-        out, (weight, stats), saved = self._vjp(v, prow, x, k, t, mask)
+        """F: ``(y or None, loss contribution f[2] (loss, weight) or None, saved, stats)``;
+        ``saved`` is what B and W read back: the stage input ``x``, or (``checkpoint="never"``
+        or a policy) the residuals of its vjp. Every stage with an aux loss contributes it."""
+        if self.keep:
+            out, (weight, stats), saved = self._vjp(v, prow, x, k, t, mask)
+        else:
+            out, (weight, stats) = self._objective(v, v.params_of(prow), x, k, t, mask)
+            saved = x
         if v.last:
             return None, jnp.stack([out, weight]), saved, stats
         if isinstance(out, _WithAux):  # the stage's aux loss joins the loss
@@ -452,47 +453,35 @@ class _Program:
 
     def _residuals(self, v: _Variant, prow, x, k, t, mask):
         """``(value, (weight, stats), residual leaves, treedef)`` of the stage's (the last stage:
-        its loss's) pullback; ``weight`` is the last stage's weight sum (``None`` on other
-        stages), ``stats`` a stateful stage's statistics.
+        its loss's) pullback (:meth:`_objective`).
 
         ``jax.vjp``'s pullback is a pytree whose leaves are its residuals and whose treedef holds
         the rest (a closed program), so it can be taken apart, stashed and put back together.
         With a checkpoint policy the stage is checkpointed with it first, so the residuals are
         what the policy saves and the pullback recomputes the rest.
         """
-        p = v.params_of(prow)
         xf, rebuild = _floats(x)
 
         def h(p, xf):
-            y, stats = self._stage(v, p, rebuild(xf), k, mask)
-            extra = self._extra(stats, mask)
-            if v.last:
-                loss, weight = self._loss(y, t, mask)
-                return _plus(loss, extra), (weight, stats)
-            return (y if extra is None else _WithAux(y, extra)), (None, stats)
+            return self._objective(v, p, rebuild(xf), k, t, mask)
 
         if self.policy is not None:
             h = ckpt.remat_for(self.policy)(h)
-        out, back, aux = jax.vjp(h, p, xf, has_aux=True)
+        out, back, aux = jax.vjp(h, v.params_of(prow), xf, has_aux=True)
         leaves, treedef = jax.tree.flatten(back)
         return out, aux, leaves, treedef
 
-    def _meta_of(self, v: _Variant, prow):
-        """``(treedef, per_micro, value type)`` of variant ``v``'s pullback; ``per_micro[j]``
-        says whether residual ``j`` depends on the micro-batch (its input, key, targets or
-        mask). Those are saved by F; the others are functions of the parameters alone (e.g.
-        the slice ``w[j]`` of a stacked weight) and are computed again in B and W instead of
-        being stored once per micro-batch."""
+    def _meta_of(self, v: _Variant, prow) -> _Pullback:
+        """What variant ``v``'s pullback looks like (:class:`_Pullback`), traced once."""
         if id(v) not in self._meta:
             info = {}
 
             def leaves(prow, x, k, t, mask):
                 out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
-                info["out"] = jax.tree.map(_typed_struct, out)  # the seeds' types (shardings too)
-                # inside the shard_map: the axes it (the aux loss beside y: that) varies along
+                info["out"] = jax.tree.map(_typed_struct, out)
                 info["axes"] = _axes(out.extra if isinstance(out, _WithAux) else out)
                 info["types"] = [_struct(a) for a in res]
-                info["typed"] = [_typed_struct(a) for a in res]  # sharding types too
+                info["typed"] = [_typed_struct(a) for a in res]
                 return res
 
             k, t, mask = self._inputs(jnp.zeros((), jnp.int32), 0)
@@ -500,15 +489,8 @@ class _Program:
             # its manual axes (the input too, as the parameters do)
             x = _zero_input(v, prow)
             per_micro = _depends(leaves, (prow, x, k, t, mask), (False, True, True, True, True))
-            self._meta[id(v)] = (
-                info["treedef"],
-                per_micro,
-                info["out"],
-                info["types"],
-                info["axes"],
-                info["typed"],
-            )
-        return self._meta[id(v)][:3]
+            self._meta[id(v)] = _Pullback(per_micro=per_micro, **info)
+        return self._meta[id(v)]
 
     def saved_structs(self, v: _Variant, prow):
         """The type of what F saves for B and W (:meth:`save`)."""
@@ -518,11 +500,11 @@ class _Program:
     def _vjp(self, v: _Variant, prow, x, k, t, mask):
         """F with ``checkpoint="never"`` or a policy: the value, ``(weight, stats)`` (see
         :meth:`_residuals`) and the residuals that depend on the micro-batch."""
-        _, per_micro, _ = self._meta_of(v, prow)
+        meta = self._meta_of(v, prow)
         out, aux, leaves, _ = self._residuals(v, prow, x, k, t, mask)
         # the analysis traced the program these residuals come from (same types, weak ones too)
-        assert [_struct(a) for a in leaves] == self._meta[id(v)][3], "residuals of another program"
-        return out, aux, [a for a, keep in zip(leaves, per_micro, strict=True) if keep]
+        assert [_struct(a) for a in leaves] == meta.types, "residuals of another program"
+        return out, aux, [a for a, keep in zip(leaves, meta.per_micro, strict=True) if keep]
 
     def pull(self, v: _Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
         """B and W: :meth:`pullback` from what :meth:`save` kept."""
@@ -530,25 +512,21 @@ class _Program:
             return self.pullback(v, prow, saved, g, k, t, mask, wrt_params, wrt_input)
         if not (wrt_params or wrt_input):
             return None, None
-        treedef, per_micro, out = self._meta_of(v, prow)
+        meta = self._meta_of(v, prow)
+        per_micro = meta.per_micro
         fresh = [None] * len(per_micro)
         if not all(per_micro):  # the parameter-only residuals, from the parameters (x unused)
             fresh = self._residuals(v, prow, _zero_input(v, prow), k, t, mask)[2]
         # a residual typed split over an Explicit axis inside the stage comes out of the stash
         # container replicated: its own type back, as the pullback was traced with
-        typed = [a for a, keep in zip(self._meta[id(v)][5], per_micro, strict=True) if keep]
+        typed = [a for a, keep in zip(meta.typed, per_micro, strict=True) if keep]
         it = iter(compat.like(a, want) for a, want in zip(saved, typed, strict=True))
         back = jax.tree.unflatten(
-            treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
+            meta.treedef, [next(it) if keep else a for keep, a in zip(per_micro, fresh, strict=True)]
         )
-        if v.last:  # the loss's seed, typed as the loss the pullback was traced with
-            seed = compat.to_varying(jnp.ones(out.shape, out.dtype), self._meta[id(v)][4])
-        elif isinstance(out, _WithAux):  # the aux loss's seed beside the output's cotangent
-            one = compat.to_varying(jnp.ones(out.extra.shape, out.extra.dtype), self._meta[id(v)][4])
-            seed = _WithAux(_cotangent(g, out.y), one)
-        else:
-            seed = _cotangent(g, out)
-        dp, dxf = back(seed)
+        # the loss's seeds typed as the values the pullback was traced with
+        ones = lambda a: compat.to_varying(jnp.ones(a.shape, a.dtype), meta.axes)
+        dp, dxf = back(_seed(v, meta.out, g, ones))
         dprow = jax.vjp(v.params_of, prow)[1](dp)[0] if wrt_params else None
         dx = _fill(v.x_layout.structs(), dxf) if wrt_input else None
         return dx, dprow
@@ -561,11 +539,7 @@ class _Program:
         xf, rebuild = _floats(x)
 
         def h(prow, xf):
-            y, stats = self._stage(v, v.params_of(prow), rebuild(xf), k, mask)
-            extra = self._extra(stats, mask)
-            if v.last:
-                return _plus(self._loss(y, t, mask)[0], extra)
-            return y if extra is None else _WithAux(y, extra)
+            return self._objective(v, v.params_of(prow), rebuild(xf), k, t, mask)[0]
 
         if wrt_params and wrt_input:
             out, back = jax.vjp(h, prow, xf)
@@ -573,13 +547,7 @@ class _Program:
             out, back = jax.vjp(lambda p: h(p, xf), prow)
         else:
             out, back = jax.vjp(lambda a: h(prow, a), xf)
-        if v.last:
-            seed = jnp.ones_like(out)
-        elif isinstance(out, _WithAux):  # the aux loss's seed beside the output's cotangent
-            seed = _WithAux(_cotangent(g, out.y), jnp.ones_like(out.extra))
-        else:
-            seed = _cotangent(g, out)
-        cts = back(seed)
+        cts = back(_seed(v, out, g, jnp.ones_like))
         dp = cts[0] if wrt_params else None
         dx = _fill(x, cts[-1]) if wrt_input else None
         return dx, dp
@@ -897,6 +865,18 @@ class _Program:
 # --- where a device runs its slots ------------------------------------------------------------
 
 
+class _Pullback(NamedTuple):
+    """What a variant's pullback looks like (:meth:`_Program._meta_of`), from one trace."""
+
+    treedef: Any  # the pullback's pytree structure (a closed program), its leaves the residuals
+    per_micro: list[bool]  # per residual: whether it depends on the micro-batch (input, key,
+    # targets, mask); F saves those, B and W compute the parameter-only ones again
+    out: Any  # the value's types, sharding types too (the cotangent seeds take them)
+    axes: tuple[str, ...]  # the manual axes the value (beside y: its aux loss) varies along
+    types: list[Any]  # each residual's type, weak types included
+    typed: list[Any]  # each residual's type with its sharding type
+
+
 class _Back(NamedTuple):
     """A device's state of the B and W slots (:attr:`engine.Carry.back`)."""
 
@@ -976,6 +956,16 @@ class _WithAux(NamedTuple):
 
     y: Any
     extra: jax.Array
+
+
+def _seed(v: _Variant, out, g, ones):
+    """The cotangent a pullback of :meth:`_Program._objective` is applied to: one for the loss
+    (and for a stage's aux loss, beside its output's cotangent ``g``); ``ones(value)``."""
+    if v.last:
+        return ones(out)
+    if isinstance(out, _WithAux):
+        return _WithAux(_cotangent(g, out.y), ones(out.extra))
+    return _cotangent(g, out)
 
 
 def _plus(loss, extra):
