@@ -334,16 +334,18 @@ def test_every_schedule_runs_its_ticks_in_the_engine_loop(monkeypatch, placement
     """One tick loop (issue 22): the forward schedules and the training schedules alike trace
     their ticks through ``engine.device_tick`` -- a training table's F slot is its stage
     computation, B and W run after it -- with and without a mesh; the training program has no
-    ``lax.scan`` of its own. Counted while tracing ``value_and_grad``."""
-    from pipejax._src import engine
+    ``lax.scan`` of its own (``train``, ``slots``, ``stage_grad``). Counted while tracing
+    ``value_and_grad``."""
+    from pipejax._src import engine, slots, stage_grad
 
     calls = []
     real = engine.device_tick
     monkeypatch.setattr(engine, "device_tick", lambda *a, **k: calls.append(1) or real(*a, **k))
     scans, real_scan = [], jax.lax.scan
+    training = {train.__name__, slots.__name__, stage_grad.__name__}
 
-    def scan(*a, **k):  # a scan started by code in train.py
-        scans.append(sys._getframe(1).f_globals["__name__"] == train.__name__)
+    def scan(*a, **k):  # a scan started by code of the training program
+        scans.append(sys._getframe(1).f_globals["__name__"] in training)
         return real_scan(*a, **k)
 
     monkeypatch.setattr(jax.lax, "scan", scan)
@@ -355,7 +357,7 @@ def test_every_schedule_runs_its_ticks_in_the_engine_loop(monkeypatch, placement
         pipe = pj.pipeline(list(STAGES), chunks=chunks, schedule=name, mesh=mesh)
         jax.make_jaxpr(pipe.value_and_grad(xent))(params, x, labels)
         assert calls, name
-    assert scans and not any(scans)  # the engine's scans ran; none of train.py's own
+    assert scans and not any(scans)  # the engine's scans ran; none of the training program's own
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -90,15 +90,15 @@ def test_without_a_mesh_the_training_schedules_accumulate_gradients():
 @pytest.mark.parametrize("as_branch", [True, False], ids=["branch", "barrier"])
 def test_without_a_mesh_every_slot_is_kept_apart(monkeypatch, as_branch):
     """Each F and B slot of the gradient accumulation is its own computation (a branch on CPU,
-    an optimization barrier elsewhere: ``train._as_branch``), so XLA does not merge B's
+    an optimization barrier elsewhere: ``slots._as_branch``), so XLA does not merge B's
     recomputation under ``"always"`` with F's forward pass: the compiled program holds twice the
     ``tanh`` of ``"never"``. Both forms give GPipe's loss and gradients. (XLA:CPU removes
     barriers before some of its CSE passes, and merged 4 of the 8 recomputed ``tanh`` here, which
     is why CPU runs the branch; the barrier form's count was checked on an H200, where it keeps
     as many as the branch: BUILD_NOTES, fourteenth session.)"""
-    from pipejax._src import train
+    from pipejax._src import slots
 
-    monkeypatch.setattr(train, "_as_branch", lambda: as_branch)
+    monkeypatch.setattr(slots, "_as_branch", lambda: as_branch)
     r = np.random.default_rng(2)
     params = [
         {

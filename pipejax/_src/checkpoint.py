@@ -181,7 +181,7 @@ def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
 def training_phases(schedule) -> list[Phase]:
     """The phase of a training table (:class:`~pipejax._src.schedule.TrainingSchedule`): one scan
     over every tick, its slots unwrapped. Its program owns the backward pass (the slots save and
-    recompute as the checkpoint mode says, :mod:`pipejax._src.train`), so nothing differentiates
+    recompute as the checkpoint mode says, :mod:`pipejax._src.stage_grad`), so nothing differentiates
     the loop and no slot is guarded by the phase."""
     return [Phase(0, schedule.num_ticks, _identity, guard=False)]
 

@@ -604,7 +604,7 @@ def _may_be(d, target) -> bool:
 
 class Slots(Protocol):
     """What a training table's program gives the loop (:meth:`MeshDevices.loop`,
-    :meth:`LocalDevices.run`; see :mod:`pipejax._src.train`)."""
+    :meth:`LocalDevices.run`; see :mod:`pipejax._src.slots`)."""
 
     def step(self, d, params, state, inbox, prev, row, static_stage=None, fresh=None):
         """The F slot, as :func:`make_step`'s step: ``(message, stats, ...)``."""

@@ -433,7 +433,7 @@ class Pipeline:
         With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
         the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program
         interleaves forwards and backwards of different micro-batches
-        (:mod:`pipejax._src.train`): a device keeps what the backward needs of a bounded number
+        (:mod:`pipejax._src.slots`): a device keeps what the backward needs of a bounded number
         of micro-batches (at most ``2 n`` per stage it holds) whatever their number: the
         stage inputs, recomputing each stage in its backward slot, or with
         ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward

@@ -225,12 +225,13 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 #
 # 1F1B (PipeDream-flush, Narayanan et al. 2021) and ZB-H1 (Qi et al. 2023) interleave forward and
 # backward work of different micro-batches, so they are not the reverse of a forward scan: the
-# training program (:mod:`pipejax._src.train`) runs their tables itself. A tick of a device runs,
-# in this order, at most one forward slot F (its stage on one micro-batch), one backward slot B
-# (the stage's vjp: input and parameter cotangents for "1f1b", the input cotangent only for
-# "zb-h1") and, for "zb-h1", one weight slot W (the parameter cotangent); then activations move
-# one device forward and cotangents one device back. Lockstep SPMD makes a tick as long as its
-# slowest device, so the tables give every device one F and one B (and one W) per steady-state tick.
+# training program (:mod:`pipejax._src.slots`) runs their tables in the engine's loop. A tick of
+# a device runs, in this order, at most one forward slot F (its stage on one micro-batch), one
+# backward slot B (the stage's vjp: input and parameter cotangents for "1f1b", the input
+# cotangent only for "zb-h1") and, for "zb-h1", one weight slot W (the parameter cotangent); then
+# activations move one device forward and cotangents one device back. Lockstep SPMD makes a tick
+# as long as its slowest device, so the tables give every device one F and one B (and one W) per
+# steady-state tick.
 #
 # Device (= stage) ``s`` of ``n``, micro-batch ``i`` of ``m``:
 #
