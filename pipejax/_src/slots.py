@@ -2,16 +2,16 @@
 1F1B (:func:`pipejax._src.schedule.training`).
 
 Their table runs in the loop of the forward schedules (:meth:`engine.MeshDevices.loop` on a
-mesh, :meth:`engine.LocalDevices.run` without one), with the slots :class:`Program` gives it
-(:class:`engine.Slots`); what each slot computes on typed values is
+mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_MeshSlots` or
+:class:`_LocalSlots` (:class:`engine.Slots`); what each slot computes on typed values is
 :class:`~pipejax._src.stage_grad.StageGrad`'s:
 
-* **F** (micro-batch ``i``, :meth:`Program.step`): the engine's tick delivers the device's input
+* **F** (micro-batch ``i``, ``step``): the engine's tick delivers the device's input
   -- micro-batch ``i`` of ``x`` on stage 0, the activation the previous device sent otherwise --
   and the stage runs on it, keeping what B and W need in a ring buffer of
   :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size);
   the last stage adds its micro-batch's loss terms to the sums.
-* **B** (:meth:`Program.back`): the stage's pullback is applied to the cotangent the next device
+* **B** (``back``): the stage's pullback is applied to the cotangent the next device
   sent: "1f1b" gets the parameter and the input cotangents, "zb-h1" the input cotangent only and
   stashes the output cotangent for W. Stage 0 computes no input cotangent.
 * **W** ("zb-h1"): the parameter cotangent, from the stash and the stashed output cotangent.
@@ -19,14 +19,14 @@ mesh, :meth:`engine.LocalDevices.run` without one), with the slots :class:`Progr
 B and W follow F in the same tick, and their cotangents go one device back (``ppermute``). Idle
 slots compute nothing (a ``lax.switch`` branch that returns zeros). Every slot picks its branch
 with the engine's one stage dispatch (:func:`engine.dispatch`), and messages, stashes and stats
-travel in the engine's stage objects' containers (:class:`_IO`). The loop runs in the engine's
+travel in the engine's stage objects' containers. The loop runs in the engine's
 one ``shard_map`` (:meth:`engine.MeshDevices.spmd`), which checks varying types: every input is
 cast to vary along the manual axes before the loop. Such a program owns its backward pass, so
 the loop is one scan with no remat wrapper (:func:`pipejax._src.checkpoint.training_phases`).
 
 Without a mesh there is one device and no bubble to fill: every training schedule is gradient
 accumulation over the micro-batches, the table :func:`~pipejax._src.schedule.sequential_training`
-(:meth:`Program.local`), with the same keys, loss terms and checkpoint modes, and one
+(:func:`_on_one_device`), with the same keys, loss terms and checkpoint modes, and one
 micro-batch's activations kept at a time.
 
 Memory: a device keeps what B and W need of at most ``stash_slots`` micro-batches (``2 n - 1``),
@@ -36,7 +36,6 @@ however many run.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -51,80 +50,122 @@ from pipejax._src.layout import Container, Layout
 from pipejax._src.stage_grad import StageGrad, Variant
 
 
-class Program:
-    """A training table's slots (:class:`engine.Slots`) and the loop that runs them, on a mesh
-    (:meth:`mesh`) or without one (:meth:`local`); ``grad`` computes each slot's stage."""
+def run(grad: StageGrad, table, boundaries, xs, runner, stats_layouts=None, param_specs=None):
+    """One training step on ``table``: ``(the (loss, weight) sums, grads, counts, stats)``, on the
+    pipeline's mesh (:func:`_on_mesh`) or without one (:func:`_on_one_device`); ``runner`` holds
+    the stage parameters in the engine's form, ``xs`` the micro-batches of ``x``."""
+    if grad.pipe.mesh is None:
+        return _on_one_device(grad, table.num_micro, boundaries, xs, runner, stats_layouts)
+    return _on_mesh(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
 
-    def __init__(self, grad: StageGrad, table, boundaries, xs, stats_layouts=None, param_specs=None):
-        self.grad, self.pipe, self.cfg, self.table = grad, grad.pipe, grad.cfg, table
-        self.boundaries, self.xs = boundaries, xs
-        self.S, self.m = grad.pipe.num_stages, table.num_micro  # micro-batches of this data shard
-        self.K = table.stash_slots()  # stage inputs a device keeps
+
+class _Slots:
+    """What the slots of both kinds of device share (:class:`engine.Slots`)."""
+
+    grad: StageGrad  # what each slot computes on typed values
+    prows: Any  # the device's parameter rows
+    loss0: Any  # f[2] zeros: a slot's loss part when it has none
+
+    def arrive(self, dev, received):
+        return dev._replace(bin=received)
+
+
+# --- on a mesh: one SPMD program, a device per stage ---------------------------------------------
+
+
+class _MeshSlots(_Slots):
+    """The slots of a device of the mesh (traced ``d``): one SPMD program, so a slot picks the
+    branch of its stage's variant with the engine's one dispatch (an idle slot computes
+    nothing), and messages, stashes and stats travel in the containers of the engine's stage
+    objects (``stages``)."""
+
+    def __init__(self, grad, table, stages, variants, index, row, axes):
+        self.grad, self.stages, self.variants, self.axes = grad, stages, variants, axes
+        self.n, self.repeats = table.num_devices, table.repeats  # stage s is row s // n of a device
+        self.K = table.stash_slots()  # what F keeps, per stage the device holds
         self.zb = table.weight is not None
-        self.stats_layouts = stats_layouts  # each stage's records (stats, aux outputs or both), if any
-        self.param_specs = param_specs  # per parameter leaf its full PartitionSpec (engine.MeshDevices)
-        # the slots' device (see `mesh` and `local`): containers and dispatch (None: virtual
-        # devices, no mesh), the device's parameter rows, each stage's variant, a zero loss part
-        self.io, self.prows, self.variants, self.loss0 = None, None, None, None
+        self.variant_of = jnp.asarray(index, jnp.int32)
+        self.saved_layouts, self.sbox = None, None
+        if grad.keep:  # residuals differ per stage (and role): one container for all
+            self.saved_layouts = [Layout.of(grad.saved_structs(v, row)) for v in variants]
+            self.sbox = Container.for_layouts(self.saved_layouts)
+        self.loss0 = grad.loss_zero(variants[-1])
+        self.prows = None  # set on the device (`_on_mesh`)
 
-    # -- one tick of one device: its F, B (and W) slots --------------------------------------
+    # messages (activations, cotangents), stash entries (what F kept) and stats entries
 
-    # A device runs these as the slots of the engine's one tick loop (:class:`engine.Slots`):
-    # ``step`` is its F slot, ``back`` its B (and W) slots after it. On a mesh the device is
-    # traced, ``self.io`` holds the containers and the dispatch (:func:`_mesh_io`) and a slot
-    # picks its stage's branch with ``lax.switch`` (an idle slot computes nothing); without one
-    # each virtual device runs its own stage, called directly.
+    def row(self, block, r):
+        """Row ``r`` of the device's parameter block (:func:`engine._row`)."""
+        return engine._row(block, r, self.repeats)
+
+    def msg_zeros(self, lead=()):
+        return self.stages.message_zeros(0, lead)[0]
+
+    def s_pack(self, tree):
+        if self.sbox is None:  # the stage input, as a message
+            return self.stages.pack(tree)
+        return self.sbox.pack(engine.whole(self.grad.cfg, tree))
+
+    def s_unpack(self, entry, v: Variant):
+        if self.sbox is None:
+            return self.stages.unpack(entry, v.x_layout)
+        return self.sbox.unpack(entry, self.saved_layouts[self.variants.index(v)])
+
+    def s_zeros(self, lead=()):
+        return self.msg_zeros(lead) if self.sbox is None else self.sbox.zeros(lead)
+
+    def dispatch(self, working, s, make, idle, *args):
+        """``make(variant)(*args)`` of stage ``s``'s variant where ``working``, ``idle(*args)``
+        elsewhere (:func:`engine.dispatch`).
+
+        Every branch returns its values varying along the manual axes, so all branches have one
+        type. Everything a slot reads is cast before the loop (see :func:`_on_mesh`), so the
+        only values cast here are constants (zeros; the cotangent of an integer leaf): no cast
+        of a differentiated value sits in a branch, whose transpose (a psum) only some devices
+        would reach."""
+        vary = lambda f: lambda *a: compat.to_varying(f(*a), self.axes)
+        branches = [vary(make(v)) for v in self.variants]
+        return engine.dispatch(working, self.variant_of[s], branches, vary(idle), *args)
+
+    # the slots
 
     def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
         """F: the device's stage on ``x_in`` (the engine's tick delivers micro-batch ``f`` of x
         to stage 0, the previous device's activation to the others); returns ``(message, stats,
         loss part, saved, count)``: what it sends on, its stats (the engine writes them), its
-        ``(loss, weight)`` sums, what B and W read back (:meth:`StageGrad.save`) and 1 (0 when idle).
-        ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row ``s // n``)."""
-        if isinstance(d, int):  # a virtual device (no mesh): its own stage, called directly
-            i, v = self._tick_micro(row), self.variants[d]
-            x = engine.read(self.cfg, self.xs, i) if d == 0 else x_in
-
-            def f_slot(params, x):
-                return self.grad.save(v, self._local_row(params, d), x, *self.grad.inputs(i, d))
-
-            y, dloss, kept, st = _computation(i, f_slot, rows_p, x)
-            return y, st, dloss, kept
-        io = self.io
-        f, fs = engine.at(row, d, io.n)
+        ``(loss, weight)`` sums, what B and W read back (:meth:`StageGrad.save`) and 1 (0 when
+        idle). ``rows_p`` holds the device's stages' parameters as rows (stage ``s`` is row
+        ``s // n``)."""
+        n, grad = self.n, self.grad
+        f, fs = engine.at(row, d, n)
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
 
         def f_branch(v):
             def run(rows_p, x_in, f):
-                prow, x = io.row(rows_p, fs // io.n), io.unpack(x_in, v.x_layout)
-                y, dloss, saved, st = self.grad.save(v, prow, x, *self.grad.inputs(f, fs))
-                y = io.msg_zeros() if y is None else io.pack(y)
+                prow, x = self.row(rows_p, fs // n), self.stages.unpack(x_in, v.x_layout)
+                y, dloss, saved, st = grad.save(v, prow, x, *grad.inputs(f, fs))
+                y = self.msg_zeros() if y is None else self.stages.pack(y)
                 dloss = self.loss0 if dloss is None else dloss.astype(self.loss0.dtype)
-                return y, io.st_pack(st), dloss, io.s_pack(saved), one
+                return y, self.stages.stats_message(st), dloss, self.s_pack(saved), one
 
             return run
 
         def f_idle(rows_p, x_in, f):
-            return io.msg_zeros(), io.st_zeros(), self.loss0, io.s_zeros(), zero
+            message = self.msg_zeros()
+            return message, self.stages.message_zeros(0)[1], self.loss0, self.s_zeros(), zero
 
-        return io.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
+        return self.dispatch(f >= 0, fs, f_branch, f_idle, rows_p, x_in, f)
 
     def init(self):
         """The B and W slots' state at the first tick (:class:`_Back`)."""
-        if self.io is None:  # virtual devices: the parameter cotangents and the loss sums
-            return _Back(None, None, None, _zeros_like(self.prows), self.loss0, None)
-        io, K = self.io, self.K
         return _Back(
-            io.msg_zeros(),
-            io.s_zeros((self.pipe.repeats * K,)),
-            io.msg_zeros(lead=(io.n,)) if self.zb else None,
+            self.msg_zeros(),
+            self.s_zeros((self.repeats * self.K,)),
+            self.msg_zeros(lead=(self.n,)) if self.zb else None,
             _zeros_like(self.prows),
             self.loss0,
             jnp.zeros((3,), jnp.int32),
         )
-
-    def arrive(self, dev, received):
-        return dev._replace(bin=received)
 
     def back(self, dev: _Back, out, row, d):
         """B (and W) after F: ``(the new state, the input cotangent sent back)``.
@@ -135,9 +176,7 @@ class Program:
         Every parameter cotangent is added inside its branch to the stage's row of the
         accumulator (B; ZB-H1's W: to the accumulator), which an idle branch returns as it is,
         so no cotangent leaves a branch."""
-        if isinstance(d, int):
-            return self._back_local(dev, out, row, d)
-        io, K, n, zb, rows_p = self.io, self.K, self.io.n, self.zb, self.prows
+        K, n, zb, rows_p, grad = self.K, self.n, self.zb, self.prows, self.grad
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
         f, fs = engine.at(row, d, n)
         b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
@@ -147,29 +186,29 @@ class Program:
 
         def b_branch(v):
             def run(rows_p, xb, g, b, grow):
-                dx, dp = self.grad.pull(
+                dx, dp = grad.pull(
                     v,
-                    io.row(rows_p, bs // n),
-                    io.s_unpack(xb, v),
-                    None if v.last else io.unpack(g, v.y_layout),
-                    *self.grad.inputs(b, bs),
+                    self.row(rows_p, bs // n),
+                    self.s_unpack(xb, v),
+                    None if v.last else self.stages.unpack(g, v.y_layout),
+                    *grad.inputs(b, bs),
                     wrt_params=not zb,
                     wrt_input=not v.first,
                 )
-                dx = io.msg_zeros() if dx is None else io.pack(dx)
+                dx = self.msg_zeros() if dx is None else self.stages.pack(dx)
                 return dx, grow if dp is None else _add_to(grow, dp), one
 
             return run
 
         def b_idle(rows_p, xb, g, b, grow):
-            return io.msg_zeros(), grow, zero
+            return self.msg_zeros(), grow, zero
 
         # the branch adds to the stage's row of the accumulator, which is written back here: an
         # accumulator passed through the branch was copied there whole (the branch cannot update
         # its operand in place); a row is half of it at 2 repeats, and then written in place
         grow = None if zb else engine.take(dev.grad, bs // n)
-        dx, grow, c1 = io.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, grow)
-        grad = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
+        dx, grow, c1 = self.dispatch(b >= 0, bs, b_branch, b_idle, rows_p, xb, dev.bin, b, grow)
+        acc = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
         gstash, c2 = dev.gstash, zero
         if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
             if gstash is not None:  # (the last stage seeds its own)
@@ -178,49 +217,167 @@ class Program:
             gw = None if gstash is None else engine.take(gstash, w % n)
 
             def w_branch(v):
-                def run(rows_p, xw, gw, w, grad):
-                    g = None if v.last else io.unpack(gw, v.y_layout)
-                    _, dp = self.grad.pull(
+                def run(rows_p, xw, gw, w, acc):
+                    g = None if v.last else self.stages.unpack(gw, v.y_layout)
+                    _, dp = grad.pull(
                         v,
-                        io.row(rows_p, 0),
-                        io.s_unpack(xw, v),
+                        self.row(rows_p, 0),
+                        self.s_unpack(xw, v),
                         g,
-                        *self.grad.inputs(w, d),
+                        *grad.inputs(w, d),
                         wrt_params=True,
                         wrt_input=False,
                     )
-                    return _add_row(grad, 0, dp), one
+                    return _add_row(acc, 0, dp), one
 
                 return run
 
-            w_idle = lambda rows_p, xw, gw, w, grad: (grad, zero)
-            grad, c2 = io.dispatch(w >= 0, d, w_branch, w_idle, rows_p, xw, gw, w, grad)
+            w_idle = lambda rows_p, xw, gw, w, acc: (acc, zero)
+            acc, c2 = self.dispatch(w >= 0, d, w_branch, w_idle, rows_p, xw, gw, w, acc)
         counts = dev.counts + jnp.stack([c0, c1, c2])
-        new = dev._replace(stash=stash, gstash=gstash, grad=grad, loss=dev.loss + dloss, counts=counts)
+        new = dev._replace(stash=stash, gstash=gstash, grad=acc, loss=dev.loss + dloss, counts=counts)
         return new, dx
 
-    # -- without a mesh: one device, the micro-batches one after the other -------------------
 
-    def _back_local(self, dev: _Back, out, row, d: int):
-        """B of virtual device ``d`` (no mesh), on what its F slot kept this tick: the parameter
-        and input cotangents together; the parameter cotangent joins the sums as soon as it
-        leaves the slot, the input cotangent goes to the previous column within the tick."""
+def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs):
+    """On a mesh: the table runs in the engine's one tick loop (:meth:`engine.MeshDevices.loop`),
+    with the F, B and W slots of :class:`_MeshSlots`."""
+    pipe, cfg, m = grad.pipe, grad.cfg, table.num_micro
+    S, n, v_rep = pipe.num_stages, pipe.num_devices, pipe.repeats  # device d: stages d, d + n, ...
+    axis, data = pipe.axis_name, pipe.data_axis_name
+    # the engine's stage objects: the containers of messages, stashes and stats
+    if pipe.homogeneous:
+        variants, index = _homogeneous_variants(pipe, bnd)
+        prows_in = runner
+        stages = engine.Homogeneous(cfg, bnd, stats_layouts, n, local=False)
+    else:
+        stages = engine.Heterogeneous(cfg, bnd, stats_layouts, runner.layouts, None, n, True)
+        variants = [
+            Variant(
+                pipe.stages[t],
+                t == 0,
+                t == S - 1,
+                lambda prow, t=t: stages.pbox.unpack(prow, runner.layouts[t]),
+                bnd[t],
+                bnd[t + 1],
+                t,
+            )
+            for t in range(S)
+        ]
+        index = np.arange(S)
+        prows_in = runner.buffers
+    lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
+    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
+    axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
+    outer = _MeshSlots(grad, table, stages, variants, index, row, axes)
+    spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
+    rep = PartitionSpec()
+    batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
+    # the engine's device abstraction places the parameters (and, with `param_specs`, makes
+    # the shard_map manual over the stage and data axes only: tensor / FSDP sharding inside)
+    devices = engine.MeshDevices(
+        cfg._replace(data_axis_name=data), pipe.mesh, v_rep, pipe.data_size, param_specs
+    )
+    ctx = engine._Ctx(S, n, v_rep, m, stages, stage_major=True)
+
+    def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
+        # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
+        # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
+        # XLA copied the parameters), and the gradients accumulate in blocks of that type.
+        # Everything a slot reads varies along the manual axes (see `_MeshSlots.dispatch`).
+        slots = copy.copy(outer)
+        offset = 0 if data is None else lax.axis_index(data) * m
+        slots.grad = grad.on_shard(ts, mask, key, cs, state, aux_scale, offset)
+        slots.prows = prows
+        inputs = engine.Inputs(prows, None, xs, None, key)
+        carry, _ = devices.loop(ctx, table, ckpt.training_phases(table), d, inputs, slots=slots)
+        dev = carry.back
+        # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
+        stats = engine.sum_exact(carry.stats, axis)
+        loss, grads, counts = engine.sum_exact(dev.loss, axis), dev.grad, dev.counts
+        if data is None:
+            return loss, grads, counts[None], stats
+        # every data shard ran its own micro-batches: sum their losses and gradients
+        return lax.psum(loss, data), devices.sum_over_data(grads), counts[None, None], stats
+
+    operands = [
+        (xs, batch_spec, True),
+        (grad.mask, batch_spec, True),
+        (grad.ts, batch_spec, True),
+        (grad.key, rep, True),
+        (grad.cs, batch_spec, True),
+        (grad.state, rep, True),
+        (grad.aux_scale, rep, False),  # a weighted loss's total weight
+    ]
+    out_specs = lambda param_in: (
+        rep,
+        param_in,
+        PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
+        rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
+    )
+    loss, grads, counts, stats = devices.spmd(body, prows_in, spec, operands, out_specs)
+    if not pipe.homogeneous:
+        grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
+    # per stage, as the forward call returns them
+    stats = stages.stage_rows(stats) if records(pipe) else None
+    return loss, grads, counts, stats
+
+
+def _homogeneous_variants(pipe, bnd):
+    """One stage function, so one branch per role: (first, last) pairs that occur."""
+    S, fn = pipe.num_stages, pipe.stages[0]
+    roles = sorted({(t == 0, t == S - 1) for t in range(S)}, reverse=True)
+    variants = [Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
+    index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
+    return variants, index
+
+
+# --- without a mesh: one device, the micro-batches one after the other ---------------------------
+
+
+class _LocalSlots(_Slots):
+    """The slots of virtual device ``d`` (a Python int, one per stage, no mesh): each runs its
+    own stage, called directly, every slot kept apart (:func:`_computation`)."""
+
+    def __init__(self, grad, xs, variants, prows):
+        self.grad, self.xs, self.variants, self.prows = grad, xs, variants, prows
+        self.S, self.homogeneous = len(variants), grad.pipe.homogeneous
+        self.loss0 = grad.loss_zero(variants[-1])
+
+    def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
+        """F of stage ``d`` on the tick's micro-batch (read as data by stage 0): ``(y, stats,
+        loss part, kept)``."""
+        i, v = self._tick_micro(row), self.variants[d]
+        x = engine.read(self.grad.cfg, self.xs, i) if d == 0 else x_in
+
+        def f_slot(params, x):
+            return self.grad.save(v, self._row(params, d), x, *self.grad.inputs(i, d))
+
+        y, dloss, kept, st = _computation(i, f_slot, rows_p, x)
+        return y, st, dloss, kept
+
+    def init(self):
+        """The parameter cotangents and the loss sums (:class:`_Back`)."""
+        return _Back(None, None, None, _zeros_like(self.prows), self.loss0, None)
+
+    def back(self, dev: _Back, out, row, d: int):
+        """B of stage ``d``, on what its F slot kept this tick: the parameter and input
+        cotangents together; the parameter cotangent joins the sums as soon as it leaves the
+        slot, the input cotangent goes to the previous column within the tick."""
         i, v = self._tick_micro(row), self.variants[d]
         _, _, dloss, kept = out
 
         def b_slot(params, kept, g):
-            p = self._local_row(params, d)
-            return self.grad.pull(
-                v, p, kept, g, *self.grad.inputs(i, d), wrt_params=True, wrt_input=not v.first
-            )
+            p = self._row(params, d)
+            return self.grad.pull(v, p, kept, g, *self.grad.inputs(i, d), True, not v.first)
 
         g, dp = _computation(i, b_slot, self.prows, kept, dev.bin)
-        if self.pipe.homogeneous:
-            grad = jax.tree.map(lambda a, t: a.at[d].add(t.astype(a.dtype)), dev.grad, dp)
+        if self.homogeneous:
+            acc = jax.tree.map(lambda a, t: a.at[d].add(t.astype(a.dtype)), dev.grad, dp)
         else:
-            grad = [_add(a, dp) if t == d else a for t, a in enumerate(dev.grad)]
+            acc = [_add(a, dp) if t == d else a for t, a in enumerate(dev.grad)]
         loss = dev.loss if dloss is None else dev.loss + dloss.astype(dev.loss.dtype)
-        return dev._replace(grad=grad, loss=loss), g
+        return dev._replace(grad=acc, loss=loss), g
 
     def _tick_micro(self, row):
         """The micro-batch of every slot of a tick of the one-device table (every column runs
@@ -230,142 +387,45 @@ class Program:
         sixteenth session)."""
         return engine.split_row(row, self.S)[0][0]
 
-    def _local_row(self, params, s: int):
+    def _row(self, params, s: int):
         """Stage ``s``'s parameters, picked inside its slot at a static index (``a[s]``): with the
         mesh program's dynamic row and ``_add_row``, XLA kept copies of the stacked arrays (temp
         25.1 -> 73.9 KiB on the 4-stage probe of the thirteenth session)."""
-        return jax.tree.map(lambda a: a[s], params) if self.pipe.homogeneous else params[s]
+        return jax.tree.map(lambda a: a[s], params) if self.homogeneous else params[s]
 
-    def local(self, runner):
-        """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
-        training table runs as :func:`~pipejax._src.schedule.sequential_training`, gradient
-        accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one
-        virtual device per stage. At tick ``i`` the F slots of stages ``0, ..., S - 1`` run on
-        micro-batch ``i`` and keep what B needs (as on a mesh, :meth:`StageGrad.save`: the stage input
-        for ``"always"``, the residuals for ``"never"`` or a policy), then the B slots of stages
-        ``S - 1, ..., 0`` (:meth:`StageGrad.pull`, parameter and input cotangents together), and the
-        parameter cotangents join the sums before micro-batch ``i + 1`` starts. So the device
-        keeps one micro-batch's worth, whatever ``m`` is. Stage 0 reads its micro-batch as data.
-        Keys, loss terms and the order of the sums over micro-batches are the mesh program's.
-        """
-        S, m, pipe = self.S, self.m, self.pipe
-        bnd = self.boundaries
-        self.prows = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
-        self.variants = [
-            Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
-        ]
-        self.loss0 = self.grad.loss_zero(self.variants[-1])
-        layouts = [self.stats_layouts] * S if pipe.homogeneous else self.stats_layouts
-        stages = engine.Heterogeneous(self.cfg, bnd, layouts, None, None, S, switch=False)
-        devices = engine.LocalDevices(self.cfg, stacked=False)
-        table = devices.table(S, m, training=True)
-        ctx = engine._Ctx(S, S, 1, m, stages)
-        inputs = engine.Inputs(self.prows, None, self.xs, None, self.grad.key)
-        dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots=self)
-        # every stage runs F and B (with W) once per micro-batch
-        counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
-        if pipe.homogeneous and records(pipe):
-            stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-        elif not records(pipe):
-            stats = None
-        return dev.loss, dev.grad, counts, stats
 
-    # -- on a mesh: one SPMD program, a device per stage ------------------------------------
-
-    def mesh(self, runner):
-        """On a mesh: the table runs in the engine's one tick loop (:meth:`engine.MeshDevices.loop`),
-        with this program's F, B and W slots (:meth:`step`, :meth:`back`)."""
-        pipe, S = self.pipe, self.S
-        n, v_rep = pipe.num_devices, pipe.repeats  # device d holds stages d, d + n, ...
-        axis, mesh = pipe.axis_name, pipe.mesh
-        bnd = self.boundaries
-        # the engine's stage objects: the containers of messages, stashes and stats
-        if pipe.homogeneous:
-            variants, index = self._homogeneous_variants()
-            prows_in = runner
-            stages = engine.Homogeneous(self.cfg, bnd, self.stats_layouts, n, local=False)
-        else:
-            stages = engine.Heterogeneous(self.cfg, bnd, self.stats_layouts, runner.layouts, None, n, True)
-            variants = [
-                Variant(
-                    pipe.stages[t],
-                    t == 0,
-                    t == S - 1,
-                    lambda prow, t=t: stages.pbox.unpack(prow, runner.layouts[t]),
-                    bnd[t],
-                    bnd[t + 1],
-                    t,
-                )
-                for t in range(S)
-            ]
-            index = np.arange(S)
-            prows_in = runner.buffers
-        lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
-        row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
-        loss0 = self.grad.loss_zero(variants[-1])
-        data = pipe.data_axis_name
-        axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
-        io = _mesh_io(self, stages, variants, index, row, n, axes)
-        spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
-        rep = PartitionSpec()
-        batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
-        # the engine's device abstraction places the parameters (and, with `param_specs`, makes
-        # the shard_map manual over the stage and data axes only: tensor / FSDP sharding inside)
-        devices = engine.MeshDevices(
-            self.cfg._replace(data_axis_name=data), mesh, v_rep, pipe.data_size, self.param_specs
-        )
-        ctx = engine._Ctx(S, n, v_rep, self.m, stages, stage_major=True)
-
-        def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
-            # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
-            # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
-            # XLA copied the parameters), and the gradients accumulate in blocks of that type.
-            # Everything a slot reads varies along the manual axes (see `_mesh_io`'s dispatch).
-            prog = copy.copy(self)
-            offset = 0 if data is None else lax.axis_index(data) * self.m
-            prog.grad = self.grad.on_shard(ts, mask, key, cs, state, aux_scale, offset)
-            prog.xs, prog.io, prog.prows, prog.loss0 = xs, io, prows, loss0
-            inputs = engine.Inputs(prows, None, xs, None, key)
-            carry, _ = devices.loop(ctx, self.table, ckpt.training_phases(self.table), d, inputs, slots=prog)
-            dev = carry.back
-            # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
-            stats = engine.sum_exact(carry.stats, axis)
-            loss, grad, counts = engine.sum_exact(dev.loss, axis), dev.grad, dev.counts
-            if data is None:
-                return loss, grad, counts[None], stats
-            # every data shard ran its own micro-batches: sum their losses and gradients
-            return lax.psum(loss, data), devices.sum_over_data(grad), counts[None, None], stats
-
-        g = self.grad
-        operands = [
-            (self.xs, batch_spec, True),
-            (g.mask, batch_spec, True),
-            (g.ts, batch_spec, True),
-            (g.key, rep, True),
-            (g.cs, batch_spec, True),
-            (g.state, rep, True),
-            (g.aux_scale, rep, False),  # a weighted loss's total weight
-        ]
-        out_specs = lambda param_in: (
-            rep,
-            param_in,
-            PartitionSpec(axis) if data is None else PartitionSpec(data, axis),
-            rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
-        )
-        loss, grads, counts, stats = devices.spmd(body, prows_in, spec, operands, out_specs)
-        if not pipe.homogeneous:
-            grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
-        # per stage, as the forward call returns them
-        stats = stages.stage_rows(stats) if records(pipe) else None
-        return loss, grads, counts, stats
-
-    def _homogeneous_variants(self):
-        """One stage function, so one branch per role: (first, last) pairs that occur."""
-        S, bnd, fn = self.S, self.boundaries, self.pipe.stages[0]
-        roles = sorted({(t == 0, t == S - 1) for t in range(S)}, reverse=True)
-        variants = [Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
-        index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
-        return variants, index
+def _on_one_device(grad: StageGrad, m, bnd, xs, runner, stats_layouts):
+    """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
+    training table runs as :func:`~pipejax._src.schedule.sequential_training`, gradient
+    accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one
+    virtual device per stage. At tick ``i`` the F slots of stages ``0, ..., S - 1`` run on
+    micro-batch ``i`` and keep what B needs (as on a mesh, :meth:`StageGrad.save`: the stage
+    input for ``"always"``, the residuals for ``"never"`` or a policy), then the B slots of
+    stages ``S - 1, ..., 0`` (:meth:`StageGrad.pull`, parameter and input cotangents together),
+    and the parameter cotangents join the sums before micro-batch ``i + 1`` starts. So the
+    device keeps one micro-batch's worth, whatever ``m`` is. Stage 0 reads its micro-batch as
+    data. Keys, loss terms and the order of the sums over micro-batches are the mesh program's.
+    """
+    pipe, cfg, S = grad.pipe, grad.cfg, grad.pipe.num_stages
+    prows = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
+    variants = [
+        Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
+    ]
+    slots = _LocalSlots(grad, xs, variants, prows)
+    layouts = [stats_layouts] * S if pipe.homogeneous else stats_layouts
+    stages = engine.Heterogeneous(cfg, bnd, layouts, None, None, S, switch=False)
+    devices = engine.LocalDevices(cfg, stacked=False)
+    table = devices.table(S, m, training=True)
+    ctx = engine._Ctx(S, S, 1, m, stages)
+    inputs = engine.Inputs(prows, None, xs, None, grad.key)
+    dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots=slots)
+    # every stage runs F and B (with W) once per micro-batch
+    counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
+    if pipe.homogeneous and records(pipe):
+        stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
+    elif not records(pipe):
+        stats = None
+    return dev.loss, dev.grad, counts, stats
 
 
 class _Back(NamedTuple):
@@ -377,65 +437,6 @@ class _Back(NamedTuple):
     grad: Any  # parameter cotangents, one row per stage the device holds
     loss: Any  # f[2]: the (loss, weight) sums of the micro-batches the device's last stage ran
     counts: Any  # int[3]: F, B and W slots run
-
-
-class _IO(NamedTuple):
-    """How a device of the training loop runs: messages, stashes and the dispatch of a slot."""
-
-    n: int  # stage s is row s // n of the device's stages
-    row: Callable[[Any, Any], Any]  # (the device's parameter block, row) -> that row's parameters
-    pack: Callable[[Any], Any]  # a typed activation or cotangent -> its message
-    unpack: Callable[[Any, Layout], Any]  # (message, layout) -> the typed value
-    msg_zeros: Callable[..., Any]  # (lead=()) -> a message of zeros
-    s_pack: Callable[[Any], Any]  # what F saved -> a stash entry
-    s_unpack: Callable[[Any, Variant], Any]
-    s_zeros: Callable[..., Any]  # (lead=()) -> stash entries of zeros
-    st_pack: Callable[[Any], Any]  # a stateful stage's stats -> a stats entry
-    st_zeros: Callable[..., Any]
-    dispatch: Callable[..., Any]  # (working, stage, make_branch, idle, *args) -> the slot's outputs
-
-
-def _mesh_io(prog: Program, stages, variants, index, row, n, axes) -> _IO:
-    """A device of the mesh: one SPMD program, so a slot picks the branch of its stage's variant
-    (:func:`engine.dispatch`), and messages, stashes and stats have the containers of the
-    engine's stage objects (``stages``; ``row``: the type of one of the device's parameter
-    rows)."""
-    msg_zeros = lambda lead=(): stages.message_zeros(0, lead)[0]
-    if prog.grad.keep:  # residuals differ per stage (and role): one container for all
-        saved_layouts = [Layout.of(prog.grad.saved_structs(v, row)) for v in variants]
-        sbox = Container.for_layouts(saved_layouts)
-        s_pack, s_zeros = (lambda tree: sbox.pack(engine.whole(prog.cfg, tree))), sbox.zeros
-        s_unpack = lambda msg, v: sbox.unpack(msg, saved_layouts[variants.index(v)])
-    else:  # the stage input, as a message
-        s_pack, s_zeros = stages.pack, msg_zeros
-        s_unpack = lambda msg, v: stages.unpack(msg, v.x_layout)
-    # the stats of a device's F slots, as the engine's tick writes them at (stage, micro-batch)
-    # of an (S, m) buffer (empty without records)
-    st_pack, st_zeros = stages.stats_message, (lambda lead=(): stages.message_zeros(0, lead)[1])
-    variant_of = jnp.asarray(index, jnp.int32)
-
-    def dispatch(working, s, make, idle, *args):
-        # Every branch returns its values varying along the manual axes, so all branches have
-        # one type. Everything a slot reads is cast before the loop (see `mesh`), so the only
-        # values cast here are constants (zeros; the cotangent of an integer leaf): no cast of
-        # a differentiated value sits in a branch, whose transpose (a psum) only some devices
-        # would reach.
-        vary = lambda f: lambda *a: compat.to_varying(f(*a), axes)
-        return engine.dispatch(working, variant_of[s], [vary(make(v)) for v in variants], vary(idle), *args)
-
-    return _IO(
-        n,
-        lambda block, r: engine._row(block, r, prog.pipe.repeats),
-        stages.pack,
-        stages.unpack,
-        msg_zeros,
-        s_pack,
-        s_unpack,
-        s_zeros,
-        st_pack,
-        st_zeros,
-        dispatch,
-    )
 
 
 # --- small exact helpers ---------------------------------------------------------------------
@@ -460,7 +461,7 @@ def _add(acc, delta):
 
 
 def _computation(i, fn, *args):
-    """``fn(*args)``, one slot of :meth:`Program.local`, kept apart from the loop body's other
+    """``fn(*args)``, one slot of :class:`_LocalSlots`, kept apart from the loop body's other
     slots, so that XLA neither merges a stage's recomputation in B (``"always"``) with F's
     forward pass nor hoists the stage's parameter slices (``w[j]``) out of the loop (a copy of
     every parameter in temp memory). Written inline, XLA did both, on CPU and on GPU.

@@ -121,7 +121,7 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
     ``p``; without a mesh ``int[S, 3]``, one F and one B slot per stage and micro-batch (the
-    gradient accumulation of :meth:`slots.Program.local`). For tests and benchmarks."""
+    gradient accumulation of :func:`slots._on_one_device`). For tests and benchmarks."""
     _check_params(pipe, params)
     pipe._check_batch(x, None, targets)
     counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)  # stateless
@@ -150,7 +150,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     )
     name = pipe.schedule_name
     if name == "interleaved-1f1b" and pipe.mesh is None:
-        name = "1f1b"  # one device: gradient accumulation (`slots.Program.local`), no ring to share
+        name = "1f1b"  # one device: gradient accumulation (`slots._on_one_device`), no ring to share
     elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
         n, p = pipe.num_devices, pipe.data_size
         per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
@@ -213,11 +213,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     grad.aux_loss, grad.aux_scale = aux_loss, aux_scale
     if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
         grad.state = compat.replicate(_per_stage_state(pipe, state))
-    prog = slots.Program(grad, table, boundaries, xs, stats_layouts, param_specs)
-    if pipe.mesh is None:
-        totals, grads, counts, stats = prog.local(runner)
-    else:
-        totals, grads, counts, stats = prog.mesh(runner)
+    totals, grads, counts, stats = slots.run(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
     loss = totals[0]
     if weights is not None:  # sums of losses and gradients over the batch's total weight
         loss = loss / totals[1]
