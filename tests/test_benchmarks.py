@@ -48,6 +48,7 @@ def run_quick(script: str, *args: str) -> str:
             ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),
         ),
         ("gpu.py", ("One device:", "composed (jax.value_and_grad)", "1f1b always")),  # any backend
+        ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all four")),
     ],
 )
 def test_benchmark_quick(script, headings):
