@@ -77,7 +77,6 @@ class StageGrad:
         self.offset = 0  # index of its first micro-batch in the mini-batch (for the keys)
         # The loss contract (see `per_example`): a mean is scaled per micro-batch by 1 / batch; a
         # weighted loss adds up sums and weights, and the step divides both totals at the end.
-        self.weighted = weighted
         self.scale = 1.0 if weighted else 1.0 / plan.batch
         # "always": F stashes the stage input and B and W recompute the stage from it; "never":
         # F keeps the residuals of the stage's vjp; a policy: the residuals of the vjp of the
