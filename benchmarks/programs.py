@@ -18,7 +18,9 @@ Sections (markdown tables):
    leaves every hash as it was leaves every program as it was: the same memory, compile time
    and numbers, on every backend. ``--save`` writes the table, ``--compare`` lists the programs
    whose hash moved (and exits 1 if any did). Forward-over-reverse (``jax.jvp`` of
-   ``value_and_grad``) is lowered for GPipe and circular.
+   ``value_and_grad``) is lowered for GPipe and circular. The text depends on the JAX version,
+   so compare two trees in one environment (run the old tree with ``PYTHONPATH=<old tree>``),
+   never against hashes recorded elsewhere.
 2. ``lines``: the lines of the modules of the tick loop and the training program (total, and
    code without docstrings, comments and blank lines), beside the two files they grew from when
    issue 22 was filed (``engine.py`` + ``train.py`` at d0e1f4f), read with ``git show`` when
