@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pipejax._src import aux_outputs, compat, engine
+from pipejax._src import boundaries as bnd
 from pipejax._src import checkpoint as ckpt
-from pipejax._src.layout import Layout, is_weak
+from pipejax._src.layout import Layout
 from pipejax._src.loss import per_example
 
 
@@ -60,7 +61,8 @@ class Pullback(NamedTuple):
     # targets, mask); F saves those, B and W compute the parameter-only ones again
     out: Any  # the value's types, sharding types too (the cotangent seeds take them)
     axes: tuple[str, ...]  # the manual axes the value (beside y: its aux loss) varies along
-    types: list[Any]  # each residual's type, weak types included
+    types: list[Any]  # each residual's type, weak types included (a weakly typed scalar
+    # parameter traces to another program than a strong one: an extra convert_element_type)
     typed: list[Any]  # each residual's type with its sharding type
 
 
@@ -201,7 +203,7 @@ class StageGrad:
                 out, _, res, info["treedef"] = self._residuals(v, prow, x, k, t, mask)
                 info["out"] = jax.tree.map(_typed_struct, out)
                 info["axes"] = _axes(out.extra if isinstance(out, WithAux) else out)
-                info["types"] = [_struct(a) for a in res]
+                info["types"] = bnd.struct(res)
                 info["typed"] = [_typed_struct(a) for a in res]
                 return res
 
@@ -224,7 +226,7 @@ class StageGrad:
         meta = self._meta_of(v, prow)
         out, aux, leaves, _ = self._residuals(v, prow, x, k, t, mask)
         # the analysis traced the program these residuals come from (same types, weak ones too)
-        assert [_struct(a) for a in leaves] == meta.types, "residuals of another program"
+        assert bnd.struct(leaves) == meta.types, "residuals of another program"
         return out, aux, [a for a, keep in zip(leaves, meta.per_micro, strict=True) if keep]
 
     def pull(self, v: Variant, prow, saved, g, k, t, mask, wrt_params: bool, wrt_input: bool):
@@ -278,8 +280,8 @@ class StageGrad:
         out = jax.eval_shape(
             lambda y, t, mask: self._loss(y, t, mask),
             v.y_layout.structs(),
-            micro_struct(self.ts),
-            micro_struct(self.mask),
+            bnd.micro_struct(self.ts),
+            bnd.micro_struct(self.mask),
         )
         return jnp.zeros((2,), out[0].dtype)  # (loss, weight)
 
@@ -309,14 +311,8 @@ def _plus(loss, extra):
     return loss if extra is None else loss + extra.astype(loss.dtype)
 
 
-def _struct(a):
-    """The type of ``a``, weak type included: a weakly typed scalar parameter traces to another
-    program (an extra ``convert_element_type``, so other residuals) than a strong one."""
-    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), weak_type=jax.typeof(a).weak_type)
-
-
 def _typed_struct(a):
-    """:func:`_struct` with the sharding type: a cotangent seed takes it (an output typed split
+    """A residual's type with its sharding type: a cotangent seed takes it (an output typed split
     over an Explicit axis inside a stage is seeded with a cotangent split alike)."""
     t = jax.typeof(a)
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=t.sharding)
@@ -377,8 +373,3 @@ def _cotangent(g, out):
     """``g`` with ``out``'s dtypes (exact for the containers' round trip) and sharding types (a
     value typed with an Explicit axis inside a stage comes out of its container replicated)."""
     return jax.tree.map(lambda a, o: compat.like(a.astype(o.dtype), o), g, out)
-
-
-def micro_struct(tree):
-    """The type of one micro-batch of ``tree`` (leaves ``(m, b, ...)``)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=is_weak(a)), tree)

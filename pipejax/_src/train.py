@@ -41,7 +41,6 @@ from pipejax._src import boundaries as bnd
 from pipejax._src import schedule as sched
 from pipejax._src.loss import check_float_params, mean_loss, per_example
 from pipejax._src.placement import StageParams
-from pipejax._src.stage_grad import micro_struct
 
 PyTree = Any
 
@@ -192,7 +191,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     _, weights = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch),
         ys_struct,
-        micro_struct(ts),
+        bnd.micro_struct(ts),
     )
     aux_scale = None
     if weights is not None and aux_loss is not None:
@@ -247,7 +246,7 @@ def _total_weight(pipe, loss_fn, ys_struct, ts, mask, plan) -> jax.Array:
     def weights_of(y, t):
         return per_example(loss_fn, y, t, plan.micro_size, plan.batch)[1]
 
-    if stage_grad.depends(weights_of, (ys_struct, micro_struct(ts)), (True, False))[0]:
+    if stage_grad.depends(weights_of, (ys_struct, bnd.micro_struct(ts)), (True, False))[0]:
         raise NotImplementedError(
             f"`aux_loss` with a `loss_fn` whose weights depend on its `outputs` is not supported "
             f"under `schedule={pipe.schedule_name!r}`: this schedule adds the aux losses' gradients "
@@ -260,7 +259,7 @@ def _total_weight(pipe, loss_fn, ys_struct, ts, mask, plan) -> jax.Array:
     losses_dtype = jax.eval_shape(
         lambda y, t: per_example(loss_fn, y, t, plan.micro_size, plan.batch)[0],
         ys_struct,
-        micro_struct(ts),
+        bnd.micro_struct(ts),
     ).dtype
     w = jax.vmap(lambda t: weights_of(y_zero, t))(ts)  # (m, micro_size), every micro-batch
     w = jnp.where(mask, lax.stop_gradient(w).astype(losses_dtype), jnp.zeros((), losses_dtype))
