@@ -13,6 +13,8 @@ Schedules: ``gpipe``, ``circular`` (2 stages per device), ``1f1b``, ``zb-h1``,
 ``interleaved-1f1b`` (2 stages per device). Features: ``mesh=None`` and a mesh; a data axis;
 ``context=`` side inputs; per-example keys; heterogeneous and homogeneous stages; a token-weighted
 loss normalised by the batch's total weight (the loss contract); a ``jax.checkpoint`` policy.
+The cells on a mesh run inside ``jax.set_mesh`` (eagerly and under ``jax.jit``), the context the
+docs recommend for eager autodiff on an Explicit mesh.
 ``param_specs`` (tensor and FSDP) under every schedule is in ``test_pipeline_sharded_stages.py``.
 
 Every compile costs seconds, so features that add to a program without replacing a default share
@@ -161,7 +163,12 @@ def test_grid(name, feature, kind):
         loss_fn, targets, side = weighted(tokens), (t, tokens), {"context": context}
 
     pipe = pj.pipeline(stages, schedule=name, **options)
-    got = jax.jit(lambda p: pipe.value_and_grad(loss_fn)(p, x, targets, None, **side))(params)
+    step = lambda p: pipe.value_and_grad(loss_fn)(p, x, targets, None, **side)
+    if feature == "no-mesh":
+        got = jax.jit(step)(params)
+    else:  # inside the mesh context the docs recommend: eagerly ("mesh"), under jit ("data")
+        with jax.set_mesh(options["mesh"]):
+            got = step(params) if feature == "mesh" else jax.jit(step)(params)
     models.assert_trees_close(got, grid_reference(kind, feature, num_stages), **TOL)
 
 
@@ -187,6 +194,30 @@ def grid_reference(kind, feature, num_stages):
         plain = jax.value_and_grad(lambda p: jnp.mean(per_example(composed(kind, p, x, None), t)))(params)
         assert abs(float(plain[0]) - float(want[0])) > 1e-3
     return want
+
+
+@pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
+def test_a_policy_that_saves_everything_on_a_mesh(kind):
+    """`jax.checkpoint_policies.everything_saveable` under the training schedules on a mesh: the
+    residuals it saves depend on the types inside the `shard_map` (the last stage's loss scale
+    is one there), so what F keeps is laid out there; an uneven batch (8 in 3 micro-batches)
+    where the table allows it."""
+    stages, kw, params, x = model(kind)
+    _, _, t, _, _ = inputs()
+    want = grid_reference(kind, "no-mesh", S)
+    for name in ("1f1b", "zb-h1", "interleaved-1f1b"):
+        chunks = CHUNKS if name == "interleaved-1f1b" else 3  # interleaved: a multiple of 2 devices
+        pipe = pj.pipeline(
+            stages,
+            schedule=name,
+            chunks=chunks,
+            repeats=REPEATS.get(name, 1),
+            mesh=mesh_for(name, False),
+            checkpoint=jax.checkpoint_policies.everything_saveable,
+            **kw,
+        )
+        got = jax.jit(pipe.value_and_grad(per_example))(params, x, t)
+        models.assert_trees_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("kind", ["heterogeneous", "homogeneous"])
@@ -322,7 +353,12 @@ def test_stateful_stages(placement, kind):
         if placement == "mesh":
             options["mesh"] = mesh_for(name, False)
         pipe = pj.pipeline(stages, schedule=name, **options)
-        (loss, stats), grads = jax.jit(pipe.value_and_grad(per_example))(params, h, t, state=state)
+        step = jax.jit(pipe.value_and_grad(per_example))
+        if placement == "mesh":  # inside the mesh context
+            with jax.set_mesh(options["mesh"]):
+                (loss, stats), grads = step(params, h, t, state=state)
+        else:
+            (loss, stats), grads = step(params, h, t, state=state)
         ref_name = GPIPE_OF.get(name, "gpipe")
         if name == ref_name:  # GPipe's (or circular's) autodiff is the reference
             _, fwd_stats = pipe(params, h, state=state)  # the forward call reports the same stats

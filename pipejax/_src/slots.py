@@ -79,18 +79,34 @@ class _MeshSlots(_Slots):
     nothing), and messages, stashes and stats travel in the containers of the engine's stage
     objects (``stages``)."""
 
-    def __init__(self, grad, table, stages, variants, index, row, axes):
+    def __init__(self, grad, table, stages, variants, index, axes):
         self.grad, self.stages, self.variants, self.axes = grad, stages, variants, axes
         self.n, self.repeats = table.num_devices, table.repeats  # stage s is row s // n of a device
         self.K = table.stash_slots()  # what F keeps, per stage the device holds
         self.zb = table.weight is not None
         self.variant_of = jnp.asarray(index, jnp.int32)
-        self.saved_layouts, self.sbox = None, None
+        self.saved_layouts, self.sbox = None, None  # laid out on the device (`on_device`)
+        self.loss_dtype = grad.loss_dtype(variants[-1])
+        self.prows, self.loss0 = None, None  # set on the device (`on_device`)
+
+    def on_device(self, grad: StageGrad, prows) -> _MeshSlots:
+        """These slots on a device of the mesh, inside the ``shard_map``: ``grad`` computing on
+        the device's values (:meth:`StageGrad.on_shard`), ``prows`` its parameter block.
+
+        What F keeps is laid out here, from the types the slots trace: the residuals a
+        checkpoint policy saves depend on them (with ``everything_saveable`` the last stage's
+        loss scale, cast to vary along the manual axes inside the ``shard_map``, is a residual
+        there and a constant outside)."""
+        new = copy.copy(self)
+        new.grad, new.prows = grad, prows
+        # made inside the shard_map: a value made outside and closed over is typed with the
+        # context mesh's Explicit axes under `jax.set_mesh`, which shard_map refuses to close over
+        new.loss0 = jnp.zeros((2,), self.loss_dtype)
         if grad.keep:  # residuals differ per stage (and role): one container for all
-            self.saved_layouts = [Layout.of(grad.saved_structs(v, row)) for v in variants]
-            self.sbox = Container.for_layouts(self.saved_layouts)
-        self.loss0 = grad.loss_zero(variants[-1])
-        self.prows = None  # set on the device (`_on_mesh`)
+            row = self.row(prows, 0)
+            new.saved_layouts = [Layout.of(grad.saved_structs(v, row)) for v in self.variants]
+            new.sbox = Container.for_layouts(new.saved_layouts)
+        return new
 
     # messages (activations, cotangents), stash entries (what F kept) and stats entries
 
@@ -266,10 +282,8 @@ def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs
         ]
         index = np.arange(S)
         prows_in = runner.buffers
-    lead = 1 if v_rep == 1 else 2  # (S, ...) or, interleaved, (v, n, ...) stacked stages
-    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), prows_in)
     axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
-    outer = _MeshSlots(grad, table, stages, variants, index, row, axes)
+    outer = _MeshSlots(grad, table, stages, variants, index, axes)
     spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
     rep = PartitionSpec()
     batch_spec = rep if data is None else PartitionSpec(data)  # micro-batches split over data
@@ -285,10 +299,8 @@ def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs
         # `stage // n` and drops the stage axis inside the tick (`engine._row`; dropped here,
         # XLA copied the parameters), and the gradients accumulate in blocks of that type.
         # Everything a slot reads varies along the manual axes (see `_MeshSlots.dispatch`).
-        slots = copy.copy(outer)
         offset = 0 if data is None else lax.axis_index(data) * m
-        slots.grad = grad.on_shard(ts, mask, key, cs, state, aux_scale, offset)
-        slots.prows = prows
+        slots = outer.on_device(grad.on_shard(ts, mask, key, cs, state, aux_scale, offset), prows)
         inputs = engine.Inputs(prows, None, xs, None, key)
         carry, _ = devices.loop(ctx, table, ckpt.training_phases(table), d, inputs, slots=slots)
         dev = carry.back
@@ -342,7 +354,7 @@ class _LocalSlots(_Slots):
     def __init__(self, grad, xs, variants, prows):
         self.grad, self.xs, self.variants, self.prows = grad, xs, variants, prows
         self.S, self.homogeneous = len(variants), grad.pipe.homogeneous
-        self.loss0 = grad.loss_zero(variants[-1])
+        self.loss0 = jnp.zeros((2,), grad.loss_dtype(variants[-1]))
 
     def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
         """F of stage ``d`` on the tick's micro-batch (read as data by stage 0): ``(y, stats,

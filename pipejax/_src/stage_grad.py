@@ -183,7 +183,10 @@ class StageGrad:
         With a checkpoint policy the stage is checkpointed with it first, so the residuals are
         what the policy saves and the pullback recomputes the rest.
         """
-        xf, rebuild = _floats(x)
+        # typed as the analysis traced it (`zero_input`): an input that does not vary yet (stage
+        # 0's micro-batch of x) would be cast inside the stage, and a policy that saves
+        # everything would save the casts as residuals the analysis never saw
+        xf, rebuild = _floats(compat.to_varying(x, _axes(prow)))
 
         def h(p, xf):
             return self._objective(v, p, rebuild(xf), k, t, mask)
@@ -275,15 +278,15 @@ class StageGrad:
         dx = _fill(x, cts[-1]) if wrt_input else None
         return dx, dp
 
-    def loss_zero(self, v):
-        """The ``(loss, weight)`` sums of no micro-batch: zeros of the loss's dtype."""
+    def loss_dtype(self, v):
+        """The dtype of the ``(loss, weight)`` sums (the loss's dtype)."""
         out = jax.eval_shape(
             lambda y, t, mask: self._loss(y, t, mask),
             v.y_layout.structs(),
             bnd.micro_struct(self.ts),
             bnd.micro_struct(self.mask),
         )
-        return jnp.zeros((2,), out[0].dtype)  # (loss, weight)
+        return out[0].dtype
 
 
 # --- small exact helpers ---------------------------------------------------------------------
