@@ -21,6 +21,8 @@ from pipejax._src.keys import layer_key as layer_key
 from pipejax._src.layer_form import from_layers as from_layers
 from pipejax._src.layer_form import layers_target as layers_target
 from pipejax._src.layer_form import to_layers as to_layers
+from pipejax._src.loss import LossSums as LossSums
+from pipejax._src.loss import weighted_mean as weighted_mean
 from pipejax._src.memory import MemoryEstimate as MemoryEstimate
 from pipejax._src.memory import MemoryReport as MemoryReport
 from pipejax._src.memory import Residual as Residual
@@ -55,6 +57,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "Balance",
     "BatchStats",
+    "LossSums",
     "MemoryEstimate",
     "MemoryReport",
     "MicrobatchPlan",
@@ -97,6 +100,7 @@ __all__ = [
     "stage_key",
     "timeline_inputs_held",
     "to_layers",
+    "weighted_mean",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",
 ]

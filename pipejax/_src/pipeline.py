@@ -446,12 +446,16 @@ class Pipeline:
         aux of each (stage, micro-batch), adds ``sum_s sum_i w_i aux_loss(aux_si)`` to the loss,
         ``w_i = n_i / B`` as for ``aux="mean"``: the same loss and gradients under every
         schedule (the training schedules seed the aux loss's cotangent in each stage's backward
-        slot). With a ``loss_fn`` that returns ``(losses, weights)`` the loss is
-        ``sum(losses) / sum(weights)`` plus the aux losses under every schedule; the training
-        schedules need weights computed from ``targets`` alone (not from ``outputs``) then.
+        slot). With a ``loss_fn`` that returns :class:`pipejax.LossSums` ``(sums, weights)``
+        the loss is ``sum(sums) / sum(weights)`` plus the aux losses under every schedule; the
+        training schedules need weights computed from ``targets`` alone (not from ``outputs``)
+        then.
 
         Args:
-          loss_fn: ``loss_fn(outputs, targets) -> losses`` (or ``(losses, weights)``).
+          loss_fn: ``loss_fn(outputs, targets) -> losses``, one per example (the loss is their
+            mean), or :class:`pipejax.LossSums` ``(sums, weights)`` (the loss is ``sum(sums) /
+            sum(weights)``: the weights divide, they do not multiply; for a weighted mean
+            return :func:`pipejax.weighted_mean` ``(losses, weights)``).
           aux_loss: ``aux_loss(aux_of_one_stage_and_micro_batch) -> scalar``, or ``None``.
 
         Raises:
