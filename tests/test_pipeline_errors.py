@@ -55,6 +55,66 @@ def test_checkpoint_of_the_wrong_type():
         pj.pipeline([affine], checkpoint=3)
 
 
+CP = jax.checkpoint_policies
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (jax.checkpoint, r"got `jax.checkpoint` itself.*pass what it may save"),
+        (CP.save_only_these_names, r"`jax.checkpoint_policies.save_only_these_names` uncalled.*Call it"),
+        (CP.save_any_names_but_these, r"save_any_names_but_these` uncalled"),
+        (CP.save_from_both_policies, r"save_from_both_policies` uncalled.*policy_1, policy_2"),
+        (CP.save_and_offload_only_these_names, r"save_and_offload_only_these_names` uncalled"),
+        (lambda: True, r"got <lambda>\(\), which cannot be called as JAX calls a policy"),
+        (lambda prim, x: True, r"<lambda>\(prim, x\), which cannot be called.*def policy\(prim, \*args"),
+        (bool, r"got type <class 'bool'>"),
+    ],
+    ids=[
+        "jax.checkpoint",
+        "factory",
+        "factory-but",
+        "factory-both",
+        "factory-offload",
+        "arity-0",
+        "arity-2",
+        "class",
+    ],
+)
+@pytest.mark.parametrize("where", ["pipeline", "checkpoint_sequential"])
+def test_checkpoint_values_that_are_not_a_mode_or_a_policy(where, value, match):
+    """Refused when the pipeline (every schedule checks one rule) or `checkpoint_sequential` is
+    built, before JAX calls them as policies."""
+    if where == "pipeline":
+        for schedule in ("gpipe", "1f1b"):
+            with pytest.raises(TypeError, match=r"^`checkpoint` must be one of 'always'.*" + match):
+                pj.pipeline([affine, affine], checkpoint=value, schedule=schedule)
+    else:
+        with pytest.raises(TypeError, match=r"^`policy` of checkpoint_sequential.*" + match):
+            pj.checkpoint_sequential(affine, policy=value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "got"),
+    [(lambda prim, *a, **k: None, "None"), (lambda prim, *a, **k: lambda *a, **k: True, "a function")],
+    ids=["no-return", "a-factory"],
+)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "sequential"])
+def test_a_policy_that_returns_no_decision(schedule, policy, got):
+    """A policy's result is checked where JAX calls it: None (a missing `return`) or a function
+    (a factory given a primitive) is no decision, and JAX would read it as one."""
+    match = rf"policy '<lambda>' returned {got} for the primitive .*Return a bool"
+    w = jnp.ones((2, 3))
+    with pytest.raises(TypeError, match=match):
+        if schedule == "sequential":
+            apply = pj.checkpoint_sequential(lambda p, x, k: jnp.tanh(x * p[None]), policy=policy)
+            jax.grad(lambda p: apply(p, X).sum())(w)
+        else:
+            pipe = pj.pipeline([affine, affine], chunks=2, checkpoint=policy, schedule=schedule)
+            params = [{"w": jnp.ones((1, 3))}, {"w": jnp.ones((1, 3))}]
+            pipe.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))(params, X, X)
+
+
 def test_no_stages():
     with pytest.raises(ValueError, match=r"`stages` is empty"):
         pj.pipeline([])

@@ -18,6 +18,7 @@ cotangents in another order (see :func:`phases`).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,20 +37,93 @@ Remat = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def check_mode(checkpoint: Any) -> None:
-    """Raises unless ``checkpoint`` is one of :data:`MODES` or a callable policy."""
+    """Raises unless ``checkpoint`` is one of :data:`MODES` or a ``jax.checkpoint`` policy
+    (:func:`check_policy`)."""
+    modes = ", ".join(repr(m) for m in MODES)
     if isinstance(checkpoint, str):
         if checkpoint not in MODES:
             raise ValueError(
-                f"`checkpoint` must be one of {', '.join(repr(m) for m in MODES)} or a "
-                f"jax.checkpoint policy, but got {checkpoint!r}."
+                f"`checkpoint` must be one of {modes} or a jax.checkpoint policy, but got {checkpoint!r}."
             )
         return
-    if not callable(checkpoint):
+    check_policy(checkpoint, "`checkpoint`", f"one of {modes} or a jax.checkpoint policy")
+
+
+# The functions of jax.checkpoint_policies that build a policy from names or other policies: given
+# uncalled, each would be called by JAX as if it were the policy.
+_POLICY_FACTORIES = {
+    "save_only_these_names": "save_only_these_names('name')",
+    "save_any_names_but_these": "save_any_names_but_these('name')",
+    "save_anything_except_these_names": "save_anything_except_these_names('name')",
+    "save_and_offload_only_these_names": (
+        "save_and_offload_only_these_names(names_which_can_be_saved=[...], "
+        "names_which_can_be_offloaded=[...], offload_src='device', offload_dst='pinned_host')"
+    ),
+    "save_from_both_policies": "save_from_both_policies(policy_1, policy_2)",
+    "offload_dot_with_no_batch_dims": "offload_dot_with_no_batch_dims('device', 'pinned_host')",
+}
+
+
+def check_policy(policy: Any, name: str, what: str) -> None:
+    """Raises unless ``policy`` looks like a ``jax.checkpoint`` policy: a function that JAX calls
+    as ``policy(primitive, *avals, **params)`` and that says whether to save the primitive's
+    output. ``name`` names the argument and ``what`` what it accepts, for messages.
+
+    Refused with a message: ``jax.checkpoint`` itself (pipejax applies it), a policy factory of
+    ``jax.checkpoint_policies`` not called (``save_only_these_names``), a class, and a function
+    whose signature cannot take ``(primitive, *avals, **params)``. What a policy returns is
+    checked when it is called (:func:`_checked`)."""
+    example = "e.g. `jax.checkpoint_policies.dots_saveable`"
+    if policy is jax.checkpoint or policy is jax.remat:
         raise TypeError(
-            f"`checkpoint` must be one of {', '.join(repr(m) for m in MODES)} or a "
-            "jax.checkpoint policy such as `jax.checkpoint_policies.dots_saveable`, but got "
-            f"{type(checkpoint).__name__} {checkpoint!r}."
+            f"{name} must be {what}, but got `jax.checkpoint` itself. pipejax applies jax.checkpoint "
+            f"to each stage (or segment) already; pass what it may save instead: a policy, {example}."
         )
+    for factory, call in _POLICY_FACTORIES.items():
+        if policy is getattr(jax.checkpoint_policies, factory, None):
+            raise TypeError(
+                f"{name} must be {what}, but got `jax.checkpoint_policies.{factory}` uncalled: it "
+                f"builds a policy. Call it, e.g. `jax.checkpoint_policies.{call}`."
+            )
+    if not callable(policy) or isinstance(policy, type):
+        raise TypeError(f"{name} must be {what} ({example}), but got {type(policy).__name__} {policy!r}.")
+    try:
+        sig = inspect.signature(policy)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        sig.bind(object(), object())  # a unary primitive
+        sig.bind(object(), object(), object(), axes=(0,), name="x")  # more operands, parameters
+    except TypeError:
+        raise TypeError(
+            f"{name} must be {what}, but got {getattr(policy, '__name__', type(policy).__name__)}"
+            f"{sig}, which cannot be called as JAX calls a policy: `policy(primitive, *avals, "
+            "**params) -> bool` (True: save the primitive's output). Write it as `def "
+            "policy(prim, *args, **params): ...`, or use one of jax.checkpoint_policies "
+            f"({example})."
+        ) from None
+
+
+def _checked(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """``policy``, refusing results that cannot be a decision: ``None`` (a missing ``return``) and
+    a function (a policy factory called with a primitive instead of names). JAX's own policies
+    pass unwrapped: newer JAX recognises some of them by identity or type."""
+    if (getattr(policy, "__module__", None) or "").startswith("jax"):
+        return policy
+
+    @functools.wraps(policy)
+    def checked(prim, *args, **params):
+        out = policy(prim, *args, **params)
+        if out is None or callable(out):
+            got = "None" if out is None else f"a {type(out).__name__}"
+            raise TypeError(
+                f"The jax.checkpoint policy {getattr(policy, '__name__', policy)!r} returned {got} for "
+                f"the primitive {prim}, but a policy returns whether to save the primitive's output "
+                "(True or False). Return a bool; if it builds a policy from names, call it first."
+            )
+        return out
+
+    return checked
 
 
 def _remat(policy: Any = None) -> Remat:
@@ -91,6 +165,8 @@ def _except_stage_params(policy: Callable[..., bool]) -> Callable[..., bool]:
     (Written out rather than built on ``jax.checkpoint_policies.save_anything_except_these_names``,
     which in jax 0.10.2 saves every value, named or not.)
     """
+
+    policy = _checked(policy)
 
     def combined(prim, *args, **params):
         if prim.name in _STRUCTURAL or (prim.name == "name" and params.get("name") == STAGE_PARAMS):
@@ -238,15 +314,10 @@ def checkpoint_sequential(
     """
     checks.check_callable(layer, "layer", "layer(params_l, x, key_l) -> x")
     if segments is not None:
-        if isinstance(segments, bool) or not isinstance(segments, int):
-            raise TypeError(f"`segments` must be an int >= 1 or None, but got {segments!r}.")
-        if segments < 1:
-            raise ValueError(
-                f"`segments` must be >= 1 (the number of checkpointed segments), but got {segments}; "
-                "pass None for about sqrt(L)."
-            )
+        what = "the number of checkpointed segments (None: about sqrt(L))"
+        segments = checks.count(segments, "segments", what=what)
     _check_policy(policy)
-    remat = _remat(policy)
+    remat = _remat(None if policy is None else _checked(policy))
 
     def step(carry, xs, key):
         p, index = xs
@@ -287,7 +358,7 @@ def checkpoint_sequential(
 
 def _check_policy(policy: Any) -> None:
     """``policy`` of checkpoint_sequential: ``None`` or a ``jax.checkpoint`` policy (a function)."""
-    if policy is None or (callable(policy) and not isinstance(policy, type)):
+    if policy is None:
         return
     if isinstance(policy, str):
         raise TypeError(
@@ -299,10 +370,7 @@ def _check_policy(policy: Any) -> None:
             "`jax.checkpoint_policies.everything_saveable` saves everything (no recomputation, as "
             "checkpoint='never'; then plain jax.lax.scan is simpler)."
         )
-    raise TypeError(
-        f"`policy` of checkpoint_sequential must be None or a jax.checkpoint policy such as "
-        f"`jax.checkpoint_policies.dots_saveable`, but got {type(policy).__name__} {policy!r}."
-    )
+    check_policy(policy, "`policy` of checkpoint_sequential", "None or a jax.checkpoint policy")
 
 
 def default_segments(num_layers: int) -> int:
