@@ -10,7 +10,8 @@ script, a mesh may span the devices of all processes, and XLA collectives (``ppe
 
 The launcher owns the processes: it prefixes every output line with the process's index, stops
 the others as soon as one fails (its exit code becomes the launcher's) or leaves without joining
-while the others wait to, stops all after ``--timeout`` seconds (exit code 124), and ends every
+while the others wait to, stops all after ``--timeout`` seconds (exit code 124) or when it is sent
+SIGINT, SIGTERM or SIGHUP (exit code 128 + the signal's number: 130, 143, 129), and ends every
 process group when it returns, so that no child of any process is left behind.
 """
 
@@ -26,6 +27,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,8 @@ DEVICES_PER_PROCESS = "PIPEJAX_DEVICES_PER_PROCESS"
 LAUNCH_DIR = "PIPEJAX_LAUNCH_DIR"  # a folder where `initialize` marks how far each process got
 
 TIMEOUT_EXIT_CODE = 124  # as coreutils' `timeout`
+# Signals that stop the launch: Ctrl-C, a job scheduler's stop, a closed terminal.
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _HOST = "127.0.0.1"  # the launcher starts local processes only: loopback
 _GRACE_S = 3.0  # after SIGTERM, how long a process may take to exit before SIGKILL
 _POLL_S = 0.05  # the longest the wait loop sleeps
@@ -284,10 +288,17 @@ def launch(
     another code (the others are stopped at once and that code is returned; a process killed
     by signal ``k`` counts as ``128 + k``), when one exits with 0 without joining the group
     while another waits for it in :func:`initialize` (the others are stopped, 1 is returned), or
-    after ``timeout`` seconds (all are stopped and 124 is returned). In every case it then ends
-    the process group of every process, those that have exited too, so that no child a process
-    started is left running: SIGTERM, then SIGKILL to what is left 3 s later (at once to a
-    process that joined JAX's group: JAX catches SIGTERM).
+    after ``timeout`` seconds (all are stopped and 124 is returned), or when SIGINT, SIGTERM or
+    SIGHUP is sent to the launcher (all are stopped and ``128 + k`` is returned for signal ``k``:
+    130, 143, 129). In every case it then ends the process group of every process, those that
+    have exited too, so that no child a process started is left running: SIGTERM, then SIGKILL
+    to what is left 3 s later (at once to a process that joined JAX's group: JAX catches
+    SIGTERM).
+
+    The processes run in sessions of their own, so a signal sent to the launcher (Ctrl-C, a job
+    scheduler's SIGTERM, a closed terminal's SIGHUP) reaches it alone; while the call runs in the
+    main thread it handles those three itself, except one that already has a handler of your own
+    or is ignored (``nohup`` ignores SIGHUP), and puts the previous handlers back when it returns.
 
     Args:
       command: the arguments after ``python``: ``["script.py", *args]`` or ``["-m", "module",
@@ -299,10 +310,12 @@ def launch(
       out: where the prefixed lines go (a text stream); ``None`` is ``sys.stdout``.
 
     Returns:
-      The exit code: 0, the first failing process's code, or 124 on timeout.
+      The exit code: 0, the first failing process's code, 124 on timeout, or ``128 + k`` when
+      signal ``k`` stopped the launch.
 
     Raises:
-      TypeError, ValueError: for bad arguments (a ``port`` in use too), before any process starts.
+      TypeError, ValueError: for bad arguments (a ``port`` in use too, a bad module after
+        ``"-m"``), before any process starts.
 
     Examples:
       >>> from pipejax import launch
@@ -332,14 +345,15 @@ def launch(
     coordinator = f"{_HOST}:{_free_port() if port is None else int(port)}"
     folder = pathlib.Path(tempfile.mkdtemp(prefix="pipejax-launch-"))
     group = _Group(out, folder)
-    try:
-        for i in range(processes):
-            env = _environment(i, processes, devices_per_process, coordinator, folder)
-            group.start(i, [sys.executable, *command], env)
-        return group.wait(timeout)
-    finally:
-        group.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    with _Signals() as signals:  # until `stop` has ended every group: it must not be interrupted
+        try:
+            for i in range(processes):
+                env = _environment(i, processes, devices_per_process, coordinator, folder)
+                group.start(i, [sys.executable, *command], env)
+            return group.wait(timeout, signals)
+        finally:
+            group.stop()
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _environment(i, processes, devices_per_process, coordinator, folder) -> dict[str, str]:
@@ -364,6 +378,39 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((_HOST, 0))
         return s.getsockname()[1]
+
+
+class _Signals:
+    """Records SIGINT, SIGTERM and SIGHUP for :meth:`_Group.wait`, instead of acting on them at once.
+
+    The processes run in sessions of their own, so a signal sent to the launcher reaches it
+    alone, and its default action (ending the launcher, or ``KeyboardInterrupt`` anywhere in it)
+    would leave them running. The handler only records the first signal: ``wait`` sees it
+    within ``_POLL_S`` and returns ``128 + k``, and ``stop`` then ends every group without being
+    interrupted (a later signal is ignored: the processes are being stopped already). A signal
+    with a handler of the caller's own, or ignored (``nohup`` ignores SIGHUP), is left as it is;
+    outside the main thread, where Python sets no handlers, all are.
+    """
+
+    def __init__(self):
+        self.received: int | None = None  # the first stop signal's number, once one came
+        self.previous: dict[int, object] = {}  # the handlers to put back, by signal
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for name in _STOP_SIGNALS:
+                sig = getattr(signal, name, None)  # Windows has no SIGHUP
+                if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                    self.previous[sig] = signal.signal(sig, self.record)
+        return self
+
+    def record(self, sig, frame) -> None:
+        if self.received is None:
+            self.received = sig
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class _Group:
@@ -450,12 +497,15 @@ class _Group:
         self.out.flush()
         print(f"pipejax.launch: {message}", file=sys.stderr, flush=True)
 
-    def wait(self, timeout: float | None) -> int:
-        """Waits for all to succeed, the first to fail, or the deadline; returns the exit code."""
+    def wait(self, timeout: float | None, signals: _Signals) -> int:
+        """Waits for all to succeed, the first to fail, the deadline or a stop signal; returns the code."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
                 self.pump(_POLL_S)
+                if signals.received is not None:
+                    self.say(f"received {signal.Signals(signals.received).name}; stopping all processes.")
+                    return 128 + signals.received
                 for i in self.exits():
                     code = self.codes[i]
                     if code != 0:
@@ -475,7 +525,7 @@ class _Group:
                 if deadline is not None and time.monotonic() > deadline:
                     self.say(f"timed out after {timeout:g} s; stopping all processes.")
                     return TIMEOUT_EXIT_CODE
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # SIGINT with a handler of the caller's own that raises it
             self.say("interrupted; stopping all processes.")
             return 130
 
@@ -608,7 +658,90 @@ def _check_command(command) -> list[str]:
             "`command` must be a non-empty list of strings, the arguments after `python` "
             f"(e.g. ['script.py'] or ['-m', 'package.module']), but got {command!r}."
         )
+    if command[0] == "-m":
+        if len(command) == 1:
+            raise ValueError(
+                f"`command` is {list(command)!r}, but -m needs a module name after it "
+                "(e.g. ['-m', 'package.train'])."
+            )
+        problem = _module_problem(command[1], None)
+        if problem is not None:
+            raise ValueError(f"`command` is {list(command)!r}, but -m {command[1]!r}: {problem}.")
     return list(command)
+
+
+def _module_problem(name: str, launcher: str | None) -> str | None:
+    """What makes ``name`` no module for ``python -m``, and the fix; None where python may find it.
+
+    A module name is dotted names that python looks up on its path. Python finds names that are
+    not identifiers (``my-tool`` from ``my-tool.py``), so only what can never name a module is
+    refused: nothing, spaces, a path separator, an empty part (``.train``), and a script file's
+    path (``-m train.py`` would import ``train``, running its code, to look for ``train.py``). A
+    name python does not find is left to python, whose message names it. ``launcher``, where
+    given, is how the command line starts, for the fix (``python -m pipejax.launch -n 2``).
+    """
+    if not name.strip():
+        return (
+            "the module name is empty; pass the module each process runs, as to `python -m` "
+            "(e.g. -m package.train), or leave out -m and pass a script file"
+        )
+    dotted = name.removesuffix(".py").strip("/").replace("/", ".")  # tools/train.py: tools.train
+    instead = f"pass -m {dotted}" if _dotted(dotted) else None
+    if os.path.isfile(name) and (name.endswith(".py") or not _dotted(name)):
+        run = f" ({launcher} {name})" if launcher else ""
+        also = f", or {instead}" if instead else ""
+        return f"{name!r} is a script file, not a module name: leave out -m to run it{run}{also}"
+    if not _dotted(name):
+        fix = "leave out -m to run a script file"
+        fix = f"{instead}, or {fix}" if instead else fix
+        return (
+            "a module name is dotted names without spaces or '/', like package.module (python "
+            f"imports it from its path; it does not open a file): {fix}"
+        )
+    return None
+
+
+def _dotted(name: str) -> bool:
+    """Whether ``name`` is names without spaces or path separators, joined by single dots."""
+    return all(part and not any(c.isspace() or c in "/\\" for c in part) for part in name.split("."))
+
+
+def _script_problem(path: str) -> str | None:
+    """What keeps every process from running the script ``path`` as python would, and the fix.
+
+    Python runs a file, or a directory (or zip file) holding a ``__main__.py``. Each process
+    opens the script, so a pipe (``<(...)``) cannot serve them all.
+    """
+    if not path.strip():
+        return (
+            f"the script {path!r} is an empty name: pass the path of a script file, or -m and a module name"
+        )
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        where = "" if os.path.isabs(path) else f" (in the current directory {os.getcwd()})"
+        fix = "pass the path of a script file"
+        if not path.endswith(".py") and _module_problem(path, None) is None:
+            fix = f"to run a module, pass -m {path}"
+        return f"the script {path!r} does not exist{where}; {fix}"
+    except OSError as err:  # a part of the path is a file, a folder without search permission, ...
+        return f"the script {path!r} cannot be opened ({err.strerror}): pass the path of a script file"
+    if stat.S_ISDIR(mode):
+        if os.path.isfile(os.path.join(path, "__main__.py")):
+            return None
+        return (
+            f"the script {path!r} is a directory, and python runs a directory only if it holds a "
+            f"__main__.py: pass a script file (e.g. {os.path.join(path, 'train.py')}), or add "
+            f"{os.path.join(path, '__main__.py')}"
+        )
+    if not stat.S_ISREG(mode):
+        return (
+            f"the script {path!r} is not a file but a pipe, a device or a socket: each of the processes "
+            "reads the script, so pass a file (write a script from <(...) to a file first)"
+        )
+    if not os.access(path, os.R_OK):
+        return f"the script {path!r} cannot be read (permission denied): make it readable (chmod u+r {path})"
+    return None
 
 
 # --- the command line --------------------------------------------------------------------------
@@ -657,7 +790,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Example: python -m pipejax.launch --processes 2 --devices-per-process 2 train.py --steps 10. "
-            "Exit code: 0, the first failing process's code, or 124 on timeout."
+            "Exit code: 0, the first failing process's code, 124 on timeout, or 128 + k when signal k "
+            "stops the launcher (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP)."
         ),
     )
     add = parser.add_argument
@@ -680,7 +814,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--timeout", metavar="SECONDS", type=_seconds, help="stop all processes after this many seconds")
     add("--port", type=_port, help="coordinator port on 127.0.0.1 (default: a free one)")
     add("-m", dest="module", action="store_true", help="run the target as a module, like python -m")
-    parser.add_argument("target", help="the script (or, with -m, the module) each process runs")
+    # Optional for argparse, so that a missing target gets pipejax's message (argparse would
+    # name `args` as missing too).
+    parser.add_argument("target", nargs="?", help="the script (or, with -m, the module) each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
 
@@ -702,13 +838,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     opts = parser.parse_args(argv)
+    if opts.target is None:
+        parser.error(
+            "-m needs a module name after it (e.g. -m package.train)"
+            if opts.module
+            else "no script given: pass the script each process runs (python -m pipejax.launch -n 2 "
+            "train.py), or -m and a module name"
+        )
     if opts.module:
+        problem = _module_problem(opts.target, f"python -m pipejax.launch -n {opts.processes}")
+        if problem is not None:
+            parser.error(f"-m {opts.target!r}: {problem}")
         command = ["-m", opts.target, *opts.args]
     else:
-        if not os.path.isfile(opts.target):
-            parser.error(
-                f"the script {opts.target!r} does not exist (to run a module, pass -m {opts.target})"
-            )
+        problem = _script_problem(opts.target)
+        if problem is not None:
+            parser.error(problem)
         command = [opts.target, *opts.args]
     if opts.port is not None and (err := _port_taken(_HOST, opts.port)) is not None:
         parser.error(
