@@ -16,11 +16,17 @@ own per-(micro-batch, stage, layer) key, reseeded as a held stream is reseeded. 
 * Linen, whose layers draw with ``self.make_rng``: ``apply(..., rngs={"dropout": key})`` reaches
   them under GPipe and 1F1B alike, the loss and gradients of ``value_and_grad`` with "1f1b" equal
   those of ``jax.value_and_grad`` of the GPipe call (float64, ``1e-12``: the schedules sum the
-  micro-batches in another order).
+  micro-batches in another order);
+* the rngs a layer needs but does not get keep Flax's error (``KeyError``, ``AttributeError``,
+  Linen's ``InvalidRngError``) and gain a note naming the layer (index, stage, class) and the
+  stream and ``rngs=`` to pass: a call's or constructor's ``nnx.Rngs`` without the
+  ``rng_collection`` stream, a layer drawing a stream its call-time ``nnx.Rngs`` lacks, a Linen
+  ``apply`` without the ``dropout`` rng or with a layer drawing another rng.
 """
 
 from __future__ import annotations
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -201,3 +207,106 @@ def test_linen_call_time_rngs_under_gpipe_and_1f1b():
     y = gpipe.apply(variables, x, deterministic=False, rngs={"dropout": key})
     np.testing.assert_allclose(y, pj.merge_microbatches(jnp.stack(outs), plan), rtol=1e-14, atol=1e-14)
     assert (y == 0).any()  # dropout ran
+
+
+def notes(err):
+    return "\n".join(getattr(err.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_nnx_rngs_without_the_stream_says_which_layers_and_how(deterministic):
+    """The call's ``nnx.Rngs(params=0)`` has no ``dropout`` stream (nor a default one) to draw the
+    call's key from: Flax's ``KeyError`` is kept and gains a note naming the layers that need the key,
+    their stages and class, and the stream to add, also with dropout off (the key is drawn anyway)."""
+    x = x_data()
+    pipe = NNXPipeline(blocks(CallBlock), balance=[2, 2], chunks=CHUNKS)
+    with pytest.raises(KeyError, match="dropout") as err:
+        pipe(x, deterministic=deterministic, rngs=nnx.Rngs(params=0))
+    assert "with the streams ['params'] only" in notes(err)
+    assert "from the stream 'dropout' (its `rng_collection`)" in notes(err)
+    assert "layers 0-3 (stages 0-1, CallBlock), which take `rngs` at call time" in notes(err)
+    assert "add the stream: `rngs=nnx.Rngs(params=..., dropout=...)`" in notes(err)
+    assert "`rngs=jax.random.key(0)`" in notes(err)
+    # the training step draws its key as a call does, with the same note; layers holding streams too
+    mixed = [HeldBlock(nnx.Rngs(0)), CallBlock(nnx.Rngs(0)), CallBlock(nnx.Rngs(0)), Noise()]
+    pipe = NNXPipeline(mixed, balance=[1, 3], chunks=CHUNKS, schedule="1f1b")
+    step = pipe.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))
+    with pytest.raises(KeyError, match="dropout") as err:
+        step(x, x, deterministic=deterministic, rngs=nnx.Rngs(params=0))
+    assert (
+        "layer 0 (stage 0, HeldBlock), which holds rng streams; layers 1-2 (stage 1, CallBlock) and "
+        "layer 3 (stage 1, Noise), which take `rngs` at call time"
+    ) in notes(err)
+    # a default stream stands in for the missing one, as `rngs["dropout"]` does in Flax
+    assert jnp.isfinite(step(x, x, deterministic=deterministic, rngs=nnx.Rngs(0))[0])
+
+
+def test_an_nnx_rngs_without_the_stream_given_to_the_constructor():
+    with pytest.raises(KeyError, match="dropout") as err:
+        NNXPipeline(blocks(HeldBlock), balance=[2, 2], chunks=CHUNKS, rngs=nnx.Rngs(params=0))
+    assert "was built with `rngs=` an nnx.Rngs with the streams ['params'] only" in notes(err)
+    assert "forks its own key stream from the stream 'dropout'" in notes(err)
+    assert "`rngs=nnx.Rngs(params=..., dropout=...)`" in notes(err)
+
+
+def test_a_layer_drawing_a_stream_its_call_time_rngs_lack():
+    """A layer's call-time ``nnx.Rngs`` has ``rng_collection`` and the streams of the call's
+    ``nnx.Rngs``: a layer drawing another stream keeps Flax's error (``KeyError`` for
+    ``rngs["noise"]``, ``AttributeError`` for ``rngs.noise``) with a note naming the layer, its
+    stage and class, the streams it got, and the ``nnx.Rngs`` to call with."""
+    x, key = x_data(), jax.random.key(0)
+    pipe = NNXPipeline([Noise(), Noise()], balance=[1, 1], chunks=CHUNKS)
+    with pytest.raises(AttributeError, match="noise") as err:
+        pipe(x, rngs=key)  # a key: the layers get the `dropout` stream only
+    assert "layer 0 (stage 0, Noise) draws from the stream 'noise'" in notes(err)
+    assert "has the streams ['dropout'] only" in notes(err)
+    assert "`rngs=nnx.Rngs(dropout=..., noise=...)`" in notes(err)
+    assert jnp.isfinite(pipe(x, rngs=nnx.Rngs(dropout=0, noise=1))).all()  # as the note says
+    # Dropout draws `rngs["dropout"]`, but the pipeline's stream is named otherwise
+    pipe = NNXPipeline(blocks(CallBlock), balance=[2, 2], chunks=CHUNKS, rng_collection="noise")
+    with pytest.raises(KeyError, match="dropout") as err:
+        pipe(x, deterministic=False, rngs=key)
+    assert "layer 0 (stage 0, CallBlock) draws from the stream 'dropout'" in notes(err)
+    assert "`rngs=nnx.Rngs(noise=..., dropout=...)`" in notes(err)
+
+
+class NoiseBlock(nn.Module):
+    """A Linen layer that draws from a ``noise`` rng (``self.make_rng("noise")``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + jax.random.normal(self.make_rng("noise"), x.shape, x.dtype)
+
+
+def test_linen_without_the_rng_a_layer_draws_says_which_layer_and_how():
+    """``LinenPipeline`` hands each layer its ``rng_collection`` rng only, when ``apply`` has it:
+    Flax's ``InvalidRngError`` is kept and gains a note naming the layer, its stage and class, and
+    the ``rngs=`` to pass (``apply``'s, the ``value_and_grad`` step's; a bare key is the params rng)."""
+    x, key = x_data(), jax.random.key(7)
+    pipe = LinenPipeline([LinenBlock() for _ in range(4)], balance=[2, 2], chunks=CHUNKS, carry=1)
+    variables = jax.jit(pipe.init)(jax.random.key(0), x)
+    step = pipe.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))
+    calls = {
+        "apply, the params rng only": lambda: pipe.apply(
+            variables, x, deterministic=False, rngs={"params": key}
+        ),
+        "apply, a bare key": lambda: pipe.apply(variables, x, deterministic=False, rngs=key),
+        "apply, no rngs": lambda: pipe.apply(variables, x, deterministic=False),
+        "value_and_grad step": lambda: step(variables, x, x, deterministic=False, rngs={"params": key}),
+    }
+    for name, call in calls.items():
+        with pytest.raises(flax.errors.InvalidRngError, match='needs PRNG for "dropout"') as err:
+            call()
+        assert "layer 0 (stage 0, LinenBlock) draws from the rng 'dropout'" in notes(err), name
+        assert "`module.apply(variables, x, rngs={'dropout': key})`" in notes(err), name
+        assert "a bare key is Linen's 'params' rng" in notes(err), name
+    # a layer drawing from another rng than the pipeline's `rng_collection`
+    pipe = LinenPipeline([NoiseBlock(), NoiseBlock()], balance=[1, 1], chunks=CHUNKS)
+    variables = pipe.init(jax.random.key(0), x)
+    with pytest.raises(flax.errors.InvalidRngError, match='needs PRNG for "noise"') as err:
+        pipe.apply(variables, x, rngs={"dropout": key, "noise": key})
+    assert "layer 0 (stage 0, NoiseBlock) draws from the rng 'noise'" in notes(err)
+    assert "hands each layer one rng only: a key of its `rng_collection` rng, 'dropout'" in notes(err)
+    assert "build the pipeline with `rng_collection='noise'`" in notes(err)
+    noisy = pipe.clone(rng_collection="noise")  # as the note says
+    assert jnp.isfinite(noisy.apply(variables, x, rngs={"noise": key})).all()

@@ -286,3 +286,38 @@ def test_bad_call():
         pipe(x, train=True)
     with pytest.raises(ValueError, match="'packed' entry"):
         pipe.layer_params({"other": 1})
+
+
+def test_bad_rngs():
+    """An ``rngs`` of the wrong type, for the call or the constructor: a ``TypeError`` that names the
+    argument, what it got and the fix (a Linen-style dict wrapped in ``nnx.Rngs``, a seed)."""
+    pipe = NNXPipeline(make_layers(), balance=[2, 2])
+    x, _ = data()
+    key = jax.random.key(0)
+    with pytest.raises(
+        TypeError, match=r"`rngs` of an NNXPipeline call .* got dict with the keys \['dropout'\]"
+    ):
+        pipe(x, rngs={"dropout": key})  # Linen's form
+    with pytest.raises(TypeError, match=r"Linen's form .*`rngs=nnx.Rngs\(\*\*rngs\)`"):
+        pipe(x, rngs={"dropout": key})
+    with pytest.raises(TypeError, match=r"got int 3\. For a seed, pass `rngs=nnx.Rngs\(dropout=3\)`"):
+        pipe(x, rngs=3)
+    with pytest.raises(
+        TypeError, match=r"`rngs` of an NNXPipeline call must be None or a PRNG key .*float64"
+    ):
+        pipe(x, rngs=jnp.ones(3, F))  # an array that is no key: named `rngs`, not the pipeline's `key`
+    with pytest.raises(
+        TypeError, match=r"`rngs` of an NNXPipeline call must be a single PRNG key.*shape \(4,\)"
+    ):
+        pipe(x, rngs=jax.random.split(key, 4))
+    with pytest.raises(
+        TypeError, match=r"`rngs` of NNXPipeline\(\.\.\.\) .* got PRNGKeyArray\. For a key, pass "
+    ):
+        NNXPipeline(make_layers(), balance=[2, 2], rngs=key)
+    with pytest.raises(
+        TypeError, match=r"`rngs` of NNXPipeline\(\.\.\.\) .* got int 0\. .*nnx.Rngs\(noise=0\)"
+    ):
+        NNXPipeline(make_layers(), balance=[2, 2], rngs=0, rng_collection="noise")
+    # no key anywhere: the message names the pipeline's stream (`rng_collection`), not always "dropout"
+    with pytest.raises(ValueError, match=r"hold rng streams.*`rngs=nnx.Rngs\(noise=\.\.\.\)`"):
+        NNXPipeline(make_layers(), balance=[2, 2], rng_collection="noise")(x)

@@ -12,6 +12,7 @@ call of both adapters (the forward call and the training step).
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -293,3 +294,70 @@ def _signatures(calls: Sequence[Callable[..., Any]], accepted: Sequence[frozense
         verb = "takes" if len(indices) == 1 else "take"
         parts.append(f"{which} ({owner}) {verb} {takes}")
     return "; ".join(parts)
+
+
+# --- naming layers and rng streams in messages ---------------------------------------------------
+
+
+def stage_of(index: int, sizes: Sequence[int]) -> int:
+    """The stage of layer ``index`` (``sizes``: the number of layers of each stage)."""
+    return int(np.searchsorted(np.cumsum(sizes), index, side="right"))
+
+
+def layer_where(index: int, sizes: Sequence[int], name: str | None = None) -> str:
+    """``"layer 2 (stage 1, Block)"``: layer ``index`` for messages, with its stage and, if known,
+    its class name."""
+    return f"layer {index} (stage {stage_of(index, sizes)}{'' if name is None else f', {name}'})"
+
+
+def layers_where(indices: Sequence[int], sizes: Sequence[int], names: Sequence[str]) -> str:
+    """``"layers 0-3 (stages 0-1, Block) and layer 5 (stage 2, Dense)"``: the layers ``indices``
+    for messages, runs of consecutive layers of one class grouped (``names``: every layer's class)."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1 and names[runs[-1][-1]] == names[index]:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    parts = []
+    for run in runs:
+        first, last = stage_of(run[0], sizes), stage_of(run[-1], sizes)
+        if len(run) == 1:
+            parts.append(layer_where(run[0], sizes, names[run[0]]))
+            continue
+        stages = f"stage {first}" if first == last else f"stages {first}-{last}"
+        parts.append(f"layers {run[0]}-{run[-1]} ({stages}, {names[run[0]]})")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def missing_stream(err: BaseException) -> str | None:
+    """The rng stream a Flax error says is missing, or ``None`` for another error: NNX's
+    ``KeyError``/``AttributeError`` "No RngStream named 'dropout' found in Rngs.", Linen's
+    ``InvalidRngError`` 'Dropout_0 needs PRNG for "dropout"'."""
+    text = str(err.args[0]) if err.args else ""
+    match = re.search(r"No RngStream named '([^']+)'", text) or re.search(r'needs PRNG for "([^"]+)"', text)
+    return None if match is None else match[1]
+
+
+def linen_rng_note(where: str, err: BaseException, rng_collection: str) -> str | None:
+    """The note for Linen's ``InvalidRngError`` raised by layer ``where`` in a ``LinenPipeline``
+    (``None`` when the error names no rng): the module hands each layer one rng only, its
+    ``rng_collection``, and only when ``apply`` was given that rng."""
+    name = missing_stream(err)
+    if name is None:
+        return None
+    head = f"pipejax.flax.LinenPipeline: {where} draws from the rng {name!r} (`self.make_rng({name!r})`)"
+    if name != rng_collection:
+        return (
+            f"{head}, but the pipeline hands each layer one rng only: a key of its "
+            f"`rng_collection` rng, {rng_collection!r}. If {name!r} is the layers' only random "
+            f"stream, build the pipeline with `rng_collection={name!r}` and pass "
+            f"`rngs={{{name!r}: key}}` to `apply`; layers that draw from two streams are not supported."
+        )
+    return (
+        f"{head}, and the call had no {name!r} rng to give it: the module draws one key per call "
+        f"from its {name!r} rng (`rng_collection`) and gives each layer a key of its own. Pass it "
+        f"to `apply`, `module.apply(variables, x, rngs={{{name!r}: key}})` (or `rngs=` of a "
+        f"`value_and_grad` step, the same dict; a bare key is Linen's 'params' rng, not {name!r}), "
+        "or turn the layers' dropout off (e.g. `deterministic=True`)."
+    )

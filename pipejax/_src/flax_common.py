@@ -49,12 +49,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
+from flax import errors as flax_errors
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax._src import checks
 from pipejax._src.balance import partition
 from pipejax._src.flax_batchnorm import SownMoments, is_sown, updated
-from pipejax._src.flax_calls import Carry, carry_hint, check_carry, is_array, select_carry, split_carry
+from pipejax._src.flax_calls import (
+    Carry,
+    carry_hint,
+    check_carry,
+    is_array,
+    layer_where,
+    linen_rng_note,
+    select_carry,
+    split_carry,
+)
 from pipejax._src.flax_options import Options, check_options, layer_tied, no_layer, stage_sizes
 from pipejax._src.pipeline import Pipeline, pipeline
 from pipejax._src.placement import StageParams
@@ -239,7 +249,15 @@ class Stack:
             context_per_layer = [()] * self.num_layers
         collect = self.aux is not None
         steps = [
-            _layer_step(run_layer, i, kwargs_per_layer[i], tuple(context_per_layer[i]), self.carry, collect)
+            _layer_step(
+                run_layer,
+                i,
+                kwargs_per_layer[i],
+                tuple(context_per_layer[i]),
+                self.carry,
+                collect,
+                layer_where(i, self.sizes, _layer_name(run_layer, i)),
+            )
             for i in range(self.num_layers)
         ]
         part = partition(steps, self.sizes)
@@ -418,14 +436,31 @@ def _layer_step(
     names: tuple[str, ...],
     carry: Carry,
     collect: bool = False,
+    where: str | None = None,
 ):
     """Layer ``index`` as a :func:`pipejax.partition` layer over the carry ``(h, mask, context,
     records, auxes)``: it reads the side inputs ``names`` of the micro-batch's ``context`` as
     keyword arguments, passes on the part of its output that ``carry`` selects
     (:func:`select_carry`), and passes the context on unchanged to the stage's next layer. With
-    ``collect`` (the ``aux=`` option) it adds its aux outputs to ``auxes`` (:func:`layer_aux`)."""
+    ``collect`` (the ``aux=`` option) it adds its aux outputs to ``auxes`` (:func:`layer_aux`).
+
+    ``where`` names the layer in notes (``"layer 2 (stage 1, Block)"``): a Linen layer that draws
+    from an rng the pipeline did not give it (Flax's ``InvalidRngError``) gains a note saying which
+    layer it is and how to pass the rng (:func:`~pipejax._src.flax_calls.linen_rng_note`)."""
+    if where is None:
+        where = f"layer {index}"
 
     def step(variables, state, key):
+        try:
+            return run(variables, state, key)
+        except flax_errors.InvalidRngError as err:
+            rng_collection = getattr(run_layer, "rng_collection", None)
+            note = None if rng_collection is None else linen_rng_note(where, err, rng_collection)
+            if note is not None:
+                err.add_note(note)
+            raise
+
+    def run(variables, state, key):
         h, mask, context, records, auxes = state
         side = {name: context[name] for name in names}
         if key is not None and _batched(key):  # per-example keys: the layer row by row
@@ -452,6 +487,16 @@ def _layer_step(
         return h, mask, context, (*records, rec or {}), (*auxes, layer_aux(rest, sown))
 
     return step
+
+
+def _layer_name(run_layer: RunLayer, index: int) -> str | None:
+    """The class name of layer ``index``, for messages, where ``run_layer`` holds the layers (Linen's
+    unbound layers, ``layers``; NNX's, ``names``); ``None`` otherwise."""
+    names = getattr(run_layer, "names", None)
+    if names is not None:
+        return names[index]
+    layers = getattr(run_layer, "layers", None)
+    return None if layers is None else type(layers[index]).__name__
 
 
 def layer_aux(rest: Any, sown: Mapping[str, Any]) -> dict[str, Any]:

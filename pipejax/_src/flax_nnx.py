@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -201,6 +201,7 @@ class NNXPipeline(nnx.Module):
             rest.append(r)
         self.graphdefs = tuple(graphdefs)
         self.calls = tuple(type(layer).__call__ for layer in layers)
+        self.layer_types = tuple(type(layer).__name__ for layer in layers)  # for messages
         # Which layers take `rngs=` at call time (current NNX style: `nnx.Dropout(rate)` holding no
         # stream, called as `dropout(x, rngs=rngs)`): they receive an nnx.Rngs of their own key.
         self.takes_rngs = tuple(_takes_rngs(call) for call in self.calls)
@@ -231,14 +232,18 @@ class NNXPipeline(nnx.Module):
             )
             self.stats_container, self.stats_layouts = placed.container, placed.layouts
         if isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
-            stream = (rngs[rng_collection] if isinstance(rngs, nnx.Rngs) else rngs).fork()
+            stream = (
+                _stream(rngs, rng_collection, "built with") if isinstance(rngs, nnx.Rngs) else rngs
+            ).fork()
             nnx.update(stream, stack.replicated(nnx.state(stream)))
             self.rngs = stream
         elif rngs is None:
             self.rngs = nnx.data(None)
         else:
             raise TypeError(
-                f"`rngs` must be an nnx.Rngs, an nnx.RngStream or None, but got {type(rngs).__name__}."
+                f"`rngs` of NNXPipeline(...) is what the pipeline forks its own key stream from: an "
+                f"nnx.Rngs (its `rng_collection` stream, {rng_collection!r}), an nnx.RngStream, or "
+                f"None, but got {_describe_rngs(rngs)}. {_rngs_fix(rngs, rng_collection)}"
             )
 
     def __call__(
@@ -430,15 +435,29 @@ class NNXPipeline(nnx.Module):
         if not holders and not any(self.takes_rngs):
             return None  # no layer can draw random numbers
         if isinstance(rngs, nnx.Rngs):
-            return rngs[self.rng_collection]()
+            return _stream(rngs, self.rng_collection, "called with", self._drawing)()
         if isinstance(rngs, nnx.RngStream):
             return rngs()
         if isinstance(rngs, jax.Array):
-            return rngs
+            return checks.check_key(
+                rngs,
+                name="rngs",
+                where="an NNXPipeline call",
+                purpose=(
+                    f"It may also be an nnx.Rngs (e.g. `nnx.Rngs({self.rng_collection}=0)`) or an "
+                    "nnx.RngStream."
+                ),
+                batch_fix=(
+                    "Pass one key: the pipeline derives each layer's keys from it "
+                    "(`per_example_keys=True` for one key per example)."
+                ),
+            )
         if rngs is not None:
             raise TypeError(
-                "`rngs` must be an nnx.Rngs, an nnx.RngStream, a PRNG key or None, but got "
-                f"{type(rngs).__name__}."
+                "`rngs` of an NNXPipeline call gives the call's one key: an nnx.Rngs (its "
+                f"`rng_collection` stream, {self.rng_collection!r}), an nnx.RngStream, a PRNG key "
+                f"(`jax.random.key(0)`) or None, but got {_describe_rngs(rngs)}. "
+                f"{_rngs_fix(rngs, self.rng_collection, key=True)}"
             )
         if self.rngs is None:
             if not holders:  # layers that take `rngs` at call time get none, as unpipelined
@@ -446,10 +465,24 @@ class NNXPipeline(nnx.Module):
             holders = [index for index, names in enumerate(self.stream_names) if names]
             raise ValueError(
                 f"Layers {holders} hold rng streams, which the pipeline reseeds at every call from "
-                "a key of its own, but it has none: pass `rngs=nnx.Rngs(dropout=...)` to "
-                "NNXPipeline(...) or to the call."
+                f"a key of its own, but it has none: pass `rngs=nnx.Rngs({self.rng_collection}=...)` "
+                "to NNXPipeline(...) or to the call."
             )
         return self.rngs()
+
+    def _drawing(self) -> str:
+        """The layers that draw from the call's key, for messages: ``"layers 0-3 (stages 0-1,
+        Block), which hold rng streams"``."""
+        parts = []
+        for flags, one, many in (
+            ([bool(n) for n in self.stream_names], "holds rng streams", "hold rng streams"),
+            (self.takes_rngs, "takes `rngs` at call time", "take `rngs` at call time"),
+        ):
+            indices = [index for index, flag in enumerate(flags) if flag]
+            if indices:
+                where = flax_calls.layers_where(indices, self._stack.sizes, self.layer_types)
+                parts.append(f"{where}, which {one if len(indices) == 1 else many}")
+        return "; ".join(parts)
 
     def _call_streams(self, rngs) -> tuple[str, ...]:
         """The streams of the ``nnx.Rngs`` a layer that takes ``rngs`` receives: ``rng_collection``
@@ -474,7 +507,16 @@ class NNXPipeline(nnx.Module):
             rest.append((treedef, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves)))
         streams = tuple(call_streams if takes else () for takes in self.takes_rngs)
         return _NNXLayers(
-            self.graphdefs, tuple(rest), self.stream_names, streams, det, ura, self._stack.deferred
+            self.graphdefs,
+            tuple(rest),
+            self.stream_names,
+            streams,
+            det,
+            ura,
+            self._stack.deferred,
+            self.layer_types,
+            self._stack.sizes,
+            self.rng_collection,
         )
 
 
@@ -499,6 +541,10 @@ class _NNXLayers:
     det: bool | None
     ura: bool | None
     deferred: bool
+    # for messages only (not part of the cache key: the graph definitions and the stack decide them)
+    names: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # per layer: its class
+    sizes: tuple[int, ...] = dataclasses.field(default=(), compare=False)  # layers of each stage
+    rng_collection: str = dataclasses.field(default="dropout", compare=False)  # the call key's stream
 
     def __call__(self, index, variables, x, key, mask, kwargs):
         states = [variables["params"]]
@@ -537,12 +583,39 @@ class _NNXLayers:
         except ValueError as err:
             if self.call_streams[index] and key is None and "rngs" in str(err):
                 err.add_note(
-                    f"pipejax.flax.NNXPipeline: layer {index} ({type(layer).__name__}) takes `rngs` at "
+                    f"pipejax.flax.NNXPipeline: {self._where(index, layer)} takes `rngs` at "
                     "call time, and the pipeline had no key to give it: pass `rngs=` to the call (a "
-                    "key, an nnx.Rngs or an nnx.RngStream), or `rngs=nnx.Rngs(dropout=...)` to "
-                    "NNXPipeline(...), or turn dropout off (`deterministic=True`, `pipe.eval()`)."
+                    f"key, an nnx.Rngs or an nnx.RngStream), or `rngs=nnx.Rngs({self.rng_collection}=...)` "
+                    "to NNXPipeline(...), or turn dropout off (`deterministic=True`, `pipe.eval()`)."
                 )
             raise
+        except (KeyError, AttributeError) as err:
+            name = flax_calls.missing_stream(err)
+            if self.call_streams[index] and key is not None and name is not None:
+                err.add_note(self._missing_stream_note(index, layer, name))
+            raise
+
+    def _where(self, index: int, layer: nnx.Module) -> str:
+        return (
+            flax_calls.layer_where(index, self.sizes, type(layer).__name__)
+            if self.sizes
+            else f"layer {index}"
+        )
+
+    def _missing_stream_note(self, index: int, layer: nnx.Module, name: str) -> str:
+        """Layer ``index`` drew from the stream ``name``, which the call-time rngs it received lack."""
+        given = list(self.call_streams[index])
+        wanted = sorted({*given, name} - {self.rng_collection})
+        streams = ", ".join(f"{n}=..." for n in wanted)
+        return (
+            f"pipejax.flax.NNXPipeline: {self._where(index, layer)} draws from the stream {name!r} of "
+            f"the `rngs` it is called with, but the nnx.Rngs the pipeline gave it has the streams "
+            f"{given} only: the pipeline's `rng_collection` ({self.rng_collection!r}) and the streams "
+            f"of the call's nnx.Rngs (none when the call passes a key or an nnx.RngStream), all "
+            f"seeded from the call's one key. Call with an nnx.Rngs that has the stream: "
+            f"`rngs=nnx.Rngs({self.rng_collection}=..., {streams})` (the other streams' seeds do not "
+            f"matter: the pipeline draws one key from {self.rng_collection!r} and seeds them all from it)."
+        )
 
 
 _CTX = "_pipejax_deferred_batch_norm"  # the attribute a switched BatchNorm reads its context from
@@ -772,6 +845,64 @@ def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
     if isinstance(placed, NamedSharding) and placed.mesh == mesh:
         spec = tuple(placed.spec) + (None,) * (buffer.ndim - len(placed.spec))
     return {"out_sharding": spec, "mesh": mesh}
+
+
+def _stream(rngs: nnx.Rngs, name: str, how: str, drawing: Callable[[], str] | None = None) -> nnx.RngStream:
+    """The stream ``name`` of ``rngs`` (as ``rngs[name]``: its ``default`` stream if it has no
+    ``name``); Flax's ``KeyError`` for neither gains a note saying what the pipeline draws and how to
+    add the stream (``how``: "built with" or "called with"; ``drawing()``: the layers that need it,
+    computed only for the note)."""
+    try:
+        return rngs[name]
+    except KeyError as err:
+        others = sorted(rngs)
+        seeds = ", ".join(f"{n}=..." for n in [*others, name])
+        if how == "built with":
+            what, fixes = "forks its own key stream", []
+        else:
+            what = "draws the call's one key, even with dropout off,"
+            fixes = ["pass a key, `rngs=jax.random.key(0)`"]
+        fixes = [
+            f"add the stream: `rngs=nnx.Rngs({seeds})`",
+            "give it a default stream: `nnx.Rngs(0)`",
+            *fixes,
+            f"build the pipeline with `rng_collection=` one of {others}",
+        ]
+        err.add_note(
+            f"pipejax.flax.NNXPipeline: the pipeline was {how} `rngs=` an nnx.Rngs with the streams "
+            f"{others} only, but it {what} from the stream {name!r} (its `rng_collection`) of that "
+            f"nnx.Rngs, or from its 'default' stream, which it lacks too."
+            + (f" That key seeds {drawing()}." if drawing is not None else "")
+            + " Either "
+            + "; or ".join(fixes)
+            + "."
+        )
+        raise
+
+
+def _describe_rngs(rngs: Any) -> str:
+    """A wrong ``rngs`` for messages: ``"dict with the keys ['dropout']"``, ``"int 0"``."""
+    if isinstance(rngs, Mapping):
+        return f"{type(rngs).__name__} with the keys {sorted(map(str, rngs))}"
+    if isinstance(rngs, (int, float, str)):
+        return f"{type(rngs).__name__} {rngs!r}"
+    return type(rngs).__name__
+
+
+def _rngs_fix(rngs: Any, rng_collection: str, key: bool = False) -> str:
+    """How to turn a wrong ``rngs`` into one an NNXPipeline takes."""
+    c = rng_collection
+    if isinstance(rngs, Mapping):
+        return (
+            "A dict of keys is Linen's form (`apply(..., rngs={'dropout': key})`); in NNX wrap it in "
+            f"an nnx.Rngs: `rngs=nnx.Rngs(**rngs)`, e.g. `nnx.Rngs({c}=key)`."
+        )
+    if isinstance(rngs, int) and not isinstance(rngs, bool):
+        alt = f" or a key, `rngs=jax.random.key({rngs})`" if key else ""
+        return f"For a seed, pass `rngs=nnx.Rngs({c}={rngs})`{alt}."
+    if not key and isinstance(rngs, jax.Array):
+        return f"For a key, pass `rngs=nnx.Rngs({c}=key)`, or pass it to each call: `pipe(x, rngs=key)`."
+    return f"Build one with `nnx.Rngs({c}=seed_or_key)`."
 
 
 def _takes_rngs(call: Any) -> bool:
