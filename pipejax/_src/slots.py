@@ -87,7 +87,15 @@ class _MeshSlots(_Slots):
         self.variant_of = jnp.asarray(index, jnp.int32)
         self.saved_layouts, self.sbox = None, None  # laid out on the device (`on_device`)
         self.loss_dtype = grad.loss_dtype(variants[-1])
-        self.prows, self.loss0 = None, None  # set on the device (`on_device`)
+        self.prows = None  # set on the device (`on_device`)
+
+    @property
+    def loss0(self):
+        """f[2] zeros: a slot's loss part when it has none, made where it is read. (A value made
+        outside the ``shard_map`` and closed over is typed with the context mesh's Explicit axes
+        under ``jax.set_mesh``, which ``shard_map`` refuses; one made once on the device is a
+        loop-invariant carry of the tick loop, 64-136 bytes of temp memory more.)"""
+        return jnp.zeros((2,), self.loss_dtype)
 
     def on_device(self, grad: StageGrad, prows) -> _MeshSlots:
         """These slots on a device of the mesh, inside the ``shard_map``: ``grad`` computing on
@@ -99,9 +107,6 @@ class _MeshSlots(_Slots):
         there and a constant outside)."""
         new = copy.copy(self)
         new.grad, new.prows = grad, prows
-        # made inside the shard_map: a value made outside and closed over is typed with the
-        # context mesh's Explicit axes under `jax.set_mesh`, which shard_map refuses to close over
-        new.loss0 = jnp.zeros((2,), self.loss_dtype)
         if grad.keep:  # residuals differ per stage (and role): one container for all
             row = self.row(prows, 0)
             new.saved_layouts = [Layout.of(grad.saved_structs(v, row)) for v in self.variants]
