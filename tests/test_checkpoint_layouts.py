@@ -253,6 +253,78 @@ def test_circular_layout_round_trips():
     jax.tree.map(np.testing.assert_array_equal, pj.to_layers(het, packed), listed)
 
 
+# --- under jax.set_mesh (issue 39) ---------------------------------------------------------------
+
+
+def circular(kind):
+    """A circular layout on 2 devices (4 stages): homogeneous, or heterogeneous one layer each."""
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    if kind == "circ":
+        return pj.pipeline(stacked_stage, num_stages=4, mesh=mesh, schedule="circular", repeats=2), None
+    part = pj.partition([layer] * L, [1] * L)
+    return pj.pipeline(part.stages, mesh=mesh, schedule="circular", repeats=2), [1] * L
+
+
+def any_layout(name):
+    if name in ("circ", "circ-het"):
+        pipe, balance = circular("circ" if name == "circ" else "het")
+        return pipe, balance, init_layers() if balance is None else unstack(init_layers())
+    return layout(name)
+
+
+def assert_same_arrays(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape
+        if isinstance(b, jax.ShapeDtypeStruct):
+            assert a.dtype == b.dtype and a.sharding == b.sharding
+            continue
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["4", "2", "2tp", "none", "het22", "het13", "circ", "circ-het"])
+def test_conversions_under_set_mesh_give_what_they_give_outside(name):
+    """Inside `jax.set_mesh` (Explicit axes from `jax.make_mesh`, or the pipeline's own mesh) the
+    three conversions give bitwise what they give outside it, on the same devices."""
+    pipe, balance, layers = any_layout(name)
+    placed = pj.from_layers(pipe, layers, balance=balance)
+    back = pj.to_layers(pipe, placed)
+    target = pj.layers_target(pipe, layers, balance=balance)
+    state = {"params": placed, "count": jnp.zeros((), jnp.int32)}
+    saved = pj.to_layers(pipe, state, params=placed)
+    contexts = [jax.make_mesh((4,), ("stage",))] + ([pipe.mesh] if pipe.mesh is not None else [])
+    for context in contexts:
+        with jax.set_mesh(context):
+            assert_same_arrays(pj.from_layers(pipe, layers, balance=balance), placed)
+            assert_same_arrays(pj.to_layers(pipe, placed), back)
+            assert_same_arrays(pj.layers_target(pipe, layers, balance=balance), target)
+            assert_same_arrays(pj.to_layers(pipe, state, params=placed), saved)
+            again = pj.from_layers(pipe, saved, params=saved["params"], balance=balance)
+            assert_same_arrays(again["params"], placed)
+    jax.tree.map(np.testing.assert_array_equal, back, layers)
+
+
+def test_under_jit_and_set_mesh_without_a_mesh_converts_and_on_a_mesh_says_why_not():
+    """Without a mesh the conversions are reshapes (and lists), traceable under `jax.jit`; on a
+    mesh they move each device's own shard, which needs concrete arrays: refused with the fix."""
+    mesh = jax.make_mesh((4,), ("stage",))
+    pipe, _, layers = layout("none")
+    placed = pj.from_layers(pipe, layers)
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(lambda t: pj.from_layers(pipe, t))(layers)
+        jax.tree.map(np.testing.assert_array_equal, jitted, placed)
+        back = jax.jit(lambda t: pj.to_layers(pipe, t))(placed)
+        jax.tree.map(np.testing.assert_array_equal, back, layers)
+    for name in ("4", "het22"):
+        on_mesh, balance, layers = layout(name)
+        placed = pj.from_layers(on_mesh, layers, balance=balance)
+        with jax.set_mesh(mesh):
+            with pytest.raises(TypeError, match=r"`tree` of to_layers is traced.*Call it outside `jax.jit`"):
+                jax.jit(lambda t, p=on_mesh: pj.to_layers(p, t))(placed)
+            with pytest.raises(TypeError, match=r"`tree` of from_layers is traced.*on a mesh"):
+                jax.jit(lambda t, p=on_mesh, b=balance: pj.from_layers(p, t, balance=b))(layers)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -291,6 +363,85 @@ def test_param_specs_that_shard_the_layer_axis_are_refused():
     pipe = pj.pipeline(stacked_stage, num_stages=2, mesh=mesh, param_specs=specs)
     with pytest.raises(ValueError, match=r"`param_specs` shards the layer axis .*'model'.*Shard another"):
         pj.from_layers(pipe, init_layers())
+
+
+LAYER_FORM = [pj.to_layers, pj.from_layers, pj.layers_target]
+
+
+@pytest.mark.parametrize("fn", LAYER_FORM, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", [stacked_stage, None, [1, 2]], ids=["function", "None", "list"])
+def test_something_other_than_a_pipeline_is_refused_by_name(fn, bad):
+    name = fn.__name__
+    with pytest.raises(
+        TypeError,
+        match=rf"`pipe` of {name} must be the pj.Pipeline .*, but got {type(bad).__name__} .*"
+        rf"`pj.{name}\(pipe, tree\)`.*`pipejax.flax.{name}`",
+    ):
+        fn(bad, init_layers())
+
+
+def test_swapped_arguments_are_named():
+    pipe, _, layers = layout("2")
+    with pytest.raises(TypeError, match=r"`pipe` of to_layers .* got dict .*The arguments are swapped"):
+        pj.to_layers(layers, pipe)
+
+
+def test_params_that_match_nothing_are_refused_not_returned_unconverted():
+    """`params=` names the parameters inside `tree` by structure and leaf shapes; one that matches
+    no subtree used to give the tree back unconverted, still in stage form."""
+    pipe, _, layers = layout("2")
+    placed = pj.from_layers(pipe, layers)
+    state = {"params": placed, "step": 3}
+    got = r"`params` is \{'b': 'float64\[4, 4\]', 'w': 'float64\[4, 4, 4\]'\}"
+    holds = r"`tree` holds \{'params': \{'b': 'float64\[2, 2, 4\]'.*'step': 'int'\}"
+    with pytest.raises(ValueError, match=rf"`params` of to_layers matches no subtree.*{got}, and {holds}.*"):
+        pj.to_layers(pipe, state, params=layers)  # layer-form params for a stage-form tree
+    layer_state = {"params": layers}
+    for fn in (pj.from_layers, pj.layers_target):  # stage-form params for a layer-form tree
+        with pytest.raises(ValueError, match=rf"`params` of {fn.__name__} matches no subtree.*params=tree"):
+            fn(pipe, layer_state, params=placed)
+    with pytest.raises(ValueError, match=r"`params` of to_layers holds no arrays \(got \{\}\)"):
+        pj.to_layers(pipe, state, params={})
+    converted = pj.to_layers(pipe, state, params=placed)
+    assert converted["step"] == 3
+    jax.tree.map(np.testing.assert_array_equal, converted["params"], layers)
+
+
+def test_trees_that_are_not_parameters_are_refused_by_name():
+    pipe, _, _ = layout("2")
+    for fn in LAYER_FORM:
+        with pytest.raises(ValueError, match=rf"`tree` of {fn.__name__} holds no arrays \(got None\)"):
+            fn(pipe, None)
+    with pytest.raises(TypeError, match=r"`tree` of to_layers has leaf \['w'\] of type str"):
+        pj.to_layers(pipe, {"w": "weights.npy"})
+    # the stage axis, as the pipeline checks it (a (3, ...) tree used to give 6 layers silently)
+    with pytest.raises(
+        ValueError, match=r"take `tree` stacked on a leading stage axis of size 2.*\(3, 2, 4\)"
+    ):
+        pj.to_layers(pipe, jnp.ones((3, 2, 4)))
+    het, balance, _ = layout("het22")
+    with pytest.raises(TypeError, match=r"`tree` of to_layers must hold heterogeneous stage.*got dict"):
+        pj.to_layers(het, {"w": 1.0})
+    with pytest.raises(ValueError, match=r"`tree` of to_layers has 3 stage entries, but the pipeline has 2"):
+        pj.to_layers(het, [[{}], [{}], [{}]])
+    for fn in (pj.from_layers, pj.layers_target):
+        with pytest.raises(TypeError, match=rf"`tree` of {fn.__name__} must hold the layer form.*NoneType"):
+            fn(het, None, balance=balance)
+
+
+def test_a_balance_for_homogeneous_stages_must_share_the_layers_equally():
+    pipe, _, layers = layout("2")
+    for fn in (pj.from_layers, pj.layers_target):
+        with pytest.raises(
+            ValueError,
+            match=r"`balance` \[1, 3\] does not share the 4 layers equally.*"
+            r"`balance=\[2, 2\]`",
+        ):
+            fn(pipe, layers, balance=[1, 3])
+        with pytest.raises(TypeError, match=r"`balance` must be a sequence of positive ints"):
+            fn(pipe, layers, balance="22")
+    even = pj.from_layers(pipe, layers, balance=[np.int64(2), 2])
+    jax.tree.map(np.testing.assert_array_equal, even, pj.from_layers(pipe, layers))
 
 
 # --- two processes ------------------------------------------------------------------------------

@@ -106,10 +106,21 @@ def test_activation_memory_grows_like_sqrt_depth():
 
 
 def test_bad_segments():
-    with pytest.raises(ValueError, match=r"`segments` must be >= 1.*got 0"):
+    with pytest.raises(ValueError, match=r"`segments` must be an int >= 1, but got 0: the number of check"):
         pj.checkpoint_sequential(layer, segments=0)
-    with pytest.raises(TypeError, match=r"`segments` must be an int"):
+    with pytest.raises(TypeError, match=r"`segments` must be an int >= 1, but got float 2.0"):
         pj.checkpoint_sequential(layer, segments=2.0)
+    for flag in (True, np.True_):
+        with pytest.raises(TypeError, match=r"`segments` must be an int >= 1, but got bool"):
+            pj.checkpoint_sequential(layer, segments=flag)
+
+
+@pytest.mark.parametrize("segments", [np.int64(2), np.int32(2), np.uint8(2)])
+def test_numpy_integer_segments_are_the_same_count(segments):
+    """One rule for every count (issue 39): numpy's integers are counts, as for `chunks`."""
+    params = make_params(8)
+    want = pj.checkpoint_sequential(layer, segments=2)(params, X)
+    np.testing.assert_array_equal(pj.checkpoint_sequential(layer, segments=segments)(params, X), want)
 
 
 def test_layer_that_changes_the_shape():

@@ -347,9 +347,83 @@ def test_siblings_train_flag_temperature_and_dtype():
         pj.batch_norm_update(pj.batch_norm_init(3), pj.moments(jnp.ones((2, 3))), unbiased=None)
     flow = inv.Flow(inv.AdditiveCoupling(hidden=4), event_shape=(2,))
     params = flow.init(KEY, jnp.ones((3, 2)))
-    with pytest.raises(ValueError, match=r"`temperature` of Flow.sample must be a scalar >= 0.*-1.0"):
+    with pytest.raises(
+        ValueError, match=r"`temperature` of Flow.sample must be a (finite )?scalar >= 0.*-1.0"
+    ):
         flow.sample(params, KEY, 2, temperature=-1.0)
-    with pytest.raises(TypeError, match=r"`temperature` of Flow.sample must be a scalar >= 0.*'hot'"):
+    with pytest.raises(
+        TypeError, match=r"`temperature` of Flow.sample must be a (finite )?scalar >= 0.*'hot'"
+    ):
         flow.sample(params, KEY, 2, temperature="hot")
     with pytest.raises(TypeError, match=r"`dtype` of dequantize must be a floating dtype"):
         inv.dequantize(jnp.zeros((2, 3), jnp.int32), KEY, dtype=jnp.int32)
+
+
+# --- counts: one rule (issue 39) ------------------------------------------------------------------
+# Every count of the public API goes through `checks.integer`: any integral type (numpy's
+# included) is accepted as the same count, a bool (Python's or numpy's) is refused. Each entry
+# builds something from the count `n` and returns a plain value to compare against `n = 2`.
+
+_LAYER = lambda p, x, key: jnp.tanh(x @ p)
+_LAYERS = [lambda p, x, key: x] * 4
+_HET = pj.pipeline(pj.partition(_LAYERS, [2, 2]).stages)
+_LOSS = lambda w, x: jnp.sum((x @ w) ** 2)
+_WH, _XH = jnp.array([1.0, 2.0]), jnp.ones((3, 2))
+_FLOW = inv.Flow(inv.ActNorm(), (2,))
+
+COUNTS = {
+    # the counts issue 39 found refused as numpy integers (or checked by a rule of their own)
+    "checkpoint_sequential segments": lambda n: pj.checkpoint_sequential(_LAYER, segments=n)(
+        jnp.stack([jnp.eye(3)] * 4), jnp.ones((2, 3))
+    ).tolist(),
+    "partition balance": lambda n: pj.partition(_LAYERS, [n, 2]).balance,
+    "partition devices": lambda n: pj.partition(_LAYERS, [2, 2], devices=n).devices,
+    "balance_costs num_stages": lambda n: tuple(pj.balance_costs([1.0, 2.0, 3.0, 4.0], n)),
+    "balance num_stages": lambda n: tuple(pj.balance(_LAYERS, [None] * 4, X, n, by="memory")),
+    "from_layers balance": lambda n: pj.from_layers(_HET, [W] * 4, balance=[n, 2])[0][0].tolist(),
+    # counts already on the shared helper: kept there
+    "pipeline num_stages": lambda n: repr(pj.pipeline(_LAYER, num_stages=n)),
+    "pipeline chunks": lambda n: repr(pj.pipeline(_LAYER, num_stages=2, chunks=n)),
+    "pipeline repeats": lambda n: repr(pj.pipeline(_LAYER, num_stages=4, schedule="circular", repeats=n)),
+    "gpipe_schedule num_stages": lambda n: pj.gpipe_schedule(n, 3).table.tolist(),
+    "one_f_one_b_schedule num_micro": lambda n: pj.one_f_one_b_schedule(2, n).forward.tolist(),
+    "circular_schedule repeats": lambda n: pj.circular_schedule(2, 2, n).table.tolist(),
+    "zb_h1_bubble_fraction num_stages": lambda n: pj.zb_h1_bubble_fraction(n, 4, 1.0, 1.0, 1.0),
+    "microbatch_plan chunks": lambda n: tuple(pj.microbatch_plan(4, n)),
+    "layer_costs repeats": lambda n: len(pj.layer_costs(_LAYERS, [None] * 4, X, by="time", repeats=n)),
+    "hessian smooth_density num_points": lambda n: ph.smooth_density(
+        ph.Density(jnp.ones((1, 2)), jnp.full((1, 2), 0.5)), num_points=n
+    )[0].tolist(),
+    "hessian stream num_batches": lambda n: ph.stream([(_XH,)] * 2, n).num_batches,
+    "hessian trace num_probes": lambda n: ph.trace(_LOSS, _WH, _XH, key=KEY, num_probes=n)[0].tolist(),
+    "AdditiveCoupling hidden": lambda n: inv.AdditiveCoupling(n).hidden,
+    "AffineCoupling hidden": lambda n: inv.AffineCoupling(n).hidden,
+    "batch_norm_init features": lambda n: pj.batch_norm_init(n).mean.shape,
+    "LinenPipeline num_stages": lambda n: LinenPipeline([nn.Dense(2)] * 4, num_stages=n).num_stages,
+}
+
+# counts in files outside this change, still on a rule of their own (listed in issue 39): xfails,
+# whose marker the change that moves each to `checks.integer` drops (`-rX` lists those that pass)
+_ELSEWHERE = {
+    "Chain repeat": lambda n: inv.Chain([inv.ActNorm()], repeat=n).repeat,
+    "Chain segments": lambda n: inv.Chain([inv.ActNorm()], repeat=4, memory="sqrt", segments=n).segments,
+    "InvertibleLinear permutation": lambda n: inv.InvertibleLinear(n).permutation,
+    "dequantize num_bins": lambda n: inv.dequantize(jnp.zeros((1, 2), jnp.int32), KEY, num_bins=n).tolist(),
+    "Flow event_shape": lambda n: inv.Flow(inv.ActNorm(), (n,)).event_shape,
+    "Flow.sample num_samples": lambda n: _FLOW.sample(_FLOW.init(KEY, _XH), KEY, n).shape,
+}
+_LATER = pytest.mark.xfail(reason="issue 39: moves to checks.integer in its own file")
+_COUNT_CASES = [pytest.param(name, make, id=name) for name, make in COUNTS.items()] + [
+    pytest.param(name, make, id=name, marks=_LATER) for name, make in _ELSEWHERE.items()
+]
+
+
+@pytest.mark.parametrize("name, make", _COUNT_CASES)
+def test_counts_take_numpy_integers_and_refuse_bools(name, make):
+    with jax.numpy_dtype_promotion("standard"):
+        want = make(2)
+        for n in (np.int64(2), np.int32(2)):
+            assert make(n) == want, (name, type(n))
+        for flag in (True, np.True_):
+            with pytest.raises(TypeError, match=r"bool"):
+                make(flag)

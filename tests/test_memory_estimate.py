@@ -95,3 +95,67 @@ def test_refuses_what_it_does_not_model():
     )
     with pytest.raises(ValueError, match="schedule='interleaved-1f1b'"):
         pj.memory_estimate(interleaved, params, x)
+
+
+# --- inputs that do not fit the pipeline (issue 39) ---------------------------------------------
+
+
+def pipeline_error(pipe, params, x):
+    """The message of the pipeline's own call on these inputs."""
+    with pytest.raises(Exception) as info:
+        pipe(params, x)
+    return type(info.value), str(info.value)
+
+
+def test_parameters_of_the_wrong_shapes_name_the_stage_boundary_as_the_pipeline_does():
+    """A stage that cannot be applied to what reaches it: the estimate raises the pipeline's own
+    message (stage and boundary named), not JAX's `dot_general` error."""
+    pipe, params, x = setup("gpipe", "always", 4)
+    narrow = {
+        "w1": jnp.zeros((4, 2, 16, HIDDEN), jnp.float32),
+        "w2": jnp.zeros((4, 2, HIDDEN, WIDTH), jnp.float32),
+    }
+    kind, message = pipeline_error(pipe, narrow, x)
+    assert kind is ValueError and message.startswith("Stage 0 could not be applied to a micro-batch of `x`")
+    with pytest.raises(ValueError) as info:
+        pj.memory_estimate(pipe, narrow, x)
+    assert str(info.value) == message
+    # heterogeneous stages: the boundary between stages 1 and 2
+    het = pj.pipeline([block_stage] * 4, chunks=4, checkpoint="always", mesh=pipe.mesh)
+    per_stage = [{k: v[s] for k, v in params.items()} for s in range(4)]
+    per_stage[2] = {k: v[0] for k, v in narrow.items()}
+    kind, message = pipeline_error(het, per_stage, x)
+    assert message.startswith("Stage 2 could not be applied to the output of stage 1")
+    with pytest.raises(ValueError, match=r"^Stage 2 could not be applied to the output of stage 1") as info:
+        pj.memory_estimate(het, per_stage, x)
+    assert str(info.value) == message
+
+
+def test_parameters_and_batches_the_pipeline_refuses_are_refused_alike():
+    pipe, params, x = setup("gpipe", "always", 4)
+    het = pj.pipeline([block_stage] * 4, chunks=4, checkpoint="always", mesh=pipe.mesh)
+    per_stage = [{k: v[s] for k, v in params.items()} for s in range(4)]
+    cases = [
+        (pipe, {k: v[:3] for k, v in params.items()}, x),  # 3 stages stacked, not 4
+        (pipe, [1, 2], x),
+        (het, per_stage[:3], x),
+        (het, {"w1": 1.0}, x),
+        (pipe, params, None),
+        (pipe, params, jnp.ones((), jnp.float32)),
+    ]
+    for p, ps, xs in cases:
+        kind, message = pipeline_error(p, ps, xs)
+        with pytest.raises(kind) as info:
+            pj.memory_estimate(p, ps, xs)
+        assert str(info.value) == message
+
+
+def test_memory_report_names_an_argument_that_is_not_an_array():
+    loss = lambda w, x: jnp.sum(x @ w)
+    w, x = jnp.ones((3, 3), jnp.float32), jnp.ones((2, 3), jnp.float32)
+    with pytest.raises(TypeError, match=r"`args\[1\]\['act'\]` of memory_report is str 'relu'.*Close over"):
+        pj.memory_report(lambda w, c: loss(w, c["x"]), w, {"x": x, "act": "relu"})
+    with pytest.raises(TypeError, match=r"`backward` of memory_report must be True or False, but got str"):
+        pj.memory_report(loss, w, x, backward="yes")
+    with pytest.raises(TypeError, match=r"`fn` of memory_report must be a callable"):
+        pj.memory_report(None, w, x)

@@ -221,7 +221,7 @@ def _check_layers(layers, balance=None) -> tuple[Layer, ...]:
         if isinstance(balance, (list, tuple)) and balance:  # pj.partition(layers, balance)
             msg += (
                 f", and a `balance` whose entries add up to the number of layers (`balance` "
-                f"{list(balance)} asks for {sum(b for b in balance if isinstance(b, int))}). " + _AUTO
+                f"{list(balance)} asks for {sum(checks.integer(b) or 0 for b in balance)}). " + _AUTO
             )
         raise ValueError(msg if msg.endswith(".") else msg + ".")
     for i, layer in enumerate(layers):
@@ -253,7 +253,7 @@ def _check_balance(balance, num_layers) -> tuple[int, ...]:
     if len(balance) == 0:
         raise ValueError("`balance` is empty; give the number of layers of at least one stage.")
     for s, b in enumerate(balance):
-        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+        if checks.integer(b) is None:
             raise TypeError(
                 f"`balance[{s}]` is {b!r} ({type(b).__name__}); every entry must be a positive int, "
                 "the number of layers in that stage."
@@ -280,7 +280,8 @@ def _check_devices(devices, num_stages) -> tuple[Any, ...] | None:
             "`devices` must be a count or a sequence of devices, not a Mesh: pass "
             "`mesh.devices.flat` or the mesh to `pj.pipeline(..., mesh=mesh)` directly."
         )
-    if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
+    if checks.integer(devices) is not None:
+        devices = checks.integer(devices)
         available = jax.devices()
         if devices > len(available):
             raise ValueError(
@@ -386,7 +387,7 @@ def balance_costs(costs: Sequence[float], num_stages: int) -> Balance:
       True
     """
     costs = _check_costs(costs)
-    _check_num_stages(num_stages, len(costs))
+    num_stages = _check_num_stages(num_stages, len(costs))
     return Balance(_solve(costs, num_stages), costs, "costs")
 
 
@@ -449,14 +450,19 @@ def _check_costs(costs) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _check_num_stages(num_stages, num_layers) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
-        raise TypeError(f"`num_stages` must be an int, but got {type(num_stages).__name__} {num_stages!r}.")
+def _check_num_stages(num_stages, num_layers) -> int:
+    if checks.integer(num_stages) is None:
+        raise TypeError(
+            f"`num_stages` must be an int (the number of stages to cut the layers into), but got "
+            f"{type(num_stages).__name__} {num_stages!r}."
+        )
+    num_stages = checks.integer(num_stages)
     if not 1 <= num_stages <= num_layers:
         raise ValueError(
             f"`num_stages` is {num_stages}, but {num_layers} layers allow 1 to {num_layers} stages: "
             "every stage needs at least one layer."
         )
+    return num_stages
 
 
 # --- cost models ---------------------------------------------------------------------------------
@@ -516,7 +522,7 @@ def balance(
       Balance((2, 1, 1), by='flops', max_stage_cost=...)
       >>> print(b.table())  # doctest: +SKIP
     """
-    _check_num_stages(num_stages, len(_check_layers(layers)))
+    num_stages = _check_num_stages(num_stages, len(_check_layers(layers)))
     costs = layer_costs(
         layers,
         layer_params,

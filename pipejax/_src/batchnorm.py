@@ -87,13 +87,21 @@ def batch_norm_init(features: int | Sequence[int], dtype: jnp.dtype = jnp.float3
       >>> pj.batch_norm_init(3).var.tolist()
       [1.0, 1.0, 1.0]
     """
-    shape = (features,) if isinstance(features, int) else tuple(features)
-    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+    one = checks.integer(features)
+    dims = (one,) if one is not None else None
+    if dims is None and isinstance(features, Sequence) and not isinstance(features, str):
+        dims = tuple(checks.integer(n) for n in features)
+    if dims is None or None in dims:
+        raise TypeError(
+            f"`features` of batch_norm_init must be an int (the number of channels) or a shape of "
+            f"ints, but got {type(features).__name__} {features!r}."
+        )
+    if not dims or not all(n >= 1 for n in dims):
         raise ValueError(
             f"`features` of batch_norm_init must be a positive int (the number of channels) or a "
             f"non-empty shape of positive ints, but got {features!r}."
         )
-    return BatchStats(jnp.zeros(shape, dtype), jnp.ones(shape, dtype))
+    return BatchStats(jnp.zeros(dims, dtype), jnp.ones(dims, dtype))
 
 
 def moments(x: jax.Array, mask: jax.Array | None = None, *, axis: int | Sequence[int] = -1) -> Moments:

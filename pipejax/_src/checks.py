@@ -98,9 +98,11 @@ def check_callable(value: Any, name: str, signature: str, where: str | None = No
 
 
 def integer(value: Any) -> int | None:
-    """``value`` as a Python int if it is an integer of any integral type (``np.int64`` too; not
-    a bool), else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    """``value`` as a Python int if it is an integer of any integral type (``np.int64``, a concrete
+    0-d integer array too; not a bool, Python's or numpy's), else None. The one rule for every
+    count and index of the public API: check it with this (or :func:`check_int`, :func:`count`),
+    never with ``isinstance(value, int)``, which refuses numpy's integers and accepts ``True``."""
+    if isinstance(value, bool | np.bool_):
         return None
     try:
         return operator.index(value)

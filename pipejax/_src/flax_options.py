@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from pipejax._src import checks
 from pipejax._src.balance import partition
 from pipejax._src.pipeline import pipeline
 
@@ -111,8 +112,9 @@ def stage_sizes(num_layers: int, balance: Sequence[int] | None, num_stages: int 
         )
     if balance is not None:
         return partition([no_layer] * num_layers, balance).balance
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+    if checks.integer(num_stages) is None:
         raise TypeError(f"`num_stages` must be an int, but got {type(num_stages).__name__} {num_stages!r}.")
+    num_stages = checks.integer(num_stages)
     if not 1 <= num_stages <= num_layers:
         raise ValueError(
             f"`num_stages` must be between 1 and the number of layers ({num_layers}), since "

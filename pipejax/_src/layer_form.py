@@ -21,11 +21,18 @@ reading only the chunks its devices hold; :func:`layers_target` gives that targe
 layout. So: ``to_layers`` -> save; restore with ``layers_target`` -> ``from_layers``. Optax
 states mirror the parameters, so every subtree of a train state with the parameters' structure
 (the moments) is converted the same way; the rest (step counts) is left as it is.
+
+The conversions are eager steps between a training loop and a checkpoint: they work inside or
+outside ``jax.set_mesh`` alike (the result has the shardings the layout gives, whatever mesh the
+context holds), and, on a mesh, take concrete arrays, not values traced by ``jax.jit``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import numbers
+import reprlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,15 +40,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import compat, stage_forms
+from pipejax._src import compat, options, stage_forms
 from pipejax._src.balance import _check_balance
 from pipejax._src.layout import Container, Layout
+from pipejax._src.pipeline import Pipeline
 from pipejax._src.placement import StageParams
 
 PyTree = Any
 
 
-def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
+def to_layers(pipe: Pipeline, tree: PyTree, *, params: PyTree = None) -> PyTree:
     """Stage parameters (or a train state holding them) in the layout-independent layer form.
 
     Homogeneous stages: every leaf ``(S, k, ...)`` (or ``(v, n, k, ...)``) becomes ``(L, ...)``,
@@ -65,8 +73,13 @@ def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
       ``tree`` with the parameters (and their likes) in layer form.
 
     Raises:
-      ValueError, TypeError: if a homogeneous leaf has no layer axis, ``param_specs`` shards the
-        layer axis, or a heterogeneous stage's parameters are not a sequence of layers.
+      TypeError: ``pipe`` is not a :class:`pipejax.Pipeline`; a leaf is not an array; on a mesh,
+        ``tree`` is traced (a call inside ``jax.jit``: the conversion moves each device's own
+        shards, so it needs concrete arrays); a heterogeneous stage's parameters are not a
+        sequence of layers.
+      ValueError: the parameters do not have the pipeline's stages (a homogeneous leaf without
+        the stage axis or the layer axis after it, another number of heterogeneous stages);
+        ``param_specs`` shards the layer axis; ``params`` matches no subtree of ``tree``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -77,11 +90,13 @@ def to_layers(pipe: Any, tree: PyTree, *, params: PyTree = None) -> PyTree:
       >>> pj.to_layers(pipe, jnp.array([[1.0, 2.0], [3.0, 4.0]])).tolist()
       [1.0, 2.0, 3.0, 4.0]
     """
-    return _map(tree, params, lambda p: _to_layers(pipe, p))
+    _check_pipe(pipe, tree, "to_layers")
+    with _eager(pipe, tree, "to_layers"):
+        return _map(tree, params, lambda p, name: _to_layers(pipe, p, name), "to_layers")
 
 
 def from_layers(
-    pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
+    pipe: Pipeline, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
 ) -> PyTree:
     """Layer-form parameters (or a train state holding them) laid out for ``pipe``.
 
@@ -99,15 +114,18 @@ def from_layers(
       params: the layer-form parameters inside ``tree`` (see :func:`to_layers`); ``None``:
         ``tree`` is the parameters.
       balance: heterogeneous stages: the number of layers in each stage (as for
-        :func:`pipejax.partition`); ignored for homogeneous stages, which share the layers
-        equally.
+        :func:`pipejax.partition`). Homogeneous stages share the layers equally: ``None``, or
+        that equal share (``[L / S] * S``).
 
     Returns:
       ``tree`` with the parameters (and their likes) in ``pipe``'s form.
 
     Raises:
-      ValueError, TypeError: if the layer count does not fit the layout (``S`` does not divide
-        ``L``; ``balance`` missing or not summing to ``L``).
+      TypeError: ``pipe`` is not a :class:`pipejax.Pipeline`; a leaf is not an array; on a mesh,
+        ``tree`` is traced (see :func:`to_layers`); heterogeneous stages without ``balance``.
+      ValueError: the layer count does not fit the layout (``S`` does not divide ``L``;
+        ``balance`` not summing to ``L``, or uneven for homogeneous stages); ``params`` matches
+        no subtree of ``tree``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -120,11 +138,13 @@ def from_layers(
       >>> pj.from_layers(pj.pipeline(stage, num_stages=4), layers).tolist()
       [[1.0], [2.0], [3.0], [4.0]]
     """
-    return _map(tree, params, lambda p: _from_layers(pipe, p, balance))
+    _check_pipe(pipe, tree, "from_layers")
+    with _eager(pipe, tree, "from_layers"):
+        return _map(tree, params, lambda p, name: _from_layers(pipe, p, balance, name), "from_layers")
 
 
 def layers_target(
-    pipe: Any, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
+    pipe: Pipeline, tree: PyTree, *, params: PyTree = None, balance: Sequence[int] | None = None
 ) -> PyTree:
     """An orbax restore target: layer-form shapes with the shardings ``pipe``'s layout gives them.
 
@@ -145,6 +165,9 @@ def layers_target(
     Returns:
       ``tree`` with every leaf a ``jax.ShapeDtypeStruct`` with a sharding.
 
+    Raises:
+      TypeError, ValueError: as :func:`from_layers`.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import pipejax as pj
@@ -154,18 +177,32 @@ def layers_target(
       >>> pj.layers_target(pipe, shapes)["w"].sharding.spec
       P('stage',)
     """
+    _check_pipe(pipe, tree, "layers_target")
     other = _replicated(pipe)
-    return _map(tree, params, lambda p: _target(pipe, p, balance), other=lambda a: _struct(a, other))
+    return _map(
+        tree,
+        params,
+        lambda p, name: _target(pipe, p, balance, name),
+        "layers_target",
+        other=lambda a: _struct(a, other),
+    )
 
 
 # --- the parameters inside a train state ---------------------------------------------------------
 
 
-def _map(tree, params, convert, other=lambda a: a):
-    """``convert`` applied to every subtree of ``tree`` shaped like ``params``; ``other`` to the
-    remaining leaves."""
+def _map(tree, params, convert, where, other=lambda a: a):
+    """``convert`` applied to every subtree of ``tree`` shaped like ``params`` (with the name a
+    message gives it); ``other`` to the remaining leaves. A ``params`` that matches nothing is
+    refused: the tree would come back unconverted."""
     if params is None:
-        return convert(tree)
+        return convert(tree, "tree")
+    if not jax.tree.leaves(params):
+        raise ValueError(
+            f"`params` of {where} holds no arrays (got {_shown(params)}). Pass the parameters as "
+            f"`tree` holds them (e.g. `params=tree['params']`), or `params=None` when `tree` is the "
+            "parameters."
+        )
     treedef = jax.tree.structure(params)
     shapes = [jnp.shape(a) for a in jax.tree.leaves(params)]
 
@@ -175,10 +212,17 @@ def _map(tree, params, convert, other=lambda a: a):
         return [jnp.shape(a) for a in jax.tree.leaves(t)] == shapes
 
     marked = jax.tree.map(lambda t: _Mark(t) if like(t) else t, tree, is_leaf=like)
+    is_mark = lambda t: isinstance(t, _Mark)
+    if not any(is_mark(t) for t in jax.tree.leaves(marked, is_leaf=is_mark)):
+        raise ValueError(
+            f"`params` of {where} matches no subtree of `tree`, so nothing would be converted: "
+            f"`params` is {_describe(params)}, and `tree` holds {_describe(tree)}. `params` names "
+            "the parameters inside `tree` by their structure and leaf shapes: pass them as `tree` "
+            "holds them (e.g. `params=tree['params']`; for from_layers and layers_target, in the "
+            "layer form), or `params=None` when `tree` is the parameters."
+        )
     return jax.tree.map(
-        lambda t: convert(t.tree) if isinstance(t, _Mark) else other(t),
-        marked,
-        is_leaf=lambda t: isinstance(t, _Mark),
+        lambda t: convert(t.tree, "params") if is_mark(t) else other(t), marked, is_leaf=is_mark
     )
 
 
@@ -187,6 +231,83 @@ class _Mark:
 
     def __init__(self, tree):
         self.tree = tree
+
+
+def _check_pipe(pipe, tree, where):
+    """``pipe`` must be the :class:`Pipeline` the parameters are laid out for."""
+    if isinstance(pipe, Pipeline):
+        return
+    if isinstance(tree, Pipeline):
+        fix = f"The arguments are swapped: `pj.{where}(pipe, tree)` takes the pipeline first."
+    else:
+        fix = (
+            f"Pass the pipeline first: `pj.{where}(pipe, tree)`. For a Flax adapter's module "
+            f"(`pipejax.flax.NNXPipeline`, `LinenPipeline`), use `pipejax.flax.{where}`."
+        )
+    raise TypeError(
+        f"`pipe` of {where} must be the pj.Pipeline the parameters are laid out for (made by "
+        f"`pj.pipeline(...)`), but got {type(pipe).__name__} {_shown(pipe)}. {fix}"
+    )
+
+
+def _check_leaves(tree, name, where, pipe):
+    """The converted parameters: every leaf an array (or a number, or a ``jax.ShapeDtypeStruct``),
+    and (homogeneous stages, whose layers are the leaves' leading axis) at least one."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if not leaves and pipe.homogeneous:
+        raise ValueError(
+            f"`{name}` of {where} holds no arrays (got {_shown(tree)}). Pass the stage parameters "
+            "(or, for from_layers and layers_target, their layer form), or a train state holding "
+            "them with `params=`."
+        )
+    for path, a in leaves:
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")) and not isinstance(a, numbers.Number):
+            raise TypeError(
+                f"`{name}` of {where} has leaf {jax.tree_util.keystr(path) or '<root>'} of type "
+                f"{type(a).__name__} ({_shown(a)}); every leaf of the parameters must be an array "
+                "(or a `jax.ShapeDtypeStruct`, for layers_target). Leave other values out of "
+                "`params=` (they stay as they are), or convert them to arrays."
+            )
+
+
+@contextlib.contextmanager
+def _eager(pipe, tree, where) -> Iterator[None]:
+    """Converting concrete arrays: outside any ``jax.set_mesh`` context. The conversion reshapes
+    each device's own shard and packs each stage on its own devices, eagerly and with explicit
+    shardings; a context mesh would make JAX refuse those single-device steps (their devices are
+    not the context's). Traced values (under ``jax.jit``) are converted with ``jnp.reshape``
+    without a mesh, and refused on one, whose conversion needs each device's shard."""
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree)):
+        if pipe.mesh is not None:
+            raise TypeError(
+                f"`tree` of {where} is traced (a call inside `jax.jit` or another transformation), "
+                f"but the pipeline runs on a mesh, where {where} moves each device's own shard of "
+                "concrete arrays. Call it outside `jax.jit`, on the arrays a step returns (as for "
+                "saving a checkpoint); inside a step, keep the parameters in the pipeline's form."
+            )
+        yield
+        return
+    if not compat.mesh_context_set():
+        yield
+        return
+    with jax.set_mesh(None):
+        yield
+
+
+def _shown(value):
+    return reprlib.repr(value)
+
+
+def _describe(tree, limit=300):
+    """``tree`` with each leaf as its type (``float32[4, 3]``), cut to about ``limit`` characters."""
+
+    def one(a):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return f"{getattr(a.dtype, 'name', a.dtype)}{list(a.shape)}"
+        return type(a).__name__
+
+    text = str(jax.tree.map(one, tree))
+    return text if len(text) <= limit else text[:limit] + " ...(cut)"
 
 
 def _replicated(pipe):
@@ -202,9 +323,11 @@ def _struct(a, sharding):
 # --- homogeneous stages -------------------------------------------------------------------------
 
 
-def _to_layers(pipe, params):
+def _to_layers(pipe, params, name):
+    _check_leaves(params, name, "to_layers", pipe)
     if not pipe.homogeneous:
-        return _unstage(pipe, params)
+        return _unstage(pipe, params, name)
+    options.check_params_shape(params, pipe, name)  # the stage axis, as a call checks it
     lead = 2 if stage_forms.is_device_major(pipe, params) else 1
     _check_layer_axis(params, lead)
     if pipe.mesh is None:
@@ -223,10 +346,11 @@ def _to_layers(pipe, params):
     return jax.tree.map(one, params, stage_specs, layer_specs)
 
 
-def _from_layers(pipe, layers, balance):
+def _from_layers(pipe, layers, balance, name):
+    _check_leaves(layers, name, "from_layers", pipe)
     if not pipe.homogeneous:
-        return _restage(pipe, layers, balance)
-    per_stage = _per_stage(pipe, layers)
+        return _restage(pipe, layers, balance, name)
+    per_stage = _per_stage(pipe, layers, balance)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: jnp.reshape(a, (pipe.num_stages, per_stage, *jnp.shape(a)[1:])), layers)
     lead = _lead(pipe)
@@ -245,10 +369,11 @@ def _from_layers(pipe, layers, balance):
     return jax.tree.map(one, layers, stage_specs, layer_specs)
 
 
-def _target(pipe, layers, balance):
+def _target(pipe, layers, balance, name):
+    _check_leaves(layers, name, "layers_target", pipe)
     if not pipe.homogeneous:
-        return _hetero_target(pipe, layers, balance)
-    per_stage = _per_stage(pipe, layers)
+        return _hetero_target(pipe, layers, balance, name)
+    per_stage = _per_stage(pipe, layers, balance)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layers)
     lead = _lead(pipe)
@@ -279,8 +404,9 @@ def _check_layer_axis(params, lead):
             )
 
 
-def _per_stage(pipe, layers):
-    """Layers per stage (homogeneous), checking that the stages share the layers equally."""
+def _per_stage(pipe, layers, balance=None):
+    """Layers per stage (homogeneous), checking that the stages share the layers equally (and
+    that ``balance``, if given, says so)."""
     counts = {}
     for path, a in jax.tree_util.tree_flatten_with_path(layers)[0]:
         if jnp.ndim(a) == 0:
@@ -304,7 +430,18 @@ def _per_stage(pipe, layers):
             f"layers. Use a number of stages that divides {num_layers} (one of {divisors}), or "
             "heterogeneous stages (`pj.partition(layers, balance)`) for an uneven cut."
         )
-    return num_layers // pipe.num_stages
+    per_stage = num_layers // pipe.num_stages
+    if balance is not None:
+        sizes = _check_balance(balance, num_layers)
+        if sizes != (per_stage,) * pipe.num_stages:
+            raise ValueError(
+                f"`balance` {list(sizes)} does not share the {num_layers} layers equally among the "
+                f"pipeline's {pipe.num_stages} homogeneous stages, which hold {per_stage} each "
+                f"(`balance={[per_stage] * pipe.num_stages}`). Drop `balance` for homogeneous "
+                "stages, or use heterogeneous stages (`pj.partition(layers, balance)`) for an "
+                "uneven cut."
+            )
+    return per_stage
 
 
 def _staged_structs(pipe, layers, per_stage, lead):
@@ -374,13 +511,23 @@ def _moved(a, shape, sharding):
 # --- heterogeneous stages -----------------------------------------------------------------------
 
 
-def _stage_lists(params):
+def _stage_lists(pipe, params, name):
+    """The per-stage lists of heterogeneous ``params``; ``None`` for a :class:`StageParams`."""
     if isinstance(params, StageParams):
+        options.check_params_shape(params, pipe, name)
         return None
+    n = pipe.num_stages
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
         raise TypeError(
-            f"Heterogeneous stage parameters must be a list with one entry per stage or a "
-            f"StageParams, but got {type(params).__name__}."
+            f"`{name}` of to_layers must hold heterogeneous stage parameters: a list with one entry "
+            f"per stage ({n} stages), each a list of its layers' parameters, or the StageParams "
+            f"`pipe.place` made of it; but got {type(params).__name__}."
+        )
+    if len(params) != n:
+        raise ValueError(
+            f"`{name}` of to_layers has {len(params)} stage entries, but the pipeline has {n} "
+            "stages; pass one entry per stage, each a list of its layers' parameters "
+            "(`part.group(layer_params)`)."
         )
     return list(params)
 
@@ -396,8 +543,8 @@ def _check_stage_layers(stage, s):
     return list(stage)
 
 
-def _unstage(pipe, params):
-    lists = _stage_lists(params)
+def _unstage(pipe, params, name):
+    lists = _stage_lists(pipe, params, name)
     if lists is not None:
         return [layer for s, stage in enumerate(lists) for layer in _check_stage_layers(stage, s)]
     if pipe.mesh is None or not _on_mesh(params, pipe.mesh):  # not placed on the mesh: as it is
@@ -413,8 +560,8 @@ def _on_mesh(params, mesh):
     )
 
 
-def _restage(pipe, layers, balance):
-    layers = list(_check_layer_list(layers))
+def _restage(pipe, layers, balance, name):
+    layers = list(_check_layer_list(layers, name, "from_layers"))
     sizes = _check_balance_for(pipe, balance, len(layers))
     offsets = np.cumsum((0, *sizes)).tolist()
     stages = [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(sizes))]
@@ -423,8 +570,8 @@ def _restage(pipe, layers, balance):
     return _pack_on_devices(pipe, stages)
 
 
-def _hetero_target(pipe, layers, balance):
-    layers = list(_check_layer_list(layers))
+def _hetero_target(pipe, layers, balance, name):
+    layers = list(_check_layer_list(layers, name, "layers_target"))
     sizes = _check_balance_for(pipe, balance, len(layers))
     if pipe.mesh is None:
         return [jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layer) for layer in layers]
@@ -438,11 +585,12 @@ def _hetero_target(pipe, layers, balance):
     return out
 
 
-def _check_layer_list(layers):
+def _check_layer_list(layers, name, where):
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
         raise TypeError(
-            "The layer form of heterogeneous stages is a list with one parameter pytree per layer, "
-            f"but got {type(layers).__name__}."
+            f"`{name}` of {where} must hold the layer form of heterogeneous stages, a list with one "
+            f"parameter pytree per layer, but got {type(layers).__name__}. `pj.to_layers` gives it; "
+            "`part.ungroup(stage_params)` too."
         )
     return layers
 

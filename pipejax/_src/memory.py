@@ -4,6 +4,8 @@ per-device estimate of a pipeline's training step from its activation, residual 
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -11,7 +13,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from pipejax._src import checks, compat, microbatch
+from pipejax._src import boundaries, checks, compat, microbatch, options
 from pipejax._src import schedule as sched
 from pipejax._src.pipeline import Pipeline
 
@@ -72,8 +74,9 @@ def memory_report(fn: Callable[..., Any], *args: Any, backward: bool = True) -> 
       A :class:`MemoryReport`; ``print(report)`` gives a table.
 
     Raises:
-      TypeError: ``fn`` not callable, ``backward`` not a bool; with ``backward=True``, a first
-        argument that is not floating point (``jax.grad`` differentiates with respect to it).
+      TypeError: ``fn`` not callable, ``backward`` not a bool, an argument (leaf) that is not an
+        array, ``jax.ShapeDtypeStruct`` or number; with ``backward=True``, a first argument that
+        is not floating point (``jax.grad`` differentiates with respect to it).
       ValueError: with ``backward=True``, an ``fn`` that does not return a real scalar, or no
         arguments. An error raised by ``fn`` itself, or by JAX differentiating it (a
         ``lax.while_loop`` in reverse mode), keeps its type and gains a note saying what
@@ -125,6 +128,15 @@ def _check(fn: Any, args: tuple, backward: Any) -> None:
     """What ``memory_report`` needs, checked by tracing ``fn`` once (no compilation)."""
     checks.check_callable(fn, "fn", "fn(*args)", "memory_report")
     checks.check_bool(backward, "backward", "memory_report")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(leaf, numbers.Number):
+            raise TypeError(
+                f"`args{jax.tree_util.keystr(path)}` of memory_report is {type(leaf).__name__} "
+                f"{reprlib.repr(leaf)}, but the example arguments must be arrays, "
+                "`jax.ShapeDtypeStruct`s or numbers (or pytrees of them): fn is compiled for their "
+                "shapes and dtypes. Close over other values, e.g. "
+                "`pj.memory_report(lambda w, x: fn(w, x, 'relu'), w, x)`."
+            )
     structs = jax.tree.map(_struct, args)
     try:
         out = jax.eval_shape(fn, *args)
@@ -254,7 +266,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     Raises:
       TypeError: ``pipe`` is not a :class:`~pipejax._src.pipeline.Pipeline`.
       ValueError: a pipeline the formula does not cover (no mesh, a data axis, ``param_specs``,
-        a stateful pipeline, the interleaved schedule, a ``jax.checkpoint`` policy).
+        a stateful pipeline, the interleaved schedule, a ``jax.checkpoint`` policy); and, as a
+        call of the pipeline would, ``params`` or ``x`` that do not fit it: parameters without
+        the pipeline's stages, a batch without a leading batch axis, or a stage that cannot be
+        applied to what reaches it (the message names the stage boundary).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -277,6 +292,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
       (arXiv:2104.04473); Qi et al. 2023, Zero Bubble Pipeline Parallelism (arXiv:2401.10241).
     """
     _check_estimable(pipe)
+    options.check_params_shape(params, pipe)  # as a call of the pipeline checks them
     batch = pipe._check_batch(x)
     plan = microbatch.plan(batch, pipe.chunks)
     n, m, v, name = pipe.num_devices, plan.num_micro, pipe.repeats, pipe.schedule_name
@@ -285,10 +301,12 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     acts, residuals, stage_params = [], [], []
     for s, stage in enumerate(pipe.stages):
         p = jax.eval_shape(lambda params, s=s: pipe.stage_params(params, s), unsharded)
+        # the stage on what reaches it, as the pipeline infers it (a shape error names the boundary)
+        out, _ = boundaries.stage_output(s, pipe, p, None, micro, None, None)
         acts.append(_nbytes(micro))
         residuals.append(_micro_residual_bytes(stage, p, micro))
         stage_params.append(_nbytes(p))
-        micro = jax.eval_shape(lambda p, h, stage=stage: stage(p, h, None), p, micro)
+        micro = out.structs()
     a, r, o = max(acts), max(residuals), _nbytes(micro)
     held = max(sum(stage_params[d::n]) for d in range(n))  # device d: stages d, d + n, ...
     if name in sched.TRAINING_KINDS:
