@@ -8,7 +8,8 @@
   chunks, dropout key and flags (so the same dropout masks), on a 2-device mesh and without a
   mesh. The gradients are compared layer by layer (``to_sequential`` / ``layer_params``), since
   the interleaved schedule lays its parameters out as ``(repeats, devices, ...)``; their form is
-  checked against ``jax.grad`` of ``apply`` / ``nnx.grad``.
+  checked against ``jax.grad`` of ``apply`` / ``nnx.grad``. The steps on a mesh run inside
+  ``jax.set_mesh``.
 * A homogeneous stack (Flax's ``nn.scan`` / ``nnx.vmap`` layer stacks, pipelined with
   ``from_stacked`` / ``unstack``), deterministic, against ``jax.value_and_grad`` of the plain
   scanned model, with an optax step.
@@ -22,6 +23,8 @@ cotangents and losses in another order than GPipe's ``jax.grad``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import flax.linen as nn
 import jax
@@ -67,6 +70,11 @@ def options(case):
     return dict(opts, chunks=CHUNKS, mesh=mesh)
 
 
+def mesh_context(mesh):
+    """``jax.set_mesh(mesh)``, or nothing without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def reference_options(opts):
     """The same cut, chunks and keys, run by GPipe without a mesh ("never": the cheapest compile;
     the checkpoint modes give bitwise the same results, tests/test_pipeline*.py)."""
@@ -95,9 +103,10 @@ def test_linen_schedules_match_gpipe_forward(case):
     variables = pipe.init(jax.random.key(2), x)
     rngs = {"dropout": jax.random.key(3)}
     step = pipe.value_and_grad(sq)
-    loss, grads = jax.jit(lambda v, x, t, r: step(v, x, t, rngs=r, deterministic=False))(
-        variables, x, t, rngs
-    )
+    with mesh_context(opts["mesh"]):  # on a mesh: inside the context the docs recommend
+        loss, grads = jax.jit(lambda v, x, t, r: step(v, x, t, rngs=r, deterministic=False))(
+            variables, x, t, rngs
+        )
 
     ref = LinenPipeline(linen_layers(), **reference_options(opts))
     ref_vars = ref.init(jax.random.key(2), x)  # the same layer parameters (the same rng)
@@ -199,7 +208,8 @@ def test_nnx_schedules_match_gpipe_forward(case):
     def step(model, x, t):
         return model.value_and_grad(sq)(x, t, rngs=key, deterministic=False)
 
-    loss, grads = step(pipe, x, t)
+    with mesh_context(opts["mesh"]):  # on a mesh: inside the context the docs recommend
+        loss, grads = step(pipe, x, t)
     ref = NNXPipeline(nnx_layers(), **reference_options(opts))  # the same parameters (same seeds)
     loss_ref, grads_ref = nnx.jit(
         nnx.value_and_grad(lambda m: sq(m(x, rngs=key, deterministic=False), t).mean())
