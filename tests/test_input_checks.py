@@ -400,11 +400,6 @@ COUNTS = {
     "AffineCoupling hidden": lambda n: inv.AffineCoupling(n).hidden,
     "batch_norm_init features": lambda n: pj.batch_norm_init(n).mean.shape,
     "LinenPipeline num_stages": lambda n: LinenPipeline([nn.Dense(2)] * 4, num_stages=n).num_stages,
-}
-
-# counts in files outside this change, still on a rule of their own (listed in issue 39): xfails,
-# whose marker the change that moves each to `checks.integer` drops (`-rX` lists those that pass)
-_ELSEWHERE = {
     "Chain repeat": lambda n: inv.Chain([inv.ActNorm()], repeat=n).repeat,
     "Chain segments": lambda n: inv.Chain([inv.ActNorm()], repeat=4, memory="sqrt", segments=n).segments,
     "InvertibleLinear permutation": lambda n: inv.InvertibleLinear(n).permutation,
@@ -412,10 +407,8 @@ _ELSEWHERE = {
     "Flow event_shape": lambda n: inv.Flow(inv.ActNorm(), (n,)).event_shape,
     "Flow.sample num_samples": lambda n: _FLOW.sample(_FLOW.init(KEY, _XH), KEY, n).shape,
 }
-_LATER = pytest.mark.xfail(reason="issue 39: moves to checks.integer in its own file")
-_COUNT_CASES = [pytest.param(name, make, id=name) for name, make in COUNTS.items()] + [
-    pytest.param(name, make, id=name, marks=_LATER) for name, make in _ELSEWHERE.items()
-]
+
+_COUNT_CASES = [pytest.param(name, make, id=name) for name, make in COUNTS.items()]
 
 
 @pytest.mark.parametrize("name, make", _COUNT_CASES)

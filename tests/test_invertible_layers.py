@@ -283,3 +283,158 @@ def test_reconstruction_error_flags_a_non_finite_inverse():
     chain = inv.Chain([layer], repeat=2)
     stacked = (jax.tree.map(lambda a: jnp.stack([a, a]), params),)
     assert np.asarray(chain.reconstruction_errors(stacked, x)).max() == np.inf
+
+
+# --- hyper-parameters: NaN, infinities, bools and out-of-range values are refused ------------------
+
+INF, NAN = float("inf"), float("nan")
+BAD_HYPER_PARAMETERS = [
+    # (what to build, error, message); each was accepted before and gave NaN, inf or nonsense
+    (
+        lambda: inv.AffineCoupling(hidden=4, scale_bound=INF),
+        ValueError,
+        r"`scale_bound` of AffineCoupling bounds \|log-scale\| and must be a positive finite number, "
+        r"but got inf; e\.g\. AffineCoupling\(hidden=64, scale_bound=2\.0\)",
+    ),
+    (lambda: inv.AffineCoupling(hidden=4, scale_bound=-INF), ValueError, r"`scale_bound` .* but got -inf"),
+    (
+        lambda: inv.AffineCoupling(hidden=4, scale_bound=NAN),
+        ValueError,
+        r"`scale_bound` .* positive finite .* got nan",
+    ),
+    (
+        lambda: inv.AffineCoupling(hidden=4, scale_bound=True),
+        TypeError,
+        r"`scale_bound` .* but got bool True",
+    ),
+    (lambda: inv.AffineCoupling(hidden=4, scale_bound="2"), TypeError, r"`scale_bound` .* but got str '2'"),
+    (
+        lambda: inv.ActNorm(eps=INF),
+        ValueError,
+        r"`eps` of ActNorm is added to the initial standard deviation .* must be a finite number > 0, "
+        r"but got inf",
+    ),
+    (lambda: inv.ActNorm(eps=NAN), ValueError, r"`eps` of ActNorm .* finite number > 0, but got nan"),
+    (
+        lambda: inv.ActNorm(eps=-1e-6),
+        ValueError,
+        r"`eps` of ActNorm .* but got -1e-06; e\.g\. ActNorm\(eps=1e-6\)",
+    ),
+    (lambda: inv.ActNorm(eps=0.0), ValueError, r"`eps` of ActNorm .* finite number > 0, but got 0\.0"),
+    (lambda: inv.ActNorm(eps=True), TypeError, r"`eps` of ActNorm .* but got bool True"),
+    (lambda: inv.ActNorm(eps="1e-6"), TypeError, r"`eps` of ActNorm .* but got str '1e-6'"),
+    (
+        lambda: inv.AdditiveCoupling(hidden=4, drop_rate=False),
+        TypeError,
+        r"`drop_rate` of AdditiveCoupling is the probability of dropping .* in \[0, 1\), but got bool False",
+    ),
+    (
+        lambda: inv.AffineCoupling(hidden=4, drop_rate="0.1"),
+        TypeError,
+        r"`drop_rate` of AffineCoupling .* str '0\.1'",
+    ),
+    (
+        lambda: inv.AffineCoupling(hidden=4, drop_rate=NAN),
+        ValueError,
+        r"`drop_rate` of AffineCoupling .* got nan",
+    ),
+    (
+        lambda: inv.AdditiveCoupling(hidden=4, drop_rate=-0.1),
+        ValueError,
+        r"`drop_rate` .* \[0, 1\), but got -0\.1",
+    ),
+    (
+        lambda: inv.AdditiveCoupling(hidden=4, flip="yes"),
+        TypeError,
+        r"`flip` of AdditiveCoupling must be True or False \(transform the first half .*\), "
+        r"but got str 'yes'",
+    ),
+    (
+        lambda: inv.AffineCoupling(hidden=4, flip=None),
+        TypeError,
+        r"`flip` of AffineCoupling .* got NoneType None",
+    ),
+    (
+        lambda: inv.AffineCoupling(hidden=True),
+        TypeError,
+        r"`hidden` of AffineCoupling must be an int >= 1, but got bool",
+    ),
+    (
+        lambda: inv.AdditiveCoupling(hidden=8.0),
+        TypeError,
+        r"`hidden` of AdditiveCoupling must be an int >= 1, but got float",
+    ),
+    (
+        lambda: inv.Flow(inv.ActNorm(), event_shape=(True,)),
+        TypeError,
+        r"`event_shape` of Flow must be a tuple of positive",
+    ),
+    (
+        lambda: inv.Flow(inv.ActNorm(), event_shape=(3,), dtype=jnp.int32),
+        TypeError,
+        r"`dtype` of Flow must be None \(the dtype of the parameters\) or a floating dtype .* got <class",
+    ),
+    (
+        lambda: inv.Flow(inv.ActNorm(), event_shape=(3,), dtype="nonsense"),
+        TypeError,
+        r"`dtype` of Flow .* got 'nonsense'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "error", "match"), BAD_HYPER_PARAMETERS)
+def test_bad_hyper_parameters_are_refused(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_hyper_parameters_of_numpy_types_are_taken():
+    assert (
+        inv.AffineCoupling(hidden=np.int64(4), scale_bound=np.float32(2.0), flip=np.bool_(True)).hidden == 4
+    )
+    assert inv.ActNorm(eps=np.float32(1e-6)).eps == pytest.approx(1e-6)
+    assert inv.Flow(inv.ActNorm(), event_shape=(np.int64(3),)).event_shape == (3,)
+
+
+def test_scale_bound_must_fit_the_dtype():
+    """A finite bound can still break in the input's dtype: 1e39 is inf in float32, 1e-320 is 0."""
+    x = jnp.ones((4, 4), jnp.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"`scale_bound=1e\+39` of AffineCoupling does not fit the float32 of `x` in "
+        r"AffineCoupling\.init: it lets exp\(s\) overflow .* "
+        r"Use a scale_bound in \[1\.18e-38, 43\.67\] for float32",
+    ):
+        inv.AffineCoupling(hidden=4, scale_bound=1e39).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"`scale_bound=1e-320` .* it rounds to 0 or a subnormal there"):
+        inv.AffineCoupling(hidden=4, scale_bound=1e-320).init(jax.random.key(0), x)
+    layer = inv.AffineCoupling(hidden=4, scale_bound=100.0)  # fine in float64 (bound 354)
+    params = layer.init(jax.random.key(0), x.astype(jnp.float64))
+    with pytest.raises(ValueError, match=r"does not fit the float32 of `y` in AffineCoupling\.inverse"):
+        layer.inverse(params, x)
+
+
+def test_eps_must_fit_the_dtype():
+    with pytest.raises(
+        ValueError, match=r"`eps=1e-50` of ActNorm rounds to 0\.0 in the float32 of the input `x`"
+    ):
+        inv.ActNorm(eps=1e-50).init(jax.random.key(0), jnp.ones((4, 2), jnp.float32))
+    with pytest.raises(ValueError, match=r"`eps=1e\+39` of ActNorm rounds to inf in the float32"):
+        inv.ActNorm(eps=1e39).init(jax.random.key(0), jnp.ones((4, 2), jnp.float32))
+    inv.ActNorm().init(jax.random.key(0), jnp.ones((4, 2), jnp.float16))  # 1e-6: a float16 subnormal, > 0
+
+
+@pytest.mark.parametrize("temperature", [INF, np.float32(np.inf), jnp.inf])
+def test_an_infinite_temperature_is_refused(temperature):
+    flow = inv.Flow(inv.ActNorm(), event_shape=(3,))
+    params = flow.init(
+        jax.random.key(0), jnp.asarray(np.random.default_rng(0).standard_normal((8, 3)), jnp.float32)
+    )
+    with pytest.raises(
+        ValueError, match=r"`temperature` of Flow.sample must be a finite scalar >= 0 .* but got .*inf"
+    ):
+        flow.sample(params, jax.random.key(1), 2, temperature=temperature)
+    with pytest.raises(
+        ValueError, match=r"`temperature=1e\+39` of Flow.sample overflows the float32 of the samples"
+    ):
+        flow.sample(params, jax.random.key(1), 2, temperature=1e39)

@@ -112,6 +112,97 @@ def test_stash_is_flat_in_m():
     assert {sched.one_f_one_b(4, m).stash_slots() for m in (7, 8, 64, 512)} == {7}
 
 
+# --- the table helpers against naive references --------------------------------------------------
+#
+# The helpers are linear in the table's size; these references are the first, direct versions
+# (a scan of the table per held input: quadratic in m), kept as the specification.
+
+
+def _naive_in_flight(s, per_stage=False):
+    last = s.backward if s.weight is None else s.weight
+    fs, bs = s.stages()
+    n, t = s.num_devices, np.arange(s.num_ticks)
+    count = np.zeros((s.num_ticks, n * s.repeats), np.int64)
+    first, done = {}, {}
+    for tick, d in np.ndindex(s.forward.shape):
+        if s.forward[tick, d] >= 0:
+            first[(int(fs[tick, d]), int(s.forward[tick, d]))] = tick
+        if last[tick, d] >= 0:
+            done[(int(bs[tick, d]), int(last[tick, d]))] = tick
+    for (j, i), tick in first.items():
+        count[:, j] += (t >= tick) & (t <= done[(j, i)])
+    if per_stage:
+        return count
+    return count.reshape(s.num_ticks, s.repeats, n).sum(axis=1)
+
+
+def _naive_interleaved(n, m, v):
+    S = n * v
+    base = (np.arange(m) // n) * n * v + np.arange(m) % n
+    ticks = int(base[-1]) + 2 * (S - 1) + 1
+    forward, backward = (np.full((ticks, n), -1, np.int32) for _ in range(2))
+    fstage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy()
+    bstage = fstage.copy()
+    for j in range(S):
+        for k, b0 in enumerate(base):
+            tf, tb = b0 + j, b0 + 2 * (S - 1) - j
+            assert forward[tf, j % n] < 0 and backward[tb, j % n] < 0
+            forward[tf, j % n], fstage[tf, j % n] = k, j
+            backward[tb, j % n], bstage[tb, j % n] = k, j
+    return forward, backward, fstage, bstage
+
+
+def _random_training_tables(seed=0, count=12):
+    """Random small tables of every training kind (fixed seed; n, m, v drawn)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        n, m, v = (int(a) for a in (rng.integers(1, 6), rng.integers(1, 12), rng.integers(2, 4)))
+        out += [sched.one_f_one_b(n, m), sched.zb_h1(n, m), sched.sequential_training(n, m)]
+        out.append(sched.interleaved_one_f_one_b(n, n * (1 + m // n), v))
+    return out
+
+
+def test_table_helpers_equal_the_naive_references():
+    for s in _random_training_tables():
+        for per_stage in (False, True):
+            got, want = s.in_flight(per_stage=per_stage), _naive_in_flight(s, per_stage)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want, err_msg=f"{s.name} {s.forward.shape}")
+        assert s.stash_slots() == max(1, int(_naive_in_flight(s, True).max())), s.name
+
+
+@pytest.mark.parametrize(("n", "m", "v"), [(1, 3, 2), (2, 2, 2), (2, 6, 3), (3, 9, 2), (5, 10, 3)])
+def test_interleaved_table_equals_the_loop_that_defines_it(n, m, v):
+    s = sched.interleaved_one_f_one_b(n, m, v)
+    tables = (s.forward, s.backward, s.forward_stage, s.backward_stage)
+    for got, want in zip(tables, _naive_interleaved(n, m, v), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_table_helpers_scale_to_long_tables():
+    """m = 200,000: the naive helpers need minutes (quadratic in m); these about 0.1 s of CPU."""
+    one = sched.one_f_one_b(4, 200_000)
+    assert one.stash_slots() == 7
+    assert one.in_flight().max(axis=0).tolist() == [7, 5, 3, 1]
+    interleaved = sched.interleaved_one_f_one_b(4, 20_000, 2)  # 160,000 (stage, micro) pairs
+    assert interleaved.stash_slots() == 8  # min(m, 2 n), flat in m
+    assert interleaved.slots()["F"].tolist() == [2 * 20_000] * 4
+
+
+def test_a_table_with_an_f_but_no_b_is_refused():
+    s = sched.one_f_one_b(2, 3)
+    broken = s._replace(backward=np.where(s.backward == 1, -1, s.backward))
+    msg = r"'1f1b' table runs the F slot of stage 0 on micro-batch 1 but never its B \(or W\) slot"
+    with pytest.raises(ValueError, match=msg):
+        broken.stash_slots()
+    stray = s._replace(forward_stage=s.stages()[0] + 2, backward_stage=s.stages()[1])
+    msg = r"names stages 2 \.\. 3 for its F slots, but 2 devices with `repeats=1` hold the stages 0 \.\. 1\."
+    with pytest.raises(ValueError, match=msg):
+        stray.in_flight()
+
+
 # --- the program: against GPipe's jax.value_and_grad -------------------------------------------------
 
 RATE = 0.25

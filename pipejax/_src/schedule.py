@@ -293,30 +293,82 @@ class TrainingSchedule(NamedTuple):
             out["W"] = (self.weight >= 0).sum(0)
         return out
 
+    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int[k] three times: the stage, first tick and last tick of each of the ``k`` stage
+        inputs the table keeps, one per (stage, micro-batch) with an F slot: held from the tick of
+        its F to the tick of its last use (its B, or its W for "zb-h1"), both included.
+
+        Linear in the table's size: a (stage, micro-batch) pair is one integer key, and the
+        ticks of its F and of its last use are found by indexing with the keys, not by a scan of
+        the table per pair.
+        """
+        last = self.backward if self.weight is None else self.weight
+        fs, bs = self.stages()
+        f_tick, f_dev = np.nonzero(self.forward >= 0)  # row-major: ticks ascending
+        l_tick, l_dev = np.nonzero(last >= 0)
+        f_micro, l_micro = self.forward[f_tick, f_dev], last[l_tick, l_dev]
+        f_stage, l_stage = fs[f_tick, f_dev], bs[l_tick, l_dev]
+        num_stages = self.num_devices * self.repeats
+        for slot, stages in (("F", f_stage), ("B or W", l_stage)):
+            if len(stages) and not 0 <= stages.min() <= stages.max() < num_stages:
+                raise ValueError(
+                    f"The {self.name!r} table names stages {stages.min()} .. {stages.max()} for its "
+                    f"{slot} slots, but {self.num_devices} devices with `repeats={self.repeats}` hold "
+                    f"the stages 0 .. {num_stages - 1}. Build tables with the schedule constructors "
+                    "(e.g. `pj.interleaved_one_f_one_b_schedule`)."
+                )
+        width = int(max(f_micro.max(initial=-1), l_micro.max(initial=-1))) + 1
+        f_key = f_stage.astype(np.int64) * width + f_micro
+        l_key = l_stage.astype(np.int64) * width + l_micro
+        first = np.full(num_stages * width, -1, np.int64)  # as many keys as a constructor's F slots
+        done = first.copy()
+        np.maximum.at(first, f_key, f_tick)  # a key's last F (and last use) counts
+        np.maximum.at(done, l_key, l_tick)
+        has_f = first >= 0
+        missing = np.flatnonzero(has_f & (done < 0))
+        if len(missing):
+            j, i = divmod(int(missing[0]), width)
+            raise ValueError(
+                f"The {self.name!r} table runs the F slot of stage {j} on micro-batch {i} but never "
+                "its B (or W) slot; every F slot needs one. Build tables with the schedule "
+                "constructors (e.g. `pj.one_f_one_b_schedule`)."
+            )
+        return np.flatnonzero(has_f) // width, first[has_f], done[has_f]
+
     def in_flight(self, per_stage: bool = False) -> np.ndarray:
         """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
         (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``).
-        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``)."""
-        last = self.backward if self.weight is None else self.weight
-        fs, bs = self.stages()
-        n, t = self.num_devices, np.arange(self.num_ticks)
-        count = np.zeros((self.num_ticks, n * self.repeats), np.int64)
-        first, done = {}, {}
-        for tick, d in np.ndindex(self.forward.shape):
-            if self.forward[tick, d] >= 0:
-                first[(int(fs[tick, d]), int(self.forward[tick, d]))] = tick
-            if last[tick, d] >= 0:
-                done[(int(bs[tick, d]), int(last[tick, d]))] = tick
-        for (j, i), tick in first.items():
-            count[:, j] += (t >= tick) & (t <= done[(j, i)])
-        if per_stage:
-            return count
-        return count.reshape(self.num_ticks, self.repeats, n).sum(axis=1)
+        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``).
+
+        Linear in the size of the result: each held input adds 1 at its first tick and -1 after
+        its last one in a table of differences, whose running sum down the ticks is the count.
+        """
+        stage, first, done = self._held()
+        cols = self.num_devices * self.repeats if per_stage else self.num_devices
+        col = stage if per_stage else stage % self.num_devices  # stage r n + d lives on device d
+        live = done >= first  # an input used before its F (no valid table has one) is never held
+        size = (self.num_ticks + 1) * cols
+        diff = np.bincount(first[live] * cols + col[live], minlength=size) - np.bincount(
+            (done[live] + 1) * cols + col[live], minlength=size
+        )
+        return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
 
     def stash_slots(self) -> int:
         """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
-        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
-        return max(1, int(self.in_flight(per_stage=True).max()))
+        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``).
+
+        ``in_flight(per_stage=True).max()``, without the ``ticks x stages`` count table: the
+        inputs' starts (+1) and ends (-1) sorted by stage and tick, ends first within a tick,
+        and the largest running sum (each stage's events sum to 0, so stages do not mix).
+        """
+        stage, first, done = self._held()
+        live = done >= first
+        stage, first, done = stage[live], first[live], done[live]
+        span = 2 * (self.num_ticks + 1)
+        events = np.concatenate([stage * span + 2 * first + 1, stage * span + 2 * (done + 1)])
+        steps = np.concatenate([np.ones(len(first), np.int64), -np.ones(len(done), np.int64)])
+        level = np.cumsum(steps[np.argsort(events, kind="stable")])
+        return max(1, int(level.max(initial=0)))
 
     def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
         """The lockstep time of the table: every tick lasts as long as its busiest device, which
@@ -411,13 +463,13 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> T
     forward, backward = (np.full((ticks, n), -1, np.int32) for _ in range(2))
     fstage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy()
     bstage = fstage.copy()
-    for j in range(S):
-        d = j % n
-        for k, b0 in enumerate(base):
-            tf, tb = b0 + j, b0 + 2 * (S - 1) - j
-            assert forward[tf, d] < 0 and backward[tb, d] < 0
-            forward[tf, d], fstage[tf, d] = k, j
-            backward[tb, d], bstage[tb, d] = k, j
+    j, k = np.arange(S)[:, None], np.arange(m)[None, :]  # every (stage, micro-batch) at once
+    d = np.broadcast_to(j % n, (S, m))
+    tf, tb = base[None, :] + j, base[None, :] + 2 * (S - 1) - j
+    for t in (tf, tb):  # at most one F and one B per device and tick
+        assert np.bincount((t * n + d).ravel(), minlength=ticks * n).max() <= 1
+    forward[tf, d], fstage[tf, d] = k, j
+    backward[tb, d], bstage[tb, d] = k, j
     return TrainingSchedule("interleaved-1f1b", forward, backward, None, m, fstage, bstage, v)
 
 

@@ -13,10 +13,12 @@ optional (``pip install matplotlib``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from pipejax._src import checks
 from pipejax._src.schedule import Schedule, TrainingSchedule
 
 
@@ -78,20 +80,21 @@ def render(schedule: Schedule | TrainingSchedule) -> str:
       device 0 | F0s0 | F1s0 | F0s2 | F1s2 | .    |
       device 1 | .    | F0s1 | F1s1 | F0s3 | F1s3 |
     """
-    micro, stage, kind = slots(schedule)
+    micro, stage, kind = (a.transpose(1, 0, 2) for a in slots(schedule))  # [devices, ticks, k]
+    devices, ticks, k = micro.shape
     names = kinds(schedule)
-    label = lambda t, d, j: _label(names[kind[t, d, j]], micro[t, d, j], stage[t, d, j], schedule.repeats)
-    width = max([len(label(t, d, j)) for t, d, j in np.ndindex(micro.shape) if micro[t, d, j] >= 0] or [1])
-    lines = []
-    for d in range(schedule.num_devices):
-        cells = []
-        for t in range(schedule.num_ticks):
-            parts = [
-                (label(t, d, j) if micro[t, d, j] >= 0 else ".").ljust(width) for j in range(micro.shape[2])
-            ]
-            cells.append(" ".join(parts))
-        lines.append(f"device {d} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    # One pass over plain Python values, linear in the table (a numpy scalar per cell is slow).
+    work = micro.ravel().tolist()
+    labels = [
+        _label(names[c], i, s, schedule.repeats) if i >= 0 else "."
+        for i, s, c in zip(work, stage.ravel().tolist(), kind.ravel().tolist(), strict=True)
+    ]
+    width = max([len(text) for text, i in zip(labels, work, strict=True) if i >= 0] or [1])
+    labels = [text.ljust(width) for text in labels]
+    cells = [" ".join(labels[at : at + k]) for at in range(0, len(labels), k)]
+    return "\n".join(
+        f"device {d} | " + " | ".join(cells[d * ticks : (d + 1) * ticks]) + " |" for d in range(devices)
+    )
 
 
 def inputs_held(schedule: Schedule | TrainingSchedule) -> np.ndarray:
@@ -114,6 +117,53 @@ def inputs_held(schedule: Schedule | TrainingSchedule) -> np.ndarray:
         return np.full(schedule.num_devices, schedule.num_ticks)
     kinds(schedule)  # the type check
     return schedule.in_flight().max(axis=0)
+
+
+def _check_plot(schedule, ax, title, notes, labels, axes_type) -> dict[int, str]:
+    """Checks :func:`plot`'s arguments, each naming the argument, what it got and what it takes;
+    returns ``notes`` as ``{device: text}`` (``{}`` for ``None``)."""
+    where = f"{type(schedule).__name__}.plot"
+    if ax is not None and not isinstance(ax, axes_type):
+        raise TypeError(
+            f"`ax` of {where} must be a matplotlib Axes to draw in, or None for a new figure, but got "
+            f"{type(ax).__name__} {ax!r:.80}. Pass e.g. `fig, ax = plt.subplots()` and then `ax=ax` "
+            "(for a grid of plots, one of its Axes: `ax=axs[0, 1]`)."
+        )
+    if title is not None and not isinstance(title, str):
+        raise TypeError(
+            f"`title` of {where} must be a string, or None for the schedule's own, but got "
+            f"{type(title).__name__} {title!r:.80}; e.g. title='1F1B on 4 devices'."
+        )
+    if labels is not None and not isinstance(labels, bool | np.bool_):
+        raise TypeError(
+            f"`labels` of {where} must be True, False, or None (label the cells when they are wide "
+            f"enough), but got {type(labels).__name__} {labels!r:.80}."
+        )
+    if notes is None:
+        return {}
+    n = schedule.num_devices
+    devices = f"the devices 0 .. {n - 1}" if n > 1 else "device 0"
+    if not isinstance(notes, Mapping):
+        raise TypeError(
+            f"`notes` of {where} must be a dict from device to text, e.g. {{0: '1.2 GiB'}}, or None, but "
+            f"got {type(notes).__name__} {notes!r:.80}; the table has {devices}."
+        )
+    out = {}
+    for d, text in notes.items():
+        device = checks.integer(d)
+        if device is None or not 0 <= device < n:
+            raise ValueError(
+                f"`notes` of {where} has a note for device {d!r}, but the table has {devices}; "
+                "key each note by one of them."
+            )
+        if not isinstance(text, str):
+            raise TypeError(
+                f"`notes` of {where} must map each device to a string, but the note for device "
+                f"{device} is {type(text).__name__} {text!r:.80}; format it first, e.g. "
+                f"{{{device}: f'{{value:.1f}} GiB'}}."
+            )
+        out[device] = text
+    return out
 
 
 def _label(kind: str, micro: int, stage: int, repeats: int) -> str:
@@ -149,17 +199,22 @@ def plot(
 
     Raises:
       ImportError: without matplotlib, saying how to install it.
+      TypeError: ``schedule`` is not a table; ``ax`` not an ``Axes``; ``title`` not a string;
+        ``notes`` not a dict or a note not a string; ``labels`` not a bool.
+      ValueError: a key of ``notes`` that is not a device of the table.
     """
     try:
         import matplotlib.pyplot as plt
+        from matplotlib.axes import Axes
         from matplotlib.patches import Rectangle
     except ImportError as err:  # pragma: no cover - matplotlib is a dev dependency
         raise ImportError(
             "Schedule pictures need matplotlib, an optional dependency: `pip install matplotlib` "
             "(or `pip install pipejax[examples]`). `schedule.render()` needs nothing."
         ) from err
+    names = kinds(schedule)  # the type check of `schedule`, before any other
+    notes = _check_plot(schedule, ax, title, notes, labels, Axes)
     micro, stage, kind = slots(schedule)
-    names = kinds(schedule)
     ticks, devices, k = micro.shape
     if ax is None:
         _, ax = plt.subplots(figsize=(min(2.0 + 0.32 * ticks * k, 18.0), 0.9 + 0.5 * devices))
@@ -189,9 +244,8 @@ def plot(
     ax.set_ylim(0, devices)
     ax.set_yticks([devices - 0.5 - d for d in range(devices)], [f"device {d}" for d in range(devices)])
     ax.set_xlabel("tick")
-    if notes:
-        for d, text in notes.items():
-            ax.text(ticks + 0.2, devices - 0.5 - d, text, va="center", fontsize=8)
+    for d, text in notes.items():
+        ax.text(ticks + 0.2, devices - 0.5 - d, text, va="center", fontsize=8)
     if title is None:
         if isinstance(schedule, Schedule):
             name = "circular" if schedule.repeats > 1 else "gpipe"

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pipejax._src import compat
+from pipejax._src import checks, compat
 from pipejax._src.checkpoint import checkpoint_sequential
 from pipejax._src.invertible.base import (
     Layer,
@@ -107,18 +107,15 @@ class Chain:
         object.__setattr__(self, "layers", tuple(self.layers))
         for i, layer in enumerate(self.layers):
             check_layer(layer, f"`layers[{i}]` of Chain")
-        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
-            raise ValueError(f"`repeat` of Chain must be an int >= 1, but got {self.repeat!r}.")
+        object.__setattr__(self, "repeat", checks.check_int(self.repeat, "repeat", 1, "Chain"))
         if self.memory not in MEMORY_MODES:
             raise ValueError(
                 f"`memory` of Chain must be one of {', '.join(map(repr, MEMORY_MODES))}, but got "
                 f"{self.memory!r}."
             )
         if self.segments is not None:
-            if isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 1:
-                raise ValueError(
-                    f"`segments` of Chain must be None or an int >= 1, but got {self.segments!r}."
-                )
+            segments = checks.check_int(self.segments, "segments", 1, "Chain", " (or None)")
+            object.__setattr__(self, "segments", segments)
             if self.memory != "sqrt":
                 raise ValueError(
                     f"`segments` of Chain only applies to memory='sqrt', but memory={self.memory!r}; "

@@ -17,7 +17,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pipejax._src.invertible.base import PyTree, channels, check_input, fold, per_example_sum
+from pipejax._src import checks
+from pipejax._src.invertible.base import (
+    PyTree,
+    channels,
+    check_input,
+    check_number,
+    fold,
+    log_scale_bound,
+    per_example_sum,
+)
 from pipejax._src.random import dropout
 
 _CONV_DIMS = ("NHWC", "HWIO", "NHWC")
@@ -78,16 +87,27 @@ class _Coupling:
 
     def __post_init__(self):
         name = type(self).__name__
-        if isinstance(self.hidden, bool) or not isinstance(self.hidden, int) or self.hidden < 1:
-            raise ValueError(
-                f"`hidden` of {name} is the width of its network's hidden layers and must be an int >= 1, "
-                f"but got {self.hidden!r}; e.g. {name}(hidden=64)."
-            )
-        if not 0.0 <= self.drop_rate < 1.0:
-            raise ValueError(
-                f"`drop_rate` of {name} is the probability of dropping a hidden unit and must be in "
-                f"[0, 1), but got {self.drop_rate!r}."
-            )
+        hidden = checks.check_int(
+            self.hidden,
+            "hidden",
+            where=name,
+            what=f"the width of its network's hidden layers, e.g. {name}(hidden=64)",
+        )
+        object.__setattr__(self, "hidden", hidden)
+        flip = checks.check_bool(
+            self.flip, "flip", where=name, alternative=" (transform the first half instead of the second)"
+        )
+        object.__setattr__(self, "flip", flip)
+        drop_rate = check_number(
+            self.drop_rate,
+            "drop_rate",
+            name,
+            rule="a number in [0, 1)",
+            ok=lambda v: 0.0 <= v < 1.0,
+            about="is the probability of dropping a hidden unit",
+            example=f"{name}(hidden=64, drop_rate=0.1)",
+        )
+        object.__setattr__(self, "drop_rate", drop_rate)
         if not callable(self.activation):
             raise TypeError(f"`activation` of {name} must be callable, but got {self.activation!r}.")
 
@@ -202,7 +222,8 @@ class AffineCoupling(_Coupling):
 
     Attributes:
       hidden: width of the network's hidden layers (channels for images).
-      scale_bound: the bound on ``|s|``; must be positive.
+      scale_bound: the bound on ``|s|``; a finite number > 0 that the input's dtype holds with
+        ``exp(+-scale_bound)`` normal (at most 43.67 in float32, 354 in float64; checked at trace).
       flip: transform the first half instead of the second.
       drop_rate: probability of dropping a hidden unit of the network (only when a key is given).
       activation: the network's nonlinearity.
@@ -230,10 +251,33 @@ class AffineCoupling(_Coupling):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.scale_bound, int | float) and self.scale_bound > 0):
+        bound = check_number(
+            self.scale_bound,
+            "scale_bound",
+            "AffineCoupling",
+            rule="a positive finite number",
+            ok=lambda v: v > 0,
+            about="bounds |log-scale|",
+            example="AffineCoupling(hidden=64, scale_bound=2.0)",
+        )
+        object.__setattr__(self, "scale_bound", bound)
+
+    def _check(self, x: jax.Array, where: str, arg: str, params: PyTree | None = None) -> None:
+        super()._check(x, where, arg, params)
+        # The bound is used in x's dtype: it must not round to 0 (0 / 0 in tanh(r / bound)), and
+        # exp(+-s) must stay normal numbers, or the inverse multiplies inf by 0.
+        low, high = float(jnp.finfo(x.dtype).tiny), log_scale_bound(x.dtype)
+        if not low <= self.scale_bound <= high:
+            why = (
+                "rounds to 0 or a subnormal there and tanh(r / scale_bound) is 0 / 0 = NaN"
+                if self.scale_bound < low
+                else "lets exp(s) overflow and exp(-s) underflow to 0 there, so the inverse gives NaN"
+            )
             raise ValueError(
-                f"`scale_bound` of AffineCoupling bounds |log-scale| and must be a positive number, but got "
-                f"{self.scale_bound!r}."
+                f"`scale_bound={self.scale_bound!r}` of AffineCoupling does not fit the {x.dtype} of `{arg}` "
+                f"in {type(self).__name__}.{where}: it {why}. Use a scale_bound in [{low:.3g}, {high:.4g}] "
+                f"for {x.dtype} (the same bound ActNorm and InvertibleLinear put on their log-scales), "
+                "e.g. 2.0, the default."
             )
 
     def _log_scale_shift(self, out: jax.Array) -> tuple[jax.Array, jax.Array]:

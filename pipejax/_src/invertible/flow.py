@@ -70,8 +70,7 @@ def dequantize(x: jax.Array, key: jax.Array, *, num_bins: int = 256, dtype: Any 
       True
     """
     check_key(key, "dequantize", optional=False)
-    if isinstance(num_bins, bool) or not (isinstance(num_bins, int) and num_bins >= 2):
-        raise ValueError(f"`num_bins` of dequantize must be an int >= 2, but got {num_bins!r}.")
+    num_bins = checks.check_int(num_bins, "num_bins", 2, "dequantize")
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"`dtype` of dequantize must be a floating dtype (the result's), but got {dtype!r}.")
     valid = check_levels(x, num_bins, "dequantize")
@@ -126,8 +125,9 @@ class Flow:
     Args:
       layer: the invertible map from data to latent.
       event_shape: the shape of one example (``(2,)`` for 2-D points, ``(8, 8, 1)`` for images).
-      dtype: the floating dtype of samples and dequantised data; ``None`` (the default) takes the
-        dtype of the parameters (float32 for a flow without floating parameters).
+      dtype: the floating dtype of samples and dequantised data (a ``TypeError`` otherwise);
+        ``None`` (the default) takes the dtype of the parameters (float32 for a flow without
+        floating parameters).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -149,12 +149,30 @@ class Flow:
     def __post_init__(self):
         check_layer(self.layer, "`layer` of Flow")
         shape = self.event_shape
-        if not (isinstance(shape, tuple | list) and all(isinstance(d, int) and d >= 1 for d in shape)):
+        dims = [checks.integer(d) for d in shape] if isinstance(shape, tuple | list) else [None]
+        if None in dims:  # a bool is not a size
+            bad = shape if not isinstance(shape, tuple | list) else shape[dims.index(None)]
+            raise TypeError(
+                f"`event_shape` of Flow must be a tuple of positive ints (the shape of one example, e.g. "
+                f"(2,) or (8, 8, 1)), but got {shape!r}, holding {type(bad).__name__} {bad!r}."
+            )
+        if not all(d >= 1 for d in dims):
             raise ValueError(
                 f"`event_shape` of Flow must be a tuple of positive ints (the shape of one example, e.g. "
                 f"(2,) or (8, 8, 1)), but got {shape!r}."
             )
-        object.__setattr__(self, "event_shape", tuple(shape))
+        object.__setattr__(self, "event_shape", tuple(dims))
+        if self.dtype is not None:
+            try:
+                dtype = jnp.dtype(self.dtype)
+            except (TypeError, ValueError):
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(
+                    f"`dtype` of Flow must be None (the dtype of the parameters) or a floating dtype "
+                    f"(of samples and dequantised data), but got {self.dtype!r}; e.g. "
+                    "Flow(layer, event_shape, dtype=jnp.float32)."
+                )
 
     def _dtype(self, params: PyTree) -> Any:
         if self.dtype is not None:
@@ -217,22 +235,29 @@ class Flow:
     ) -> jax.Array:
         """``num_samples`` draws: ``inverse(params, temperature * z)`` with ``z`` standard normal.
 
-        ``temperature < 1`` trades diversity for sample quality (Glow's reduced-temperature
-        sampling). ``layer_key`` feeds the layers' randomness (``None``: no dropout).
+        ``temperature`` is a finite scalar ``>= 0``; ``< 1`` trades diversity for sample quality
+        (Glow's reduced-temperature sampling). ``layer_key`` feeds the layers' randomness
+        (``None``: no dropout).
         """
         check_key(key, "Flow.sample", optional=False)
-        if isinstance(num_samples, bool) or not (isinstance(num_samples, int) and num_samples >= 1):
-            raise ValueError(f"`num_samples` of Flow.sample must be an int >= 1, but got {num_samples!r}.")
+        num_samples = checks.check_int(num_samples, "num_samples", 1, "Flow.sample")
         numeric = isinstance(temperature, int | float) or hasattr(temperature, "dtype")
         numeric = numeric and not isinstance(temperature, bool) and jnp.ndim(temperature) == 0
         known = checks.concrete(temperature) if numeric else None
-        if not numeric or (known is not None and not known >= 0):
+        if not numeric or (known is not None and not (np.isfinite(known) and known >= 0)):
             raise (ValueError if numeric else TypeError)(
-                f"`temperature` of Flow.sample must be a scalar >= 0 (the scale of the base samples; 1 "
-                f"samples the model), but got {temperature!r}."
+                f"`temperature` of Flow.sample must be a finite scalar >= 0 (the scale of the base samples; "
+                f"1 samples the model), but got {temperature!r}."
             )
         self._check_params(params, "sample")
-        x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), self._dtype(params))
+        dtype = self._dtype(params)
+        if known is not None and known > float(jnp.finfo(dtype).max):
+            raise ValueError(
+                f"`temperature={temperature!r}` of Flow.sample overflows the {jnp.dtype(dtype)} of the "
+                f"samples (at most {float(jnp.finfo(dtype).max):.3g}), so every sample would be inf; use "
+                "a temperature near 1 (1 samples the model, below 1 trades diversity for quality)."
+            )
+        x_struct = jax.ShapeDtypeStruct((num_samples, *self.event_shape), dtype)
         z_struct = jax.eval_shape(lambda p, x: self.layer.forward(p, x)[0], params, x_struct)
         leaves, treedef = jax.tree.flatten(z_struct)
         keys = jax.random.split(key, len(leaves))
@@ -263,8 +288,7 @@ class Flow:
         ``log2(num_bins)`` bits (8 for 8-bit images).
         """
         self._check_x(x, "bits_per_dim")
-        if not (isinstance(num_bins, int) and num_bins >= 2):
-            raise ValueError(f"`num_bins` of Flow.bits_per_dim must be an int >= 2, but got {num_bins!r}.")
+        num_bins = checks.check_int(num_bins, "num_bins", 2, "Flow.bits_per_dim")
         check_levels(x, num_bins, "Flow.bits_per_dim")  # named here; dequantize NaNs traced bad values
         dims = math.prod(self.event_shape)
         dtype = self._dtype(params)

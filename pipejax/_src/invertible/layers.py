@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from pipejax._src.invertible.base import PyTree, channels, check_input, constant_logdet
+from pipejax._src import checks
+from pipejax._src.invertible.base import (
+    PyTree,
+    channels,
+    check_input,
+    check_number,
+    constant_logdet,
+    log_scale_bound,
+)
 
 
 def _positions(x: jax.Array) -> int:
@@ -28,7 +36,7 @@ def bounded_log_scale(log_scale: jax.Array) -> jax.Array:
     stays exactly invertible with a consistent log-determinant, and the parameter gets a zero
     gradient there. :func:`pipejax.invertible.reconstruction_error` measures what is left.
     """
-    bound = -0.5 * float(np.log(jnp.finfo(log_scale.dtype).tiny))
+    bound = log_scale_bound(log_scale.dtype)
     return jnp.clip(log_scale, -bound, bound)
 
 
@@ -52,7 +60,8 @@ class ActNorm:
     reciprocal never under- or overflow.
 
     Attributes:
-      eps: added to the initial standard deviation, so constant channels stay finite.
+      eps: added to the initial standard deviation, so constant channels stay finite; a finite
+        number > 0 that does not round to 0 or inf in the input's dtype.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -69,10 +78,31 @@ class ActNorm:
 
     eps: float = 1e-6
 
+    def __post_init__(self):
+        eps = check_number(
+            self.eps,
+            "eps",
+            "ActNorm",
+            rule="a finite number > 0",
+            ok=lambda v: v > 0,
+            about="is added to the initial standard deviation (so constant channels stay finite)",
+            example="ActNorm(eps=1e-6)",
+        )
+        object.__setattr__(self, "eps", eps)
+
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """``{"bias": (C,), "log_scale": (C,)}`` that normalise the batch ``x`` per channel."""
         del key  # the initialisation is a function of the data alone
         check_input(x, "ActNorm", "init")
+        with np.errstate(over="ignore", under="ignore"):
+            rounded = float(np.asarray(self.eps).astype(x.dtype))
+        if not 0 < rounded < np.inf:
+            raise ValueError(
+                f"`eps={self.eps!r}` of ActNorm rounds to {rounded} in the {x.dtype} of the input `x`, so "
+                f"init would give an infinite log-scale; use an eps that {x.dtype} holds "
+                f"(at most {float(jnp.finfo(x.dtype).max):.3g}, and above 0 once rounded), e.g. 1e-6, "
+                "the default."
+            )
         axes = tuple(range(x.ndim - 1))
         std = jnp.std(x, axis=axes)
         return {"bias": -jnp.mean(x, axis=axes), "log_scale": -jnp.log(std + jnp.asarray(self.eps, x.dtype))}
@@ -148,10 +178,14 @@ class InvertibleLinear:
 
     def __post_init__(self):
         p = self.permutation
-        if not (p in ("reverse", "none") or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)):
-            raise ValueError(
+        seed = None if isinstance(p, str) else checks.integer(p)
+        if seed is not None and seed >= 0:
+            object.__setattr__(self, "permutation", seed)
+        elif p not in ("reverse", "none"):
+            error = ValueError if isinstance(p, str) or seed is not None else TypeError
+            raise error(
                 f"`permutation` of {type(self).__name__} must be 'reverse', 'none' or a non-negative int "
-                f"seed for a fixed random permutation, but got {p!r}."
+                f"seed for a fixed random permutation, but got {type(p).__name__} {p!r}."
             )
 
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
