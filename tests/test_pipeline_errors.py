@@ -426,3 +426,30 @@ def test_eager_autodiff_on_an_explicit_mesh_says_to_jit():
         jax.grad(lambda p: jnp.sum(apply(p, X)))(placed)
     jitted = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, X))))(placed)  # the fix the message gives
     np.testing.assert_allclose(np.asarray(apply.stage_params(jitted, 0)["w"]), 3.0 * 12)
+
+
+# --- another mesh context (`jax.set_mesh`) --------------------------------------------------------
+
+
+def test_a_pipeline_runs_eagerly_inside_another_mesh_context():
+    """Eagerly, a pipeline runs on its own mesh (`mesh=None`: one device, inputs committed to it
+    too) whatever mesh `jax.set_mesh` set; traced inside a program under another mesh, one on a
+    mesh is refused with pipejax's message (JAX's shard_map needs the two to match)."""
+    mesh2 = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    mesh4 = jax.make_mesh((4,), ("stage",))
+    params = jax.device_put([{"w": 2.0}, {"w": 3.0}], jax.devices()[0])  # committed to one device
+    x = jnp.arange(8.0).reshape(4, 2)
+    sq = lambda y, t: jnp.sum((y - t) ** 2, axis=-1)
+    for mesh in (None, mesh2):
+        pipe = pj.pipeline([affine, affine], chunks=2, mesh=mesh, schedule="1f1b")
+        want_y, want_loss = np.asarray(pipe(params, x)), float(pipe.value_and_grad(sq)(params, x, x)[0])
+        with jax.set_mesh(mesh4):
+            np.testing.assert_array_equal(np.asarray(pipe(params, x)), want_y)
+            assert float(jax.device_get(pipe.value_and_grad(sq)(params, x, x)[0])) == want_loss
+            if mesh is not None:
+                with pytest.raises(
+                    ValueError,
+                    match=r"runs on the mesh \{'stage': 2\} \(Explicit\), but it is "
+                    r"traced inside `jax.set_mesh` of another mesh, \{'stage': 4\}",
+                ):
+                    jax.jit(lambda p, _pipe=pipe: _pipe(p, x))(jax.device_get(params))

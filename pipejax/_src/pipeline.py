@@ -49,6 +49,7 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -414,7 +415,8 @@ class Pipeline:
                 )
             options.check_params_shape(state, self, name="state")
         params, (x, context), key, state = self._commit(params, (x, context), key, state)
-        return self._jitted(params, x, key, state, context)
+        with self._own_mesh((params, x, key, state, context)):
+            return self._jitted(params, x, key, state, context)
 
     def value_and_grad(
         self,
@@ -649,6 +651,30 @@ class Pipeline:
 
     # -- input placement (eager calls) ------------------------------------------------------
 
+    def _own_mesh(self, inputs) -> contextlib.AbstractContextManager:
+        """The mesh context the pipeline's program runs in, when the caller set another with
+        ``jax.set_mesh``: eagerly, its own mesh (``None``: no mesh context, one device), so that a
+        pipeline on mesh A runs inside ``jax.set_mesh(B)``, and a ``mesh=None`` pipeline takes
+        inputs committed to one device there. Traced inside the caller's program (``jax.jit``
+        under the context), nothing can be switched: a pipeline on another mesh than the
+        context's is refused with a message (JAX's ``shard_map`` needs the two to match)."""
+        if not compat.mesh_context_set():
+            return contextlib.nullcontext()
+        context = jax.sharding.get_abstract_mesh()
+        if self.mesh is not None and self.mesh.abstract_mesh == context:
+            return contextlib.nullcontext()
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(inputs)):
+            if self.mesh is None:  # traced into the caller's program, which places it
+                return contextlib.nullcontext()
+            raise ValueError(
+                f"The pipeline runs on the mesh {_mesh_text(self.mesh.abstract_mesh)}, but it is "
+                f"traced inside `jax.set_mesh` of another mesh, {_mesh_text(context)}; JAX's "
+                "shard_map needs the context mesh to be the pipeline's. Trace the function that "
+                "calls it (`jax.jit`) outside that block or inside `with jax.set_mesh(pipe.mesh):`, "
+                "or build the pipeline with the context's mesh."
+            )
+        return jax.set_mesh(self.mesh)
+
     def _commit(self, params, x, key, state):
         """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
         leaves = [a for a in jax.tree.leaves((params, x, key, state)) if options.is_concrete(a)]
@@ -810,3 +836,9 @@ def _not_differentiable(forward, schedule: str):
         )
 
     return call
+
+
+def _mesh_text(mesh) -> str:
+    """``{'stage': 4} (Explicit)``: a mesh's axes and their types, for messages."""
+    types = ", ".join(sorted({t.name for t in mesh.axis_types}))
+    return f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))} ({types})"

@@ -106,7 +106,8 @@ def value_and_grad(
             _check_params(pipe, state, name="state")
         # concrete inputs committed to other devices are moved where the pipeline runs
         params, (x, targets, context), key, state = pipe._commit(params, (x, targets, context), key, state)
-        return jitted(params, x, targets, key, context, state)
+        with pipe._own_mesh((params, x, targets, key, context, state)):
+            return jitted(params, x, targets, key, context, state)
 
     f.__doc__ = (
         f"(loss, grads) of `loss_fn` over the batch, with `schedule={pipe.schedule_name!r}`; "
