@@ -453,3 +453,11 @@ def test_a_pipeline_runs_eagerly_inside_another_mesh_context():
                     r"traced inside `jax.set_mesh` of another mesh, \{'stage': 4\}",
                 ):
                     jax.jit(lambda p, _pipe=pipe: _pipe(p, x))(jax.device_get(params))
+
+
+def test_table_helpers_check_their_flags_and_stage_params_its_params():
+    with pytest.raises(TypeError, match=r"`per_stage` of TrainingSchedule.in_flight must be True or False"):
+        pj.one_f_one_b_schedule(2, 4).in_flight(per_stage="yes")
+    pipe = pj.pipeline([affine, affine])
+    with pytest.raises(TypeError, match=r"`params` must be a sequence"):
+        pipe.stage_params({"w": 2.0}, 0)

@@ -38,8 +38,8 @@ class LossSums(NamedTuple):
 
     The weights are data: no gradient flows through them, and integer or boolean weights (token
     counts, masks) are cast to the sums' dtype. A batch whose weights add up to 0 has no loss
-    (``0 / 0``): the step returns NaN (or an infinite loss with nonzero sums), as
-    ``jnp.sum(sums) / jnp.sum(weights)`` would.
+    (``0 / 0``): the step returns NaN (or an infinite loss with nonzero sums) and NaN or
+    infinite gradients, as ``jnp.sum(sums) / jnp.sum(weights)`` would.
 
     Examples:
       >>> import jax.numpy as jnp

@@ -607,6 +607,7 @@ class Pipeline:
           IndexError: if ``s`` is not a stage of this pipeline.
         """
         s = stage_index(s, self.num_stages)
+        options.check_params_shape(params, self)
         if isinstance(params, StageParams):
             return params.stage(s)
         if self.homogeneous:

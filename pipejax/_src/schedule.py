@@ -211,13 +211,22 @@ def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
 
 
 def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> float:
-    """The circular schedule's bubble fraction, ``(n - 1) / (v m + n - 1)`` (for ``m >= n``).
+    """The circular schedule's bubble fraction, ``(n - 1) / (v m + n - 1)`` for ``m >= n``.
 
-    With fewer micro-batches than devices the schedule runs ``n`` slots per round, so its
-    bubble is ``1 - v m / (v n + n - 1)`` instead; :meth:`Schedule.bubble_fraction` gives the
-    exact value of any table.
+    With fewer micro-batches than devices (and ``v > 1``) the schedule runs ``n`` slots per
+    round, so its bubble is ``1 - v m / (v n + n - 1)`` instead, which this returns then; both
+    equal :meth:`Schedule.bubble_fraction` of the table.
+
+    Examples:
+      >>> import pipejax as pj
+      >>> round(pj.circular_bubble_fraction(4, 2, 2), 4)
+      0.6364
+      >>> round(pj.circular_schedule(4, 2, 2).bubble_fraction(), 4)
+      0.6364
     """
     n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
+    if m < n and v > 1:
+        return 1 - v * m / (v * n + n - 1)
     return (n - 1) / (v * m + n - 1)
 
 
@@ -343,6 +352,7 @@ class TrainingSchedule(NamedTuple):
         Linear in the size of the result: each held input adds 1 at its first tick and -1 after
         its last one in a table of differences, whose running sum down the ticks is the count.
         """
+        per_stage = checks.check_bool(per_stage, "per_stage", "TrainingSchedule.in_flight")
         stage, first, done = self._held()
         cols = self.num_devices * self.repeats if per_stage else self.num_devices
         col = stage if per_stage else stage % self.num_devices  # stage r n + d lives on device d
