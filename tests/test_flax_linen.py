@@ -15,6 +15,7 @@ that ``to_sequential`` maps out of the pipelined variables:
 
 from __future__ import annotations
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -304,3 +305,75 @@ def test_to_sequential_rejects_other_variables():
         pipe.to_sequential({"params": {"Dense_0": {}}})
     with pytest.raises(ValueError, match=r"\['layers_9'\] that match no layer"):
         pipe.from_sequential({"params": {"layers_9": {}}})
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (3, TypeError, r"`rng_collection` of LinenPipeline .* non-empty str, but got int 3\. Pass"),
+        ("", ValueError, r"`rng_collection` of LinenPipeline .* non-empty str, but got str ''\. Pass"),
+    ],
+)
+def test_bad_rng_collection(value, error, match):
+    with pytest.raises(error, match=match):
+        LinenPipeline(make_layers(), balance=[2, 2], rng_collection=value)
+
+
+def test_bad_bool_options_name_the_fix():
+    with pytest.raises(
+        TypeError, match=r"`unbiased_variance` must be a bool \(True or False\), but got int 1\. Pass"
+    ):
+        LinenPipeline(make_layers(), balance=[2, 2], unbiased_variance=1)
+
+
+def test_apply_without_variables_notes_init():
+    pipe = LinenPipeline(make_layers(), balance=[2, 2])
+    x, _ = data()
+    with pytest.raises(flax.errors.ScopeCollectionNotFound) as info:  # Flax's own error, kept
+        pipe.apply({}, x)
+    assert "`variables = pipe.init(key, x)`" in "\n".join(info.value.__notes__)
+
+
+def test_from_sequential_with_wrong_shapes_is_refused_naming_the_layer():
+    pipe = LinenPipeline(make_layers(), balance=[2, 2])
+    x, _ = data()
+    seq = pipe.to_sequential(pipe.init(jax.random.key(0), x))
+    bad = jax.tree.map(lambda a: jnp.ones((*a.shape, 1), a.dtype), seq)
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=r"\(5, 16\).*\(5, 16, 1\)") as info:
+        pipe.apply(pipe.from_sequential(bad), x)
+    assert "in layer 0 (Block), whose parameters are 'layers_0'" in "\n".join(info.value.__notes__)
+
+
+class CacheLayer(nn.Module):
+    @nn.compact
+    def __call__(self, h, cache=None):
+        return cache, h + nn.Dense(IN, param_dtype=F)(h)
+
+
+class ShapeCacheLayer(nn.Module):
+    @nn.compact
+    def __call__(self, h, cache=None):
+        return cache, h + nn.Dense(h.shape[-1], param_dtype=F)(h)  # on a tuple: AttributeError
+
+
+@pytest.mark.parametrize(
+    "carry, match",
+    [
+        (None, r"A layer's whole output is passed on"),
+        ("x", r"`carry='x'` selects an entry of a dict output; .* tuple, is passed on whole"),
+    ],
+)
+def test_a_cache_tuple_in_init_says_to_use_carry(carry, match):
+    pipe = LinenPipeline([CacheLayer(), CacheLayer()], num_stages=2, carry=carry)
+    x, _ = data()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)Layer 1 could not be applied to the output of layer 0, \(None, 'float64\[10, 5\]'\)"
+        rf".*{match}.*`carry=1` for `\(cache, x\)`",
+    ):
+        pipe.init(jax.random.key(0), x)
+    # the user's own error keeps its type and gains the hint as a note
+    pipe = LinenPipeline([ShapeCacheLayer(), ShapeCacheLayer()], num_stages=2, carry=carry)
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'shape'") as info:
+        pipe.init(jax.random.key(0), x)
+    assert "`carry=1` for `(cache, x)`" in "\n".join(info.value.__notes__)

@@ -321,3 +321,36 @@ def test_bad_rngs():
     # no key anywhere: the message names the pipeline's stream (`rng_collection`), not always "dropout"
     with pytest.raises(ValueError, match=r"hold rng streams.*`rngs=nnx.Rngs\(noise=\.\.\.\)`"):
         NNXPipeline(make_layers(), balance=[2, 2], rng_collection="noise")(x)
+
+
+@pytest.mark.parametrize("name", ["deterministic", "use_running_average"])
+def test_bool_flags_must_be_bools_or_none(name):
+    """A string flag is refused, not read by its truth (``bool('no')`` is True): at construction,
+    at a call, in ``value_and_grad``'s step and in ``nnx.view``."""
+    rule = rf"must be True, False or None \(None: the module's default\), but got str 'no'\. `{name}=True`"
+    with pytest.raises(TypeError, match=rf"`{name}` of NNXPipeline\(\.\.\.\) {rule}"):
+        NNXPipeline(make_layers(), balance=[2, 2], **{name: "no"})
+    pipe = NNXPipeline(make_layers(), balance=[2, 2], rngs=nnx.Rngs(dropout=0))
+    x, targets = data()
+    with pytest.raises(TypeError, match=rf"`{name}` of an NNXPipeline call {rule}"):
+        pipe(x, **{name: "no"})
+    with pytest.raises(TypeError, match=rf"`{name}` of NNXPipeline.set_view {rule}"):
+        nnx.view(pipe, **{name: "no"})
+    if name == "deterministic":
+        step = pipe.value_and_grad(lambda y, t: jnp.sum((y - t) ** 2, axis=-1))
+        with pytest.raises(TypeError, match=rf"`{name}` of NNXPipeline.value_and_grad's step {rule}"):
+            step(x, targets, deterministic="no")
+    built = NNXPipeline(make_layers(), balance=[2, 2], **{name: np.bool_(True)})
+    assert getattr(built, name) is True
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (5, TypeError, r"`rng_collection` of NNXPipeline .* non-empty str, but got int 5\. Pass"),
+        ("", ValueError, r"`rng_collection` of NNXPipeline .* non-empty str, but got str ''\. Pass"),
+    ],
+)
+def test_bad_rng_collection(value, error, match):
+    with pytest.raises(error, match=match):
+        NNXPipeline(make_layers(), balance=[2, 2], rng_collection=value)

@@ -254,17 +254,32 @@ def split_carry(carry: Carry, index: int, out: Any, collect: bool = False) -> tu
 
 def carry_hint(carry: Carry, index: int, h: Any, err: Exception) -> str | None:
     """The message to raise (same type) when layer ``index`` failed on a tuple holding ``None`` from
-    the layer before it (``return cache, x`` without ``carry=``); ``None`` when that is not the case."""
+    the layer before it, passed on whole (``return cache, x`` without ``carry=``, or with a
+    ``carry=`` for another kind of output); ``None`` when that is not the case."""
     items = h.values() if isinstance(h, Mapping) else h if isinstance(h, (tuple, list)) else ()
-    if carry is not None or index == 0 or not any(item is None for item in items):
+    if index == 0 or not any(item is None for item in items):
+        return None
+    if carry is None:
+        passed = "A layer's whole output is passed on as the next layer's input."
+    elif isinstance(carry, str) and not isinstance(h, Mapping):
+        passed = (
+            f"`carry={carry!r}` selects an entry of a dict output; any other output, such as this "
+            f"{type(h).__name__}, is passed on whole."
+        )
+    elif isinstance(carry, int) and not isinstance(carry, bool) and not isinstance(h, (tuple, list)):
+        passed = (
+            f"`carry={carry}` selects an item of a tuple output; any other output, such as this "
+            f"{type(h).__name__}, is passed on whole."
+        )
+    else:  # carry selected `h` (a function's choice, or a nested tuple): not a carry= mistake
         return None
     return (
         f"Layer {index} could not be applied to the output of layer {index - 1}, {_describe(h)}: "
-        f"{type(err).__name__}: {err}\nA layer's whole output is passed on as the next layer's "
-        f"input. If layer {index - 1} returns the activation beside other outputs (`return cache, x`, "
-        "as Gemma's blocks do), say which one is the activation with `carry=`: `carry=1` for "
-        "`(cache, x)`, a key for a dict output, or a function `carry=lambda out: out.x`. The "
-        "other outputs are dropped (only if they hold no arrays, such as a cache of None)."
+        f"{type(err).__name__}: {err}\n{passed} If layer {index - 1} returns the activation beside "
+        "other outputs (`return cache, x`, as Gemma's blocks do), say which one is the activation "
+        "with `carry=`: `carry=1` for `(cache, x)`, a key for a dict output, or a function "
+        "`carry=lambda out: out.x`. The other outputs are dropped (only if they hold no arrays, "
+        "such as a cache of None)."
     )
 
 

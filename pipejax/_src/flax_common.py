@@ -127,7 +127,10 @@ class Stack:
             ("unbiased_variance", unbiased_variance),
         ):
             if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, but got {value!r}.")
+                raise TypeError(
+                    f"`{name}` must be a bool (True or False), but got {type(value).__name__} "
+                    f"{value!r}. Pass `{name}=True` or `{name}=False` to {owner}."
+                )
         self.sizes = stage_sizes(num_layers, balance, num_stages)
         self.options = check_options(options, owner)
         if self.options.get("tied") is not None:  # layers' terms -> the pipeline's stages' terms
@@ -473,7 +476,7 @@ def _layer_step(
             return jax.vmap(one)(h, key, side), mask, context, (*records, {}), auxes
         try:
             y, rec, sown = run_layer(index, variables, h, key, mask, {**kwargs, **side})
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, AttributeError) as err:
             hint = carry_hint(carry, index, h, err)
             if hint is None:
                 raise
@@ -566,6 +569,45 @@ def _first(tree):
 def _unpack(packed: StageParams) -> list[Any]:
     """``packed.unpack()`` as one compiled program (eagerly it would dispatch a slice per leaf)."""
     return packed.unpack()
+
+
+def check_flag(value: Any, name: str, where: str, meaning: str) -> bool | None:
+    """``value`` (a bool, numpy's included, or ``None``) as a Python bool or ``None``; raises otherwise.
+
+    ``name`` is the flag (``deterministic``), ``where`` what takes it (``"NNXPipeline(...)"``) and
+    ``meaning`` what ``True`` does, for the message: a string such as ``'no'`` is refused rather
+    than read by its truth (``bool('no')`` is ``True``).
+
+    Raises:
+      TypeError: for anything else.
+    """
+    if value is None:
+        return None
+    try:
+        return checks.check_bool(value, name, where, alternative=" or None")
+    except TypeError:
+        raise TypeError(
+            f"{checks.label(name, where)} must be True, False or None (None: the module's default), "
+            f"but got {type(value).__name__} {value!r}. `{name}=True` {meaning}; pass a Python bool, "
+            f"e.g. `{name}=False`."
+        ) from None
+
+
+def check_rng_collection(value: Any, owner: str) -> str:
+    """``value``, the name of the rng stream an adapter draws its key from: a non-empty str.
+
+    Raises:
+      TypeError: ``value`` is not a str.
+      ValueError: ``value`` is the empty string.
+    """
+    if isinstance(value, str) and value:
+        return value
+    kind = TypeError if not isinstance(value, str) else ValueError
+    raise kind(
+        f"`rng_collection` of {owner} names the rng stream the pipeline draws its key from, a "
+        f"non-empty str, but got {type(value).__name__} {value!r}. Pass the stream's name, e.g. "
+        "`rng_collection='dropout'` (the default), the name dropout layers draw from."
+    )
 
 
 def check_layers(layers: Any, base: type, kind: str, adapter: str, other: tuple[str, str]) -> None:

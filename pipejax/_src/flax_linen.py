@@ -118,10 +118,11 @@ class LinenPipeline(nn.Module):
         (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nn.BatchNorm``).
       carry: which part of each layer's output is the activation passed to the next layer (and
         returned by the last), in ``apply`` and ``init`` alike: ``None``, the whole output; an
-        int, the item of a tuple output (``carry=1`` for layers that return ``(cache, x)``;
-        other outputs pass whole); a str, the entry of a dict output; or a function ``out ->
-        activation``. With an int or a str the other items are not passed on: without ``aux=``
-        they must hold no arrays (``ValueError``); with it they are collected.
+        int, the item of a tuple output, negative ones counting from the end as in Python
+        (``carry=1`` for layers that return ``(cache, x)``; other outputs pass whole); a str,
+        the entry of a dict output; or a function ``out -> activation``. With an int or a str
+        the other items are not passed on: without ``aux=`` they must hold no arrays
+        (``ValueError``); with it they are collected.
       pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked by
         it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``, ``aux``. With ``aux="stack"``, ``"sum"`` or
@@ -159,6 +160,7 @@ class LinenPipeline(nn.Module):
 
     def __post_init__(self):
         common.check_layers(self.layers, nn.Module, "a flax.linen.Module", _NAME, ("flax.nnx", "NNXPipeline"))
+        common.check_rng_collection(self.rng_collection, _NAME)
         self._stack()  # checks balance, num_stages, the flags and every pipeline option now
         super().__post_init__()
 
@@ -176,7 +178,18 @@ class LinenPipeline(nn.Module):
                 created.append((state, y))
                 return stack_box(stack, params)
 
-            self.param("stages", init)
+            try:
+                self.param("stages", init)
+            except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeParamNotFoundError) as err:
+                if self.is_initializing():  # (raised by a layer's own initialisation)
+                    raise
+                err.add_note(
+                    f"pipejax.flax.{_NAME}: `variables` hold no pipeline parameters "
+                    "({'params': {'stages': ...}}). Make them with `variables = pipe.init(key, x)`, "
+                    "or convert those of nn.Sequential(layers) with `pipe.from_sequential(...)` "
+                    "(or of an nn.scan stack with `pipe.from_stacked(...)`)."
+                )
+                raise
             state, y = created[0]
             if state is not None:
                 self.variable("batch_stats", "stages", lambda: stack_box(stack, state))
@@ -444,7 +457,18 @@ class LinenPipeline(nn.Module):
         params, state, h = [], [], x
         for index, (layer, kw) in enumerate(zip(self._layers(), kwargs, strict=True)):
             k_params, k_rng = jax.random.split(jax.random.fold_in(rng, index))
-            out, variables = layer.init_with_output({"params": k_params, self.rng_collection: k_rng}, h, **kw)
+            try:
+                out, variables = layer.init_with_output(
+                    {"params": k_params, self.rng_collection: k_rng}, h, **kw
+                )
+            except (TypeError, ValueError, AttributeError) as err:
+                hint = flax_calls.carry_hint(stack.carry, index, h, err)
+                if hint is None:
+                    raise
+                if type(err) in (TypeError, ValueError):  # (JAX's or numpy's own, or the user's plain ones)
+                    raise type(err)(hint) from err
+                err.add_note(hint)
+                raise
             h = flax_calls.split_carry(stack.carry, index, out, collect=stack.aux is not None)[0]
             variables = unfreeze(variables)
             variables.pop("intermediates", None)  # sown values: collected per call with `aux=`
@@ -576,6 +600,14 @@ class _LinenLayers:
                 f"variable in the pipeline's variables: was 'layers_{index}' missing from the variables "
                 "given to from_sequential / from_stacked? Convert the variables of every layer with "
                 "parameters."
+            )
+            raise
+        except flax.errors.ScopeParamShapeError as err:
+            err.add_note(
+                f"pipejax.flax.LinenPipeline: in layer {index} ({type(layers[index]).__name__}), whose "
+                f"parameters are 'layers_{index}' of the variables given to from_sequential / "
+                "from_stacked: give that layer parameters of the shapes it creates (those of "
+                "`nn.Sequential(layers).init(key, x)`)."
             )
             raise
         return y, records, unfreeze(sown).get("intermediates", {})

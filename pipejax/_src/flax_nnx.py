@@ -117,11 +117,12 @@ class NNXPipeline(nnx.Module):
       unbiased_variance: whether the running variance tracks the unbiased ``M2 / (N - 1)``
         (True, as PyTorch) or the biased ``M2 / N`` (False, the default, as ``nnx.BatchNorm``).
       carry: which part of each layer's output is the activation passed to the next layer (and
-        returned by the last): ``None``, the whole output; an int, the item of a tuple output
-        (``carry=1`` for layers that return ``(cache, x)``; other outputs pass whole); a str,
-        the entry of a dict output; or a function ``out -> activation``. With an int or a str
-        the other items are not passed on: without ``aux=`` they must hold no arrays
-        (``ValueError``); with it they are collected.
+        returned by the last): ``None``, the whole output; an int, the item of a tuple output,
+        negative ones counting from the end as in Python (``carry=1`` for layers that return
+        ``(cache, x)``; other outputs pass whole); a str, the entry of a dict output; or a
+        function ``out -> activation``. With an int or a str the other items are not passed
+        on: without ``aux=`` they must hold no arrays (``ValueError``); with it they are
+        collected.
       **pipeline_options: options of :func:`pipejax.pipeline`, forwarded unchanged and checked
         by it: ``chunks``, ``checkpoint``, ``mesh``, ``axis_name``, ``schedule``, ``repeats``,
         ``data_axis_name``, ``per_example_keys``, ``aux``. With ``aux="stack"``, ``"sum"`` or
@@ -186,10 +187,10 @@ class NNXPipeline(nnx.Module):
         )
         self._stack = nnx.static(stack)
         self.pipeline_options = nnx.static(stack.options)
-        self.deterministic = deterministic
-        self.rng_collection = rng_collection
+        self.deterministic = _check_deterministic(deterministic, f"{_NAME}(...)")
+        self.rng_collection = common.check_rng_collection(rng_collection, _NAME)
         self.deferred_batch_norm = deferred_batch_norm
-        self.use_running_average = use_running_average
+        self.use_running_average = _check_use_running_average(use_running_average, f"{_NAME}(...)")
         self.unbiased_variance = unbiased_variance
         graphdefs, params, batch_stats, rest = [], [], [], []
         for index, layer in enumerate(layers):
@@ -258,8 +259,10 @@ class NNXPipeline(nnx.Module):
     ) -> PyTree:
         stack = self._stack
         call = flax_calls.prepare(self.calls, context, flags)
-        det = self.deterministic if deterministic is None else deterministic
-        ura = self.use_running_average if use_running_average is None else use_running_average
+        det = _check_deterministic(deterministic, "an NNXPipeline call")
+        det = self.deterministic if det is None else det
+        ura = _check_use_running_average(use_running_average, "an NNXPipeline call")
+        ura = self.use_running_average if ura is None else ura
         run = self._run_layer(det, ura, self._call_streams(rngs))
         engine = stack.pipeline(run, call.kwargs, call.names)  # built once per configuration
         if not stack.deferred:
@@ -343,7 +346,8 @@ class NNXPipeline(nnx.Module):
 
         def step(x, targets, *, deterministic=None, rngs=None, context=None, **flags):
             call = flax_calls.prepare(self.calls, context, flags)
-            det = self.deterministic if deterministic is None else deterministic
+            det = _check_deterministic(deterministic, "NNXPipeline.value_and_grad's step")
+            det = self.deterministic if det is None else det
             run = self._run_layer(det, self.use_running_average, self._call_streams(rngs))
             f = stack.value_and_grad(run, loss_fn, call.kwargs, call.names, stage_aux_loss)  # built once
             loss, grads = f(self.stage_params(), x, targets, self._key(rngs), context)
@@ -359,6 +363,8 @@ class NNXPipeline(nnx.Module):
           deterministic: if not None, the new default of :attr:`deterministic`.
           use_running_average: if not None, the new default of :attr:`use_running_average`.
         """
+        deterministic = _check_deterministic(deterministic, "NNXPipeline.set_view")
+        use_running_average = _check_use_running_average(use_running_average, "NNXPipeline.set_view")
         if deterministic is not None:
             self.deterministic = deterministic
         if use_running_average is not None:
@@ -948,3 +954,12 @@ def _check_state(index: int, layer: nnx.Module, batch_stats: nnx.State, rest: An
                 f"Layer {index} ({type(layer).__name__}) holds nnx.BatchNorm statistics", _NAME
             )
         )
+
+
+def _check_deterministic(value: Any, where: str) -> bool | None:
+    return common.check_flag(value, "deterministic", where, "turns dropout off in every layer")
+
+
+def _check_use_running_average(value: Any, where: str) -> bool | None:
+    meaning = "makes every BatchNorm normalise with its running statistics (evaluation)"
+    return common.check_flag(value, "use_running_average", where, meaning)
