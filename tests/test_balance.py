@@ -458,3 +458,35 @@ def test_cost_model_errors():
         pj.layer_costs([matmul] * 2, [w, jnp.ones((5, 8))], x)
     with pytest.raises(ValueError, match=r"Layer 0 could not be applied to `sample_x`"):
         pj.layer_costs([matmul], [w], jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("devices", [0, -1])
+def test_devices_count_must_be_positive(devices):
+    # -1 once sliced `jax.devices()[:-1]`: every device but the last.
+    with pytest.raises(
+        ValueError,
+        match=rf"`devices` of partition must be a positive count .*but got {devices}; pass at least 2",
+    ):
+        pj.partition([ident] * 3, [2, 1], devices=devices)
+
+
+def test_mesh_hint_for_a_mesh_as_devices_works():
+    mesh = jax.make_mesh((2,), ("stage",))
+    with pytest.raises(TypeError, match=r"not a Mesh: pass `list\(mesh\.devices\.flat\)`"):
+        pj.partition([ident] * 3, [2, 1], devices=mesh)
+    assert pj.partition([ident] * 3, [2, 1], devices=list(mesh.devices.flat)).devices == tuple(
+        mesh.devices.flat
+    )
+
+
+@pytest.mark.parametrize(
+    "axis_name, error, match",
+    [
+        ("", ValueError, r"`axis_name` is the empty string; name an axis of the mesh"),
+        (3, TypeError, r"`axis_name` must be a str, but got int 3"),
+        (None, TypeError, r"`axis_name` must be a str, but got NoneType None"),
+    ],
+)
+def test_mesh_axis_name_errors(axis_name, error, match):
+    with pytest.raises(error, match=match):
+        pj.partition([ident] * 3, [2, 1], devices=2).mesh(axis_name=axis_name)

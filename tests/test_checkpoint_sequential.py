@@ -150,3 +150,17 @@ def test_a_batch_of_keys_is_refused_with_the_fix():
             apply(make_params(4), X, keys)
     with pytest.raises(TypeError, match=r"`key` of checkpoint_sequential's apply must be None or a PRNG key"):
         apply(make_params(4), X, 3)
+
+
+def test_layer_without_a_key_argument_is_named_with_the_contract():
+    params = jnp.ones((4, D, D))
+    with pytest.raises(
+        TypeError,
+        match=r"`layer` of checkpoint_sequential, `[^`]*<lambda>\(p, x\)`, cannot be called as "
+        r"`layer\(params_l, x, key_l\) -> x`: too many positional arguments\. A layer that needs no "
+        r"randomness still takes `key_l`",
+    ):
+        pj.checkpoint_sequential(lambda p, x: x @ p)(params, jnp.ones((2, D)))
+    # *args and defaults bind as the call does.
+    out = pj.checkpoint_sequential(lambda p, x, *rest: x @ p)(params, jnp.ones((2, D)))
+    assert out.shape == (2, D)

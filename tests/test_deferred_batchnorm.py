@@ -299,3 +299,47 @@ def test_moments_respect_the_mask_and_the_feature_axes():
         pj.moments(x, jnp.ones((4, 5), bool))
     with pytest.raises(ValueError, match=r"`momentum` must be a float in \[0, 1\].*got 1.5"):
         pj.batch_norm_update(pj.batch_norm_init(3), mom, momentum=1.5)
+
+
+# --- bad arguments: the state of another layer, stats that are not Moments -----------------------
+
+
+def test_batch_norm_in_training_refuses_the_state_of_another_layer():
+    x = jnp.ones((6, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"`state\.mean` of batch_norm has shape \(3,\), but `x` of shape \(6, 4\) has features "
+        r"of shape \(4,\).*pj\.batch_norm_init\(4\)",
+    ):
+        pj.batch_norm(x, pj.batch_norm_init(3), train=True)
+    with pytest.raises(
+        TypeError,
+        match=r"`state` of batch_norm must be the BatchStats of the layer "
+        r"\(pj\.batch_norm_init\(4\)\) or None, but got dict",
+    ):
+        pj.batch_norm(x, {"mean": 0}, train=True)
+    y, _ = pj.batch_norm(x, None, train=True)  # the state is not read in training
+    assert y.shape == x.shape
+
+
+def test_stats_that_are_not_moments_are_refused():
+    mom = pj.moments(jnp.arange(12.0).reshape(6, 2))
+    stacked = pj.Moments(*(jnp.stack([a, a]) for a in mom))
+    with pytest.raises(
+        TypeError, match=r"`stats` of batch_norm_update must be a pj\.Moments .*but got NoneType\.$"
+    ):
+        pj.batch_norm_update(pj.batch_norm_init(2), None)
+    with pytest.raises(
+        TypeError, match=r"`stacked` of merge_moments must be a pj\.Moments .*but got NoneType\.$"
+    ):
+        pj.merge_moments(None)
+    with pytest.raises(
+        TypeError,
+        match=r"`stacked` of merge_moments must be a pj\.Moments .*but got tuple; "
+        r"wrap the triple: `pj\.Moments\(count, mean, m2\)`",
+    ):
+        pj.merge_moments(tuple(stacked))
+    with pytest.raises(
+        TypeError, match=r"`stats` of batch_norm_update must be a pj\.Moments .*but got tuple; wrap"
+    ):
+        pj.batch_norm_update(pj.batch_norm_init(2), tuple(stacked))

@@ -420,3 +420,47 @@ def test_counts_take_numpy_integers_and_refuse_bools(name, make):
         for flag in (True, np.True_):
             with pytest.raises(TypeError, match=r"bool"):
                 make(flag)
+
+
+# --- keys and dropout: one message for a key that is not a key; a traced drop_rate ---------------
+
+
+def test_layer_key_refuses_an_int_key_with_the_key_message():
+    with pytest.raises(
+        TypeError,
+        match=r"`stage_key` of layer_key must be None or a PRNG key such as `jax\.random\.key\(0\)`, "
+        r"but got int",
+    ):
+        pj.layer_key(3, 0)
+
+
+def test_dropout_refuses_an_int_key_with_the_key_message():
+    with pytest.raises(
+        TypeError,
+        match=r"`key` of dropout must be None or a PRNG key such as `jax\.random\.key\(0\)`, but got int"
+        r".*one key per row",
+    ):
+        pj.dropout(jnp.ones((4, 3)), 3, 0.5)
+
+
+@pytest.mark.parametrize("rate", ["0.1", None, True])
+def test_dropout_refuses_a_drop_rate_that_is_not_a_number(rate):
+    with pytest.raises(
+        TypeError, match=rf"`drop_rate` of dropout must be a float in \[0, 1\).*but got {type(rate).__name__}"
+    ):
+        pj.dropout(jnp.ones((4, 3)), KEY, rate)
+
+
+def test_dropout_takes_a_traced_drop_rate():
+    x = jnp.ones((8, 1000))
+    apply = jax.jit(lambda r: pj.dropout(x, KEY, r))
+    assert jnp.array_equal(apply(0.3), pj.dropout(x, KEY, 0.3))  # the same mask and scale
+    assert jnp.array_equal(apply(0.0), x)
+    assert jnp.array_equal(apply(1.0), jnp.zeros_like(x))  # all dropped: zeros, not NaN
+    keys = jax.random.split(KEY, 8)
+    assert jnp.array_equal(jax.jit(lambda r: pj.dropout(x, keys, r))(0.3), pj.dropout(x, keys, 0.3))
+    with pytest.raises(
+        TypeError,
+        match=r"`drop_rate` of dropout must be a float scalar, but got a traced array of shape \(2,\)",
+    ):
+        jax.jit(lambda r: pj.dropout(x, KEY, r))(jnp.ones(2))

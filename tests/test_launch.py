@@ -387,3 +387,13 @@ def test_launch_refuses_a_bad_module_before_starting(command, message):
     with pytest.raises(ValueError) as err:
         launch.launch(command, processes=2)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("out", ["x", io.BytesIO()])
+def test_out_must_be_a_text_stream(out):
+    # Refused before any process starts (a str once failed inside the launch, a bytes stream on
+    # the first line written).
+    with pytest.raises(
+        TypeError, match=r"`out` must be a text stream \(with `write` and `flush`.*but got (str 'x'|BytesIO)"
+    ):
+        launch.launch(["-c", "print(1)"], processes=1, out=out)

@@ -112,8 +112,11 @@ class Partition(NamedTuple):
         ``jax.devices()``. The axis is Explicit, like ``jax.make_mesh``'s default.
 
         Raises:
-          ValueError: without ``devices``, if fewer than ``num_stages`` devices exist.
+          TypeError: ``axis_name`` is not a str.
+          ValueError: ``axis_name`` is empty; without ``devices``, if fewer than ``num_stages``
+            devices exist.
         """
+        checks.axis_name(axis_name)
         devices = self.devices
         if devices is None:
             available = jax.devices()
@@ -278,11 +281,17 @@ def _check_devices(devices, num_stages) -> tuple[Any, ...] | None:
     if isinstance(devices, Mesh):
         raise TypeError(
             "`devices` must be a count or a sequence of devices, not a Mesh: pass "
-            "`mesh.devices.flat` or the mesh to `pj.pipeline(..., mesh=mesh)` directly."
+            "`list(mesh.devices.flat)` or the mesh to `pj.pipeline(..., mesh=mesh)` directly."
         )
     if checks.integer(devices) is not None:
         devices = checks.integer(devices)
         available = jax.devices()
+        if devices < 1:
+            raise ValueError(
+                f"`devices` of partition must be a positive count (the first `devices` of "
+                f"`jax.devices()`) or a sequence of devices, but got {devices}; pass at least "
+                f"{num_stages}, one device per stage, e.g. `devices={num_stages}`."
+            )
         if devices > len(available):
             raise ValueError(
                 f"`devices` is {devices}, but only {len(available)} devices exist "

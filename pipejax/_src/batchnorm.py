@@ -191,6 +191,7 @@ def merge_moments(stacked: Moments) -> Moments:
       >>> total.count.item(), total.mean.tolist(), total.m2.tolist()  # 82.5 = var * 10
       (10.0, [4.5], [82.5])
     """
+    _check_moments(stacked, "stacked", "merge_moments")
     count = jnp.asarray(stacked.count)
     if count.ndim != 1:
         raise ValueError(
@@ -250,6 +251,12 @@ def batch_norm_update(
             f"statistics; PyTorch's momentum=0.1 is 0.9 here), but got {momentum!r}."
         )
     checks.check_bool(unbiased, "unbiased", "batch_norm_update")
+    if not (hasattr(state, "mean") and hasattr(state, "var")):
+        raise TypeError(
+            f"`state` of batch_norm_update must be a BatchStats (pj.batch_norm_init(features)), but got "
+            f"{type(state).__name__}."
+        )
+    _check_moments(stats, "stats", "batch_norm_update")
     if jnp.ndim(stats.count) == 1:
         stats = merge_moments(stats)
     elif jnp.ndim(stats.count) != 0:
@@ -257,11 +264,6 @@ def batch_norm_update(
             f"`stats.count` must be a scalar (one set) or have one leading axis (stacked "
             f"micro-batches), but got shape {jnp.shape(stats.count)}; for homogeneous stages "
             "`jax.vmap(pj.batch_norm_update)` over the stage axis."
-        )
-    if not (hasattr(state, "mean") and hasattr(state, "var")):
-        raise TypeError(
-            f"`state` of batch_norm_update must be a BatchStats (pj.batch_norm_init(features)), but got "
-            f"{type(state).__name__}."
         )
     count, mean, m2 = stats
     for name, value in (("stats.mean", mean), ("stats.m2", m2), ("state.var", state.var)):
@@ -299,7 +301,8 @@ def batch_norm(
 
     Args:
       x: the micro-batch, ``(b, ..., features)``.
-      state: the running statistics (read in evaluation only).
+      state: the running statistics (read in evaluation only; in training ``None`` or the
+        layer's statistics, whose feature shape is checked).
       train: normalise with the micro-batch's statistics (True) or the running ones (False).
       mask: ``bool[b]``: the rows that count towards the statistics (padding rows do not); the
         ``mask`` a stateful pipeline stage receives. ``None``: every row.
@@ -329,11 +332,12 @@ def batch_norm(
         )
     features = _feature_axes(x.ndim, axis)
     shape = tuple(x.shape[a] for a in features)
-    if not train:
+    if not train or state is not None:
         if not (hasattr(state, "mean") and hasattr(state, "var")):
             raise TypeError(
                 f"`state` of batch_norm must be the BatchStats of the layer (pj.batch_norm_init("
-                f"{shape[0] if len(shape) == 1 else shape})), but got {type(state).__name__}."
+                f"{shape[0] if len(shape) == 1 else shape})){' or None' if train else ''}, but got "
+                f"{type(state).__name__}."
             )
         _check_features("state.mean", state.mean, shape, x.shape, axis)
         _check_features("state.var", state.var, shape, x.shape, axis)
@@ -389,6 +393,21 @@ def _check_features(name: str, value, shape: tuple[int, ...], x_shape: tuple[int
                 else f"Pass one {name} per feature, of shape {shape}"
             )
             + ", or pass the features' `axis`."
+        )
+
+
+def _check_moments(value, name: str, where: str) -> None:
+    """``value`` must be a :class:`Moments` (what :func:`moments` returns, or a stack of them)."""
+    if not isinstance(value, Moments):
+        hint = (
+            "; wrap the triple: `pj.Moments(count, mean, m2)`"
+            if isinstance(value, tuple) and len(value) == 3
+            else ""
+        )
+        raise TypeError(
+            f"`{name}` of {where} must be a pj.Moments (what pj.moments or pj.batch_norm returns, or "
+            f"those of several micro-batches stacked on a leading axis), but got "
+            f"{type(value).__name__}{hint}."
         )
 
 

@@ -336,6 +336,17 @@ def checkpoint_sequential(
             batch_fix="Layer l draws from `jax.random.fold_in(key, l)`; for one key per example or per run, "
             "map over the keys: `jax.vmap(apply, in_axes=(None, 0, 0))(params, x, keys)`.",
         )
+        try:  # binds *args, defaults and partials as the call would; no signature: left to the call
+            inspect.signature(layer).bind(stacked_params, x, key)
+        except ValueError:
+            pass
+        except TypeError as err:
+            raise TypeError(
+                f"`layer` of checkpoint_sequential, `{getattr(layer, '__qualname__', type(layer).__name__)}"
+                f"{inspect.signature(layer)}`, cannot be called as `layer(params_l, x, key_l) -> x`: {err}. "
+                "A layer that needs no randomness still takes `key_l` and ignores it (None when apply is "
+                "called without a key), e.g. `lambda p, x, key: jnp.tanh(x @ p)`."
+            ) from None
         _check_layer_keeps_type(layer, stacked_params, x, key)
         count = min(segments or default_segments(num_layers), num_layers)
         size = -(-num_layers // count)  # layers per full segment

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import io
 import math
 import numbers
 import os
@@ -341,6 +342,13 @@ def launch(
                 "process 0 could not start JAX's coordination service there. Pass a free port, or "
                 "leave --port out so that the launcher picks one."
             )
+    text = callable(getattr(out, "write", None)) and callable(getattr(out, "flush", None))
+    if out is not None and (not text or isinstance(out, io.RawIOBase | io.BufferedIOBase)):
+        raise TypeError(
+            f"`out` must be a text stream (with `write` and `flush`, e.g. `sys.stdout` or an "
+            f"`io.StringIO()`) or None for sys.stdout, but got {type(out).__name__} {out!r}; to write "
+            "to a file, pass `open(path, 'w')`."
+        )
     out = sys.stdout if out is None else out
     coordinator = f"{_HOST}:{_free_port() if port is None else int(port)}"
     folder = pathlib.Path(tempfile.mkdtemp(prefix="pipejax-launch-"))
@@ -828,7 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       argv: the arguments (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit code of :func:`launch`. Bad options exit with code 2 and a message.
+      The exit code of :func:`launch`. Bad options print a message and raise ``SystemExit(2)``
+      (argparse's convention: ``python -m pipejax.launch`` then exits with code 2).
 
     Examples:
       >>> from pipejax import launch
