@@ -471,3 +471,45 @@ def test_bad_input_is_reported():
         ph.lanczos(lambda v: v, w + 1, 3, reorthogonalise="selective")
     # a legacy uint32[2] key is accepted
     assert ph.eigenvalues(quad, w, key=jax.random.PRNGKey(0), num_steps=3).shape == (1,)
+
+
+def test_bad_flags_batches_and_value_and_grad_are_reported():
+    quad = lambda w, x: 0.5 * jnp.sum(w**2) * jnp.mean(x)
+    w, key, x = jnp.zeros(3), jax.random.key(0), jnp.ones((4, 2))
+    # bool flags must be bools, not truthy strings
+    with pytest.raises(
+        TypeError, match=r"`return_eigenvectors` of eigenvalues must be True or False.*str 'yes'"
+    ):
+        ph.eigenvalues(quad, w, x, key=key, return_eigenvectors="yes")
+    d = ph.Density(nodes=jnp.array([[0.0, 1.0]]), weights=jnp.array([[0.5, 0.5]]))
+    with pytest.raises(TypeError, match=r"`relative` of smooth_density must be True or False.*str 'yes'"):
+        ph.smooth_density(d, relative="yes")
+    # every leaf of a batch of `data` shares the leading batch axis that weights the batch
+    two = lambda w, x, y: quad(w, x) * jnp.mean(y)
+    with pytest.raises(
+        ValueError,
+        match=r"`data\[0\]` must hold leaves that share a leading batch axis.*leaf \[0\] has shape "
+        r"\(4, 2\) and leaf \[1\] has shape \(3,\)",
+    ):
+        ph.hvp(two, w, w, data=[(x, jnp.ones(3)), (x[:2], jnp.ones(2))])
+    with pytest.raises(
+        ValueError, match=r"`data\[1\]` must hold leaves that share.*leaf \[1\] has shape \(\)"
+    ):
+        ph.hvp(two, w, w, data=[(x, jnp.ones(4)), (x[:2], jnp.float32(1))])
+    # from_value_and_grad takes (loss, grads), not the loss alone
+    with pytest.raises(
+        TypeError,
+        match=r"`value_and_grad` of from_value_and_grad must return a pair `\(loss, grads\)`.*"
+        r"one array of shape \(\).*jax.value_and_grad\(loss\)",
+    ):
+        ph.hvp(ph.from_value_and_grad(quad), w, w, x)
+    with pytest.raises(TypeError, match=r"must return a pair `\(loss, grads\)`.*a tuple of length 3"):
+        ph.hvp(ph.from_value_and_grad(lambda w, x: (quad(w, x), w, w)), w, w, x)
+
+
+def test_smooth_density_integrates_to_one_on_a_wide_enough_grid():
+    d = ph.Density(nodes=jnp.array([[0.0, 1.0]]), weights=jnp.array([[0.5, 0.5]]))
+    grid, p = ph.smooth_density(d, jnp.linspace(-1.0, 2.0, 30_001), sigma_squared=1e-3)
+    assert abs(float(jnp.trapezoid(p, grid)) - 1) < 1e-3
+    grid, p = ph.smooth_density(d)  # the default grid: the default kernel's tails are negligible
+    assert abs(float(jnp.trapezoid(p, grid)) - 1) < 2e-3

@@ -128,3 +128,19 @@ def test_block_errors(setup):
         ph.trace(plain_loss, *args, key=jax.random.key(0), blocks=[jax.tree.map(jnp.zeros_like, params)])
     with pytest.raises(ValueError, match=r"one leading stage axis on every leaf"):
         ph.stage_blocks({"a": jnp.zeros((3, 2)), "b": jnp.zeros((2,))})
+
+
+def test_stage_blocks_refuses_a_support_unlike_params():
+    params = {"a": jnp.zeros((3, 2))}
+    with pytest.raises(
+        ValueError, match=r"`support` of stage_blocks must have the pytree structure of `params`"
+    ):
+        ph.stage_blocks(params, support={"b": jnp.ones((3, 2))})
+    with pytest.raises(
+        ValueError,
+        match=r"`support` of stage_blocks leaf \['a'\] has shape \(2, 2\), which does not broadcast "
+        r"to the parameter's shape \(3, 2\)",
+    ):
+        ph.stage_blocks(params, support={"a": jnp.ones((2, 2))})
+    masks = ph.stage_blocks(params, support={"a": jnp.array([[1.0, 0.0]] * 3)})
+    assert masks[1]["a"].tolist() == [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]

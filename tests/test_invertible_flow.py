@@ -140,3 +140,15 @@ def test_flow_checks_params_against_event_shape():
         wide.log_prob(params, jnp.ones((3, 5)))
     with pytest.raises(ValueError, match=r"`params` of Flow.sample do not have the structure"):
         wide.sample({"w": jnp.ones(3)}, jax.random.key(1), 2)
+
+
+def test_flow_refuses_keys_that_are_not_prng_keys():
+    flow = inv.Flow(inv.ActNorm(), event_shape=(3,))
+    x = jax.random.normal(jax.random.key(0), (4, 3))
+    params = flow.init(jax.random.key(1), x)
+    with pytest.raises(TypeError, match=r"`key` of Flow.log_prob must be None or a PRNG key"):
+        flow.log_prob(params, x, key=3)
+    with pytest.raises(TypeError, match=r"`layer_key` of Flow.sample must be None or a PRNG key"):
+        flow.sample(params, jax.random.key(2), 2, layer_key=3)
+    with pytest.raises(TypeError, match=r"`layer_key` of Flow.bits_per_dim must be None or a PRNG key"):
+        flow.bits_per_dim(params, jnp.zeros((4, 3), jnp.int32), jax.random.key(2), layer_key=3)

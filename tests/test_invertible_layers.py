@@ -438,3 +438,30 @@ def test_an_infinite_temperature_is_refused(temperature):
         ValueError, match=r"`temperature=1e\+39` of Flow.sample overflows the float32 of the samples"
     ):
         flow.sample(params, jax.random.key(1), 2, temperature=1e39)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [inv.AffineCoupling(hidden=4), inv.AdditiveCoupling(hidden=4), inv.ActNorm(), inv.InvertibleLinear()],
+    ids=["affine", "additive", "actnorm", "linear"],
+)
+def test_layers_refuse_a_key_that_is_not_a_prng_key(layer):
+    x = jax.random.normal(jax.random.key(0), (4, 6))
+    name = type(layer).__name__
+    params = layer.init(jax.random.key(1), x)
+    for method in ("forward", "inverse"):
+        with pytest.raises(TypeError, match=rf"`key` of {name}.{method} must be None or a PRNG key"):
+            getattr(layer, method)(params, x, key=3)
+        getattr(layer, method)(params, x, jax.random.key(2))  # typed, legacy and None keys pass
+        getattr(layer, method)(params, x, jax.random.PRNGKey(2))
+        getattr(layer, method)(params, x)
+    with pytest.raises(TypeError, match=rf"`key` of {name}.init must be"):
+        layer.init(3, x)
+
+
+def test_squeeze_refuses_a_key_that_is_not_a_prng_key():
+    img = jnp.ones((2, 4, 4, 1))
+    with pytest.raises(TypeError, match=r"`key` of Squeeze.forward must be None or a PRNG key"):
+        inv.Squeeze().forward({}, img, key=3)
+    with pytest.raises(TypeError, match=r"`key` of Squeeze.inverse must be None or a PRNG key"):
+        inv.Squeeze().inverse({}, jnp.ones((2, 2, 2, 4)), key="0")

@@ -37,7 +37,7 @@ def stage_blocks(params: PyTree, support: PyTree | None = None) -> list[PyTree]:
       A list of ``num_stages`` masks, for the ``blocks=`` argument.
 
     Raises:
-      ValueError: leaves without a common leading axis.
+      ValueError: leaves without a common leading axis; a ``support`` not shaped like ``params``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -62,6 +62,23 @@ def stage_blocks(params: PyTree, support: PyTree | None = None) -> list[PyTree]:
 
     if support is None:
         return [jax.tree.map(lambda a, s=s: mask(s, a, None), params) for s in range(num)]
+    if jax.tree.structure(support) != jax.tree.structure(params):
+        raise ValueError(
+            f"`support` of stage_blocks must have the pytree structure of `params` "
+            f"({jax.tree.structure(params)}), but got {jax.tree.structure(support)}. Build it like "
+            "`params`: `apply.place(jax.tree.map(jnp.ones_like, per_stage_params))`."
+        )
+    for (path, k), a in zip(jax.tree_util.tree_leaves_with_path(support), leaves, strict=True):
+        try:
+            ok = np.broadcast_shapes(jnp.shape(k), jnp.shape(a)) == jnp.shape(a)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"`support` of stage_blocks leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(k)}, "
+                f"which does not broadcast to the parameter's shape {jnp.shape(a)}. Build `support` "
+                "like `params`: `apply.place(jax.tree.map(jnp.ones_like, per_stage_params))`."
+            )
     return [jax.tree.map(lambda a, k, s=s: mask(s, a, k), params, support) for s in range(num)]
 
 

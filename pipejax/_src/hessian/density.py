@@ -227,7 +227,12 @@ def smooth_density(
 ) -> tuple[jax.Array, jax.Array]:
     """The SLQ measure convolved with a Gaussian kernel, on a grid: a density to plot.
 
-    ``p(x) = mean_r sum_j weights[r, j] N(x; nodes[r, j], var)``, which integrates to 1.
+    ``p(x) = mean_r sum_j weights[r, j] N(x; nodes[r, j], var)``, which integrates to 1 over the
+    whole real line. The default grid ends just past the outermost nodes (see ``grid``), so the
+    kernels' outer tails fall off it: the curve sums to about 1 on it only while the kernel's
+    width ``sqrt(var)`` is small next to that margin, as with the default ``sigma_squared``
+    (the margin is then at least 3 widths). For a wider kernel, pass a grid that extends a few
+    widths past the nodes, e.g. ``jnp.linspace(lo - 4 * sqrt(var), hi + 4 * sqrt(var), n)``.
 
     **Variance convention.** With ``relative=True`` (default) the kernel's variance is
     ``var = sigma_squared * max(1, range)``, where ``range`` is the spectral range of the nodes
@@ -249,7 +254,7 @@ def smooth_density(
       ``(grid, values)``, two arrays of shape ``(num_points,)`` (or the given grid's).
 
     Raises:
-      TypeError: ``d`` is not a :class:`Density` (e.g. an array).
+      TypeError: ``d`` is not a :class:`Density` (e.g. an array), a ``relative`` that is not a bool.
       ValueError: a non-positive ``sigma_squared``, a grid that is not 1-D.
 
     Examples:
@@ -262,6 +267,9 @@ def smooth_density(
     """
     check_density(d, "smooth_density")
     checks.check_int(num_points, "num_points", 1, "smooth_density")
+    relative = checks.check_bool(
+        relative, "relative", "smooth_density", " (scale `sigma_squared` by the spectral range)"
+    )
     if isinstance(sigma_squared, bool) or not isinstance(sigma_squared, int | float) or not sigma_squared > 0:
         raise ValueError(
             f"`sigma_squared` of smooth_density must be a positive number (the kernel's variance), but "

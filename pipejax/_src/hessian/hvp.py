@@ -102,11 +102,28 @@ class GradientLoss:
             )
         self.value_and_grad = value_and_grad
 
+    def _pair(self, params: PyTree, *args: Any) -> tuple[jax.Array, PyTree]:
+        out = self.value_and_grad(params, *args)
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            if isinstance(out, tuple | list):
+                got = f"a {type(out).__name__} of length {len(out)}"
+            elif hasattr(out, "shape"):
+                got = f"one array of shape {tuple(out.shape)}"
+            else:
+                got = f"{type(out).__name__} {out!r}"
+            raise TypeError(
+                "`value_and_grad` of from_value_and_grad must return a pair `(loss, grads)`, with `grads` "
+                f"like `params`, but it returned {got}. Pass `jax.value_and_grad(loss)` (or a pipeline's "
+                "`value_and_grad`), not the loss itself; for a plain loss, pass it to the functions of "
+                "pipejax.hessian directly."
+            )
+        return out[0], out[1]
+
     def __call__(self, params: PyTree, *args: Any) -> jax.Array:
-        return self.value_and_grad(params, *args)[0]
+        return self._pair(params, *args)[0]
 
     def grad(self, params: PyTree, *args: Any) -> PyTree:
-        return self.value_and_grad(params, *args)[1]
+        return self._pair(params, *args)[1]
 
     def __eq__(self, other: Any) -> bool:  # a static argument of the compiled programs
         return type(other) is GradientLoss and self.value_and_grad is other.value_and_grad
@@ -292,14 +309,26 @@ def check_vector(v: PyTree, params: PyTree, name: str = "v") -> None:
             )
 
 
-def batch_size(batch: tuple) -> int:
-    leaves = jax.tree.leaves(batch)
-    if not leaves or jnp.ndim(leaves[0]) == 0:
+def batch_size(batch: tuple, index: int | None = None, shared: bool = True) -> int:
+    """The size of the leading batch axis of ``batch`` (with ``shared``: that every leaf shares)."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    which = "Every batch of `data`" if index is None else f"`data[{index}]`"
+    if not leaves or jnp.ndim(leaves[0][1]) == 0:
         raise ValueError(
-            "Every batch of `data` needs a leading batch axis, to weight the batches by their size; "
-            f"got a batch with leaves {[jnp.shape(a) for a in leaves]}."
+            f"{which} needs a leading batch axis, to weight the batches by their size; "
+            f"got a batch with leaves {[jnp.shape(a) for _, a in leaves]}."
         )
-    return int(jnp.shape(leaves[0])[0])
+    size = jnp.shape(leaves[0][1])[0]
+    for path, leaf in leaves[1:] if shared else ():
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+            raise ValueError(
+                f"{which} must hold leaves that share a leading batch axis (its size weights the batch), "
+                f"but leaf {jax.tree_util.keystr(leaves[0][0])} has shape {jnp.shape(leaves[0][1])} and leaf "
+                f"{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}. Give every argument of a batch "
+                "the same number of examples on axis 0; close over arguments that are not per-example "
+                "(e.g. `data=[(x, y), ...]` with `lambda w, x, y: loss(w, x, y, temperature)`)."
+            )
+    return int(size)
 
 
 def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
@@ -319,7 +348,7 @@ def group_batches(data: Iterable[Any]) -> list[tuple[tuple, jax.Array]]:
     batches = [b if isinstance(b, tuple) else (b,) for b in data]
     if not batches:
         raise ValueError("`data` is empty: pass at least one batch.")
-    sizes = [batch_size(b) for b in batches]
+    sizes = [batch_size(b, i) for i, b in enumerate(batches)]
     total = sum(sizes)
     groups: dict[Any, list[int]] = {}
     for i, b in enumerate(batches):
@@ -356,7 +385,7 @@ class Stream:
         self.struct = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), self.example
         )
-        batch_size(self.example)
+        batch_size(self.example, shared=False)  # equal weights: only a leading axis is needed
         self._it: Any = None
         self._next = 0
 
@@ -617,7 +646,8 @@ def hvp(
       ``H v``, a pytree like ``params`` with its dtypes.
 
     Raises:
-      ValueError: a non-scalar loss, an unknown ``mode``, both ``*args`` and ``data``.
+      ValueError: a non-scalar loss, an unknown ``mode``, both ``*args`` and ``data``, a batch
+        of ``data`` whose leaves do not share a leading batch axis.
       TypeError: non-float parameters, ``data`` that is an iterator.
 
     Examples:

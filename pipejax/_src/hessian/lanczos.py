@@ -579,7 +579,7 @@ def eigenvalues(
     Raises:
       ValueError: ``k`` larger than the number of parameters or than ``num_steps``; a non-scalar
         loss; an unknown ``which``.
-      TypeError: a ``key`` that is not a PRNG key.
+      TypeError: a ``key`` that is not a PRNG key, a ``return_eigenvectors`` that is not a bool.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -597,6 +597,9 @@ def eigenvalues(
       Optimization via Hessian Eigenvalue Density*, ICML 2019.
     """
     check_progress(progress)
+    return_eigenvectors = checks.check_bool(
+        return_eigenvectors, "return_eigenvectors", "eigenvalues", " (also return the Ritz vectors)"
+    )
     op = make_operator(loss, params, args, data, mode, dtype, curvature)
     key = check_key(key)
     masks, n = dimension(params, blocks)
@@ -619,7 +622,7 @@ def eigenvalues(
     bdt = None if basis_dtype is None else check_basis_dtype(basis_dtype, op.dtype, n)
     return reading(
         op.groups, _eigenvalues_jit,
-        op.loss, op.mode, op.dtype, k, which, m, bool(return_eigenvectors), progress, reorthogonalise,
+        op.loss, op.mode, op.dtype, k, which, m, return_eigenvectors, progress, reorthogonalise,
         bdt, tree.layout(params), params, args, op.groups, masks, key,
     )  # fmt: skip
 

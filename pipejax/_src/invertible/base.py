@@ -99,10 +99,11 @@ def fold(key: jax.Array | None, index: int | jax.Array) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, index)
 
 
-def check_key(key: Any, where: str, optional: bool = True) -> Any:
+def check_key(key: Any, where: str, optional: bool = True, name: str = "key") -> Any:
     """Raises unless ``key`` is one PRNG key (or ``None`` when ``optional``); returns it."""
     return checks.check_key(
         key,
+        name=name,
         where=where,
         optional=optional,
         batch_fix="Pass one PRNG key (e.g. jax.random.key(0)): the layers derive per-layer keys with "

@@ -22,6 +22,7 @@ from pipejax._src.invertible.base import (
     PyTree,
     channels,
     check_input,
+    check_key,
     check_number,
     fold,
     log_scale_bound,
@@ -149,6 +150,7 @@ class _Coupling:
 
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """``{"net": [three layers {"w", "b"}]}``; the last layer is zero, so the map is the identity."""
+        check_key(key, f"{type(self).__name__}.init", optional=False)
         self._check(x, "init", "x")
         cond, trans = self._split(x)
         return {"net": init_net(key, cond, self.hidden, self._outputs_per_channel * trans.shape[-1])}
@@ -157,6 +159,7 @@ class _Coupling:
         self, params: PyTree, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(y, logdet)``: the conditioning half unchanged, the other half transformed."""
+        check_key(key, f"{type(self).__name__}.forward")
         self._check(x, "forward", "x", params)
         cond, trans = self._split(x)
         out = apply_net(params["net"], cond, key, self.activation, self.drop_rate)
@@ -167,6 +170,7 @@ class _Coupling:
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(x, logdet)``; the forward's ``key`` gives the same dropout masks, hence the exact inverse."""
+        check_key(key, f"{type(self).__name__}.inverse")
         self._check(y, "inverse", "y", params)
         cond, trans = self._split(y)
         out = apply_net(params["net"], cond, key, self.activation, self.drop_rate)

@@ -220,6 +220,7 @@ class Flow:
     def log_prob(self, params: PyTree, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Log-density of each example, shape ``(batch,)``; ``key`` feeds the layers' randomness."""
         self._check_x(x, "log_prob")
+        check_key(key, "Flow.log_prob")
         self._check_params(params, "log_prob")
         z, logdet = self.layer.forward(params, x, key)
         return standard_normal_log_prob(z) + logdet
@@ -240,6 +241,7 @@ class Flow:
         (``None``: no dropout).
         """
         check_key(key, "Flow.sample", optional=False)
+        check_key(layer_key, "Flow.sample", name="layer_key")
         num_samples = checks.check_int(num_samples, "num_samples", 1, "Flow.sample")
         numeric = isinstance(temperature, int | float) or hasattr(temperature, "dtype")
         numeric = numeric and not isinstance(temperature, bool) and jnp.ndim(temperature) == 0
@@ -288,6 +290,7 @@ class Flow:
         ``log2(num_bins)`` bits (8 for 8-bit images).
         """
         self._check_x(x, "bits_per_dim")
+        check_key(layer_key, "Flow.bits_per_dim", name="layer_key")
         num_bins = checks.check_int(num_bins, "num_bins", 2, "Flow.bits_per_dim")
         check_levels(x, num_bins, "Flow.bits_per_dim")  # named here; dequantize NaNs traced bad values
         dims = math.prod(self.event_shape)

@@ -14,6 +14,7 @@ from pipejax._src.invertible.base import (
     PyTree,
     channels,
     check_input,
+    check_key,
     check_number,
     constant_logdet,
     log_scale_bound,
@@ -92,6 +93,7 @@ class ActNorm:
 
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """``{"bias": (C,), "log_scale": (C,)}`` that normalise the batch ``x`` per channel."""
+        check_key(key, f"{type(self).__name__}.init")
         del key  # the initialisation is a function of the data alone
         check_input(x, "ActNorm", "init")
         with np.errstate(over="ignore", under="ignore"):
@@ -111,6 +113,7 @@ class ActNorm:
         self, params: PyTree, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``((x + bias) * exp(log_scale), positions * sum(log_scale))``."""
+        check_key(key, f"{type(self).__name__}.forward")
         del key
         check_input(x, "ActNorm", "forward")
         _check_channels("ActNorm", "forward", params["bias"].shape[-1], x, "x")
@@ -122,6 +125,7 @@ class ActNorm:
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(y * exp(-log_scale) - bias, -positions * sum(log_scale))``."""
+        check_key(key, f"{type(self).__name__}.inverse")
         del key
         check_input(y, "ActNorm", "inverse", arg="y")
         _check_channels("ActNorm", "inverse", params["bias"].shape[-1], y, "y")
@@ -190,6 +194,7 @@ class InvertibleLinear:
 
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """``{"lower": (C, C), "upper": (C, C), "log_scale": (C,)}``, all zero: ``W = P``."""
+        check_key(key, f"{type(self).__name__}.init")
         del key
         check_input(x, type(self).__name__, "init", self._ranks)
         c = x.shape[-1]
@@ -213,6 +218,7 @@ class InvertibleLinear:
         self, params: PyTree, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(W x, positions * sum(log_scale))`` applied to the last axis."""
+        check_key(key, f"{type(self).__name__}.forward")
         del key
         positions = self._check(params, x, "forward", "x")
         lower, upper = self._factors(params)
@@ -224,6 +230,7 @@ class InvertibleLinear:
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(W^-1 y, -positions * sum(log_scale))``, by triangular solves."""
+        check_key(key, f"{type(self).__name__}.inverse")
         del key
         positions = self._check(params, y, "inverse", "y")
         lower, upper = self._factors(params)
@@ -284,6 +291,7 @@ class Squeeze:
 
     def init(self, key: jax.Array, x: jax.Array) -> PyTree:
         """``{}``: the layer has no parameters (``x`` is checked)."""
+        check_key(key, f"{type(self).__name__}.init")
         del key
         self._check(x, "init")
         return {}
@@ -305,6 +313,7 @@ class Squeeze:
         self, params: PyTree, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(x with 2x2 blocks moved to channels, zeros)``."""
+        check_key(key, f"{type(self).__name__}.forward")
         del params, key
         self._check(x, "forward")
         n, h, w, c = x.shape
@@ -319,6 +328,7 @@ class Squeeze:
         self, params: PyTree, y: jax.Array, key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """``(y with channels moved back to 2x2 blocks, zeros)``."""
+        check_key(key, f"{type(self).__name__}.inverse")
         del params, key
         self._check(y, "inverse", arg="y")
         n, h, w, c4 = y.shape
