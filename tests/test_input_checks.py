@@ -464,3 +464,48 @@ def test_dropout_takes_a_traced_drop_rate():
         match=r"`drop_rate` of dropout must be a float scalar, but got a traced array of shape \(2,\)",
     ):
         jax.jit(lambda r: pj.dropout(x, KEY, r))(jnp.ones(2))
+
+
+# --- found by the issue-39 probe, at its last run ------------------------------------------------
+
+
+def test_the_launcher_refuses_a_process_count_it_cannot_stop():
+    """`-n 10000` forked faster than SIGTERM could stop it: the launcher starts at most 256."""
+    from pipejax import launch
+
+    with pytest.raises(ValueError, match=r"`processes` \(--processes\) must be at most 256, but got 300"):
+        launch.launch(["-c", "pass"], processes=300)
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "10000", "x.py"])
+
+
+def test_cost_and_moment_inputs_that_reached_python_internals():
+    with pytest.raises(TypeError, match=r"`costs\[1\]` is None; every cost must be a real number"):
+        pj.balance_costs([1.0, None], 1)
+    empty = pj.Moments(jnp.zeros((0,)), jnp.zeros((0, 3)), jnp.zeros((0, 3)))
+    with pytest.raises(ValueError, match=r"`stacked` of merge_moments holds no set"):
+        pj.merge_moments(empty)
+
+
+def test_a_layer_without_flops_costs_zero_flops():
+    """XLA leaves the flop count out of a program that does none (a reshape): a cost of 0."""
+    dense = lambda p, x, k: jnp.tanh(x @ p)
+    flatten = lambda p, x, k: x.reshape(x.shape[0], -1)
+    w = jnp.ones((4, 4))
+    costs = pj.layer_costs([flatten, dense, dense], [None, w, w], jnp.ones((6, 4)))
+    assert costs[0] == 0 and costs[1] > 0
+    assert pj.balance([flatten, dense, dense], [None, w, w], jnp.ones((6, 4)), 2) == (2, 1)
+
+
+def test_stage_leaves_with_different_layer_counts_and_abstract_params():
+    pipe = pj.pipeline(lambda p, x, k: x * p["b"][0], num_stages=2)
+    with pytest.raises(ValueError, match=r"holds 2 layers per stage .* but leaf \['b'\] holds 3"):
+        pj.to_layers(pipe, {"w": jnp.ones((2, 2, 4, 4)), "b": jnp.ones((2, 3, 4))})
+    affine = lambda p, x, k: x * p
+    two = pj.pipeline([affine, affine])
+    with pytest.raises(TypeError, match=r"`params` leaf \[0\] is a jax.ShapeDtypeStruct"):
+        two(jax.eval_shape(lambda: [jnp.float32(1), jnp.float32(2)]), jnp.ones((4, 2), jnp.float32))
+    with pytest.raises(TypeError, match=r"`params` leaf \[0\] is a jax.ShapeDtypeStruct"):
+        two.value_and_grad(lambda y, t: jnp.sum(y, -1))(
+            jax.eval_shape(lambda: [jnp.float32(1), jnp.float32(2)]), jnp.ones((4, 2)), jnp.ones((4, 2))
+        )

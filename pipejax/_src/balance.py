@@ -449,7 +449,10 @@ def _check_costs(costs) -> tuple[float, ...]:
     for i, c in enumerate(costs):
         if isinstance(c, (bool, np.bool_, str, bytes)) or np.ndim(c) != 0 or np.iscomplexobj(c):
             raise TypeError(f"`costs[{i}]` is {c!r}; every cost must be a real number.")
-        c = float(c)
+        try:
+            c = float(c)
+        except TypeError:  # None, an object without a number in it
+            raise TypeError(f"`costs[{i}]` is {c!r}; every cost must be a real number.") from None
         if not math.isfinite(c) or c < 0:
             raise ValueError(
                 f"`costs[{i}]` is {c}; every cost must be finite and >= 0 (a layer cannot cost "
@@ -756,12 +759,14 @@ def _flops(program, idx) -> float:
     analysis = program.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else None
-    if not analysis or "flops" not in analysis:
+    if not analysis:
         raise ValueError(
-            f"XLA reported no flop count for layer {idx} on this backend; use `by='time'` or "
+            f"XLA reported no cost analysis for layer {idx} on this backend; use `by='time'` or "
             "`by='memory'`, or bring your own costs to `pj.balance_costs`."
         )
-    return max(0.0, float(analysis["flops"])) + max(0.0, float(analysis.get("transcendentals", 0.0)))
+    # XLA leaves the "flops" key out of a program that does none (a reshape, an identity)
+    flops = float(analysis.get("flops", 0.0))
+    return max(0.0, flops) + max(0.0, float(analysis.get("transcendentals", 0.0)))
 
 
 def _time(program, p, x, k, y, backward, warmup, repeats):

@@ -199,6 +199,12 @@ def merge_moments(stacked: Moments) -> Moments:
             f"{count.shape}. Pass the stats a pipeline returned for one stage (leading axis m); for "
             "homogeneous stages, take one stage's slice or `jax.vmap` over the stage axis."
         )
+    if count.shape[0] == 0:
+        raise ValueError(
+            "`stacked` of merge_moments holds no set (its leading axis has size 0), so there are no "
+            "moments to merge. Pass at least one set's Moments (e.g. a stage's stats from a "
+            "pipeline: one entry per micro-batch)."
+        )
     parts = [Moments(*(leaf[i] for leaf in stacked)) for i in range(count.shape[0])]
     while len(parts) > 1:
         merged = [_merge_two(parts[j], parts[j + 1]) for j in range(0, len(parts) - 1, 2)]

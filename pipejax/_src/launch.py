@@ -45,6 +45,9 @@ DEVICES_PER_PROCESS = "PIPEJAX_DEVICES_PER_PROCESS"
 LAUNCH_DIR = "PIPEJAX_LAUNCH_DIR"  # a folder where `initialize` marks how far each process got
 
 TIMEOUT_EXIT_CODE = 124  # as coreutils' `timeout`
+# The most processes one launcher starts: each is a whole JAX runtime on this machine (a launch
+# of thousands is a typo, and forks faster than it can be stopped); more hosts: jax.distributed.
+MAX_PROCESSES = 256
 # Signals that stop the launch: Ctrl-C, a job scheduler's stop, a closed terminal.
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _HOST = "127.0.0.1"  # the launcher starts local processes only: loopback
@@ -326,6 +329,8 @@ def launch(
     """
     command = _check_command(command)
     _check_int(processes, "processes", "--processes")
+    if processes > MAX_PROCESSES:
+        raise ValueError(_too_many(processes))
     _check_int(devices_per_process, "devices_per_process", "--devices-per-process")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -356,6 +361,8 @@ def launch(
     with _Signals() as signals:  # until `stop` has ended every group: it must not be interrupted
         try:
             for i in range(processes):
+                if signals.received is not None:  # stopped while starting: start no more
+                    break
                 env = _environment(i, processes, devices_per_process, coordinator, folder)
                 group.start(i, [sys.executable, *command], env)
             return group.wait(timeout, signals)
@@ -755,6 +762,14 @@ def _script_problem(path: str) -> str | None:
 # --- the command line --------------------------------------------------------------------------
 
 
+def _too_many(processes) -> str:
+    return (
+        f"`processes` (--processes) must be at most {MAX_PROCESSES}, but got {processes}: the launcher "
+        "starts every process on this machine, each a whole JAX runtime. For more, start one process "
+        "per host with your cluster's launcher and `jax.distributed.initialize` (docs/multihost.md)."
+    )
+
+
 def _positive_int(flag):
     def parse(text):
         try:
@@ -763,6 +778,8 @@ def _positive_int(flag):
             value = 0
         if value < 1:
             raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, but got {text!r}")
+        if flag == "--processes" and value > MAX_PROCESSES:
+            raise argparse.ArgumentTypeError(_too_many(value))
         return value
 
     return parse

@@ -393,14 +393,25 @@ def _lead(pipe):
 
 
 def _check_layer_axis(params, lead):
+    first = None  # (path, layers per stage) of the first leaf: every leaf holds as many
     for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        where = jax.tree_util.keystr(path) or "<root>"
         if jnp.ndim(a) <= lead:
             raise ValueError(
-                f"Leaf {jax.tree_util.keystr(path) or '<root>'} of the stage parameters has shape "
+                f"Leaf {where} of the stage parameters has shape "
                 f"{jnp.shape(a)}: no layer axis after the stage axis. The layer form of homogeneous "
                 "stages needs each stage's layers stacked on the axis after the stage axis, "
                 "`(num_stages, layers_per_stage, ...)`; give a stage of one layer a layer axis of "
                 "size 1 (`a[:, None]`)."
+            )
+        k = jnp.shape(a)[lead]
+        if first is None:
+            first = (where, k)
+        elif k != first[1]:
+            raise ValueError(
+                f"Leaf {where} of the stage parameters holds {k} layers per stage (shape "
+                f"{jnp.shape(a)}), but leaf {first[0]} holds {first[1]}: every leaf stacks the same "
+                "layers, `(num_stages, layers_per_stage, ...)`, with one `layers_per_stage`."
             )
 
 

@@ -284,3 +284,15 @@ def tied_path(path, where) -> tuple[str, ...]:
             f"(e.g. `('embed', 'table')`, `('layers', 0, 'w')`), but got {path!r}."
         )
     return keys
+
+
+def check_not_abstract(tree, name: str = "params") -> None:
+    """A call computes on arrays: a ``jax.ShapeDtypeStruct`` leaf (shapes only) is refused."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} is a jax.ShapeDtypeStruct "
+                f"({leaf.dtype}{list(leaf.shape)}), which has a shape but no values, and the pipeline "
+                "computes on values. Pass arrays; for shapes alone use `jax.eval_shape(pipe, params, "
+                "x)`, and for memory `pj.memory_estimate`."
+            )

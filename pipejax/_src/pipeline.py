@@ -390,6 +390,8 @@ class Pipeline:
         """
         checks.check_key(key)
         options.check_params_shape(params, self)
+        options.check_not_abstract(params)
+        options.check_not_abstract(state, "state")
         self._check_batch(x, context)
         if (
             self.mesh is not None

@@ -95,6 +95,7 @@ def value_and_grad(
     def f(params, x, targets, key=None, *, state=None, context=None):
         checks.check_key(key)
         _check_params(pipe, params)
+        options.check_not_abstract(params)
         check_float_params(params)
         pipe._check_batch(x, context, targets)
         if state is not None:
