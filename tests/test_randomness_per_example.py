@@ -127,5 +127,5 @@ def test_dropout_identity_cases_and_errors():
 
 
 def test_per_example_keys_must_be_a_bool():
-    with pytest.raises(TypeError, match=r"`per_example_keys` must be a bool"):
+    with pytest.raises(TypeError, match=r"`per_example_keys` must be True or False"):
         pj.pipeline([dense], per_example_keys="yes")

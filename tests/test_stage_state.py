@@ -248,5 +248,5 @@ def test_errors_name_the_argument_and_the_fix():
         pj.pipeline([lambda p, x, k, s, m: (x, {"n": "five"})], stateful=True)([None], x)
     with pytest.raises(ValueError, match=r"stage axis of size 3.*`state` leaf \['centre'\] has shape \(2,\)"):
         pj.pipeline(block, num_stages=3, stateful=True)(stacked()[0], x, state={"centre": jnp.zeros(2)})
-    with pytest.raises(TypeError, match=r"`stateful` must be a bool"):
+    with pytest.raises(TypeError, match=r"`stateful` must be True or False"):
         pj.pipeline(list(STAGES), stateful=1)

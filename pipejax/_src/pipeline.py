@@ -343,12 +343,8 @@ class Pipeline:
         self.mesh = mesh
         self.axis_name = axis_name
         self.data_axis_name = data_axis_name
-        if not isinstance(per_example_keys, bool):
-            raise TypeError(f"`per_example_keys` must be a bool, but got {per_example_keys!r}.")
-        self.per_example_keys = per_example_keys
-        if not isinstance(stateful, bool):
-            raise TypeError(f"`stateful` must be a bool, but got {stateful!r}.")
-        self.stateful = stateful
+        self.per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
+        self.stateful = checks.check_bool(stateful, "stateful")
         if param_specs is not None and mesh is None:
             raise ValueError(
                 "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
