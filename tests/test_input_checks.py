@@ -509,3 +509,11 @@ def test_stage_leaves_with_different_layer_counts_and_abstract_params():
         two.value_and_grad(lambda y, t: jnp.sum(y, -1))(
             jax.eval_shape(lambda: [jnp.float32(1), jnp.float32(2)]), jnp.ones((4, 2)), jnp.ones((4, 2))
         )
+
+
+def test_an_invertible_stage_without_its_logdet_says_what_to_pass():
+    stage = inv.as_stage(inv.ActNorm())
+    x = jnp.ones((8, 2))
+    params = inv.ActNorm().init(KEY, x)
+    with pytest.raises(TypeError, match=r"as_stage\(ActNorm\) takes the pair `\(x, logdet\)`, but got an"):
+        pj.pipeline([stage], chunks=2)([params], x)

@@ -253,6 +253,16 @@ def as_stage(layer: Layer):
     check_layer(layer, "`layer`")
 
     def stage(params: PyTree, carry: tuple[PyTree, jax.Array], key: jax.Array | None = None):
+        if not (isinstance(carry, tuple | list) and len(carry) == 2):
+            got = (
+                f"a {type(carry).__name__} of {len(carry)}"
+                if isinstance(carry, tuple | list)
+                else f"an array of shape {jnp.shape(carry)}"
+            )
+            raise TypeError(
+                f"A stage made by as_stage({type(layer).__name__}) takes the pair `(x, logdet)`, but "
+                f"got {got}. Start the pipeline with the pair: `pipe(params, (x, jnp.zeros(x.shape[0])))`."
+            )
         x, logdet = carry
         y, ld = layer.forward(params, x, key)
         return y, logdet + ld
