@@ -75,7 +75,7 @@ def weighted_mean(losses: jax.Array, weights: jax.Array) -> LossSums:
     Examples:
       >>> import jax.numpy as jnp
       >>> import pipejax as pj
-      >>> pj.weighted_mean(jnp.array([1.0, 3.0]), jnp.array([1, 0]))
+      >>> pj.weighted_mean(jnp.array([1.0, 3.0], jnp.float32), jnp.array([1, 0]))
       LossSums(sums=Array([1., 0.], dtype=float32), weights=Array([1., 0.], dtype=float32))
     """
     losses, weights = _array("losses", losses, "weighted_mean"), _array("weights", weights, "weighted_mean")
