@@ -28,9 +28,8 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # (pytest's --doctest-modules imports every module) would call pipejax.launch.initialize().
 collect_ignore = ["multihost_worker.py", "hessian_sharding_worker.py", "layers_worker.py"]
 
-# The longest tests, longest first (CPU seconds in BUILD_NOTES.md, "Seventh session: suite time",
-# reordered by the eighth session's CI times and the ninth session's cuts to the demo, the LM
-# example and benchmarks/hessian.py); each entry is the start of a test's name. scripts/test.sh
+# The longest tests, longest first (by their CPU seconds in the fresh-clone CI's `--durations`
+# list, which scripts/test.sh prints); each entry is the start of a test's name. scripts/test.sh
 # runs `pytest -n 2 --maxschedchunk=1`: the two workers take tests one at a time in collection
 # order, so these go first and the many short tests fill in at the end, instead of one worker
 # finishing a long script alone while the other idles. Other tests marked `slow` come next. An

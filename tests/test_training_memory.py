@@ -94,8 +94,8 @@ def test_without_a_mesh_every_slot_is_kept_apart(monkeypatch, as_branch):
     recomputation under ``"always"`` with F's forward pass: the compiled program holds twice the
     ``tanh`` of ``"never"``. Both forms give GPipe's loss and gradients. (XLA:CPU removes
     barriers before some of its CSE passes, and merged 4 of the 8 recomputed ``tanh`` here, which
-    is why CPU runs the branch; the barrier form's count was checked on an H200, where it keeps
-    as many as the branch: BUILD_NOTES, fourteenth session.)"""
+    is why CPU runs the branch; the barrier form's count was checked on an H200 with jax 0.11.2,
+    where it keeps as many as the branch.)"""
     from pipejax._src import slots
 
     monkeypatch.setattr(slots, "_as_branch", lambda: as_branch)

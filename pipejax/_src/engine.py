@@ -629,7 +629,8 @@ class _Ctx(NamedTuple):
     # a device's stats buffer: (v, m, ...), row `s // D` for each of its stages, gathered after
     # the loop (the forward); or stage-major (S, m, ...), summed exactly after it (the training
     # tables: a device's (v, m) rows gathered cost a buffer more, 233.0 -> 241.2 KiB per device
-    # for a stateful homogeneous 1F1B step of 8 micro-batches, probe/stateful_mem.py)
+    # for a stateful homogeneous 1F1B step of 8 micro-batches: the gather needs a second copy of
+    # the rows, the exact sum of the stage-major buffer none)
     stage_major: bool = False
 
 
@@ -1039,7 +1040,8 @@ class MeshDevices:
             return body
 
         # (a training table reads the micro-batch of its F slot from x whole: a streamed queue is
-        # temp memory that grows with m, BUILD_NOTES "Sixteenth session")
+        # a carry of the loop whose temp memory grows with m, and the training tables keep
+        # their memory flat in m)
         streams = slots is None and self.streams(ctx)
         # a bubble's input (homogeneous stages of a forward table): the tick's micro-batch of x,
         # which every device reads when every device holds x; when x is streamed a later

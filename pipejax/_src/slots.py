@@ -399,15 +399,16 @@ class _LocalSlots(_Slots):
     def _tick_micro(self, row):
         """The micro-batch of every slot of a tick of the one-device table (every column runs
         the same one, :func:`~pipejax._src.schedule.sequential_training`), read once: a slot
-        reading its own column gave every slot its own index and predicate: with 16 stacked
-        stages 3,156 HLO lines against 2,701 and 58,808 temp bytes against 57,720 (BUILD_NOTES,
-        sixteenth session)."""
+        reading its own column gave every slot its own index and predicate, which XLA keeps
+        apart: with 16 stacked stages 3,156 HLO lines against 2,701 and 58,808 temp bytes
+        against 57,720 (CPU, jax 0.10.2)."""
         return engine.split_row(row, self.S)[0][0]
 
     def _row(self, params, s: int):
         """Stage ``s``'s parameters, picked inside its slot at a static index (``a[s]``): with the
         mesh program's dynamic row and ``_add_row``, XLA kept copies of the stacked arrays (temp
-        25.1 -> 73.9 KiB on the 4-stage probe of the thirteenth session)."""
+        25.1 -> 73.9 KiB for 4 stacked stages on CPU: a dynamic index into an array that is also
+        updated makes XLA copy it)."""
         return jax.tree.map(lambda a: a[s], params) if self.homogeneous else params[s]
 
 
@@ -489,8 +490,9 @@ def _computation(i, fn, *args):
     keeps the recomputation but not the parameters in place (temp 95.5 -> 322.7 KiB on
     ``benchmarks/gpu.py --quick``'s 1F1B ``"always"``). On other backends the slot reads its
     operands through an optimization barrier: on an H200 a branch per slot cost 2.8x (``"always"``)
-    to 5.2x (``"never"``) the temp bytes and 13-14 % of the step (see BUILD_NOTES, fourteenth
-    session); :func:`_as_branch` chooses."""
+    to 5.2x (``"never"``) the temp bytes and 13-14 % of the step (jax 0.11.2), since a branch
+    there is a separate computation whose operands and results XLA materialises whole;
+    :func:`_as_branch` chooses."""
     if not _as_branch():
         return fn(*lax.optimization_barrier(args))
     idle = lambda *args: _zeros_like(jax.eval_shape(fn, *args))  # never taken: the branch's type
