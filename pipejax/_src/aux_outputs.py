@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src import compat
+from pipejax._src.loss import check_float_loss
 
 PyTree = Any
 
@@ -165,11 +166,7 @@ def term(aux_loss, a, mask: jax.Array, batch: int):
             f"returned shape {jnp.shape(value)} for aux {jax.tree.map(jnp.shape, a)}. Reduce it, "
             "e.g. `aux_loss=lambda aux: 0.01 * aux['balance']`."
         )
-    if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
-        raise TypeError(
-            f"`aux_loss(aux)` returned dtype {jnp.result_type(value)}, but a loss must be floating "
-            "point to have a gradient. Return a float, e.g. cast with `.astype(jnp.float32)`."
-        )
+    check_float_loss(value, "`aux_loss(aux)` returned dtype")
     return value * (jnp.sum(mask) / batch).astype(jnp.result_type(value))
 
 

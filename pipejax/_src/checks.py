@@ -34,6 +34,25 @@ def is_typed_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_raw_key(x: Any) -> bool:
+    """Whether ``x`` is raw key data (``jax.random.PRNGKey``: ``uint32`` with a last axis of 2),
+    one key or a batch of them."""
+    shape = getattr(x, "shape", None)
+    return (
+        getattr(x, "dtype", None) == jnp.uint32 and shape is not None and len(shape) >= 1 and shape[-1] == 2
+    )
+
+
+def check_keys(key: Any, name: str, where: str, purpose: str) -> bool:
+    """Raises unless ``key`` is one PRNG key or an array of them (typed of any shape, raw
+    ``uint32[..., 2]``); returns whether it is typed. Anything else gets :func:`check_key`'s
+    message, with ``purpose`` (which batches of keys are taken) appended."""
+    if is_typed_key(key) or is_raw_key(key):
+        return is_typed_key(key)
+    check_key(key, name=name, where=where, purpose=purpose)
+    raise AssertionError("check_key accepted what is not a key")  # pragma: no cover
+
+
 def check_key(
     key: Any,
     *,
@@ -65,8 +84,7 @@ def check_key(
             return None
         raise TypeError(f"{arg} must be a PRNG key (e.g. jax.random.key(0)), but got None.{_space(purpose)}")
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-    typed = is_typed_key(key)
-    raw = dtype == jnp.uint32 and shape is not None and len(shape) >= 1 and shape[-1] == 2
+    typed, raw = is_typed_key(key), is_raw_key(key)
     if (typed and shape == ()) or (raw and shape == (2,)):
         return key
     if typed or (raw and len(shape) >= 2):
@@ -152,6 +170,12 @@ def index_value(value: Any) -> int | None:
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.integer):
         return int(value)
     return None
+
+
+def array_like(x: Any) -> bool:
+    """Whether ``x`` can stand for an array: an array, a tracer or a ``jax.ShapeDtypeStruct``
+    (anything with a shape and a dtype), or a number."""
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, numbers.Number)
 
 
 def concrete(x: Any) -> np.ndarray | None:

@@ -39,22 +39,6 @@ def check_index(value: Any, name: str, where: str) -> None:
         )
 
 
-def check_keys(key: Any, name: str, where: str, purpose: str) -> bool:
-    """Raises unless ``key`` is one PRNG key or an array of them; returns whether it is typed.
-
-    Keys are typed (``jax.random.key``, of any shape) or raw (``uint32`` with a last axis of 2,
-    ``jax.random.PRNGKey``). Anything else gets :func:`checks.check_key`'s message, with
-    ``purpose`` (which batches of keys are taken) appended.
-    """
-    if checks.is_typed_key(key):
-        return True
-    shape = getattr(key, "shape", None)
-    if getattr(key, "dtype", None) == jnp.uint32 and shape is not None and len(shape) >= 1 and shape[-1] == 2:
-        return False
-    checks.check_key(key, name=name, where=where, purpose=purpose)
-    raise AssertionError("check_key accepted what is not a key")  # pragma: no cover
-
-
 def key_for(key: jax.Array | None, microbatch: Any, stage: Any) -> jax.Array | None:
     """The key that ``stage`` receives for ``microbatch``; ``None`` when ``key`` is ``None``.
 
@@ -112,7 +96,7 @@ def layer_key(stage_key: jax.Array | None, j: int) -> jax.Array | None:
     if stage_key is None:
         return None
     purpose = "A batch of keys (what a stage receives with `per_example_keys=True`) is folded key by key."
-    typed = check_keys(stage_key, "stage_key", "layer_key", purpose)
+    typed = checks.check_keys(stage_key, "stage_key", "layer_key", purpose)
     batch_dims = stage_key.ndim if typed else stage_key.ndim - 1  # raw keys are uint32[..., 2]
 
     def fold(k):

@@ -30,7 +30,6 @@ context holds), and, on a mesh, take concrete arrays, not values traced by ``jax
 from __future__ import annotations
 
 import contextlib
-import numbers
 import reprlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import compat, options, stage_forms
+from pipejax._src import checks, compat, options, stage_forms
 from pipejax._src.balance import _check_balance
 from pipejax._src.layout import Container, Layout
 from pipejax._src.pipeline import Pipeline
@@ -261,7 +260,7 @@ def _check_leaves(tree, name, where, pipe):
             "them with `params=`."
         )
     for path, a in leaves:
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")) and not isinstance(a, numbers.Number):
+        if not checks.array_like(a):
             raise TypeError(
                 f"`{name}` of {where} has leaf {jax.tree_util.keystr(path) or '<root>'} of type "
                 f"{type(a).__name__} ({_shown(a)}); every leaf of the parameters must be an array "

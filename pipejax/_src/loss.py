@@ -79,11 +79,7 @@ def weighted_mean(losses: jax.Array, weights: jax.Array) -> LossSums:
       LossSums(sums=Array([1., 0.], dtype=float32), weights=Array([1., 0.], dtype=float32))
     """
     losses, weights = _array("losses", losses, "weighted_mean"), _array("weights", weights, "weighted_mean")
-    if not jnp.issubdtype(losses.dtype, jnp.floating):
-        raise TypeError(
-            f"`weighted_mean(losses, weights)`: `losses` has dtype {losses.dtype}, but losses must be "
-            "floating point to have a gradient. Cast them, e.g. `losses.astype(jnp.float32)`."
-        )
+    check_float_loss(losses, "`weighted_mean(losses, weights)`: `losses` has dtype")
     if jnp.ndim(losses) != 1 or jnp.shape(weights) != jnp.shape(losses):
         raise ValueError(
             f"`weighted_mean(losses, weights)` takes one loss and one weight per example, two arrays "
@@ -93,6 +89,18 @@ def weighted_mean(losses: jax.Array, weights: jax.Array) -> LossSums:
         )
     w = lax.stop_gradient(_numeric_weights(weights, losses.dtype, "`weighted_mean(losses, weights)`"))
     return LossSums(losses * w, w)
+
+
+def check_float_loss(value, what: str) -> None:
+    """Raises unless ``value`` is floating point: the one rule for every loss (``loss_fn``'s, an
+    aux loss, ``weighted_mean``'s); ``what`` says whose, up to its dtype."""
+    dtype = jnp.result_type(value)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{what} {dtype}, but a loss must be floating point to have a gradient (every schedule "
+            "refuses integer and boolean losses). Return a float loss, e.g. cast with "
+            "`.astype(jnp.float32)`."
+        )
 
 
 def mean_loss(loss_fn, outputs, targets) -> jax.Array:
@@ -155,12 +163,7 @@ def per_example(loss_fn, outputs, targets, size: int, batch: int):
                 f"{jnp.shape(a)}{read}. {_CONTRACT} Do not return a mean: the pipeline divides by the "
                 "batch's total (its size, or the sum of the weights), padding rows excluded."
             )
-    if not jnp.issubdtype(jnp.result_type(out), jnp.floating):
-        raise TypeError(
-            f"`loss_fn(outputs, targets)` returned losses of dtype {jnp.result_type(out)}, but a "
-            "loss must be floating point to have a gradient (every schedule refuses integer and "
-            "boolean losses). Return a float loss, e.g. cast with `.astype(jnp.float32)`."
-        )
+    check_float_loss(out, "`loss_fn(outputs, targets)` returned losses of dtype")
     if weights is not None:  # data: any numeric dtype, read in the losses' dtype
         weights = _numeric_weights(weights, jnp.result_type(out), "`loss_fn(outputs, targets)` returned")
     return out, weights

@@ -4,7 +4,6 @@ per-device estimate of a pipeline's training step from its activation, residual 
 from __future__ import annotations
 
 import math
-import numbers
 import reprlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -129,7 +128,7 @@ def _check(fn: Any, args: tuple, backward: Any) -> None:
     checks.check_callable(fn, "fn", "fn(*args)", "memory_report")
     checks.check_bool(backward, "backward", "memory_report")
     for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(leaf, numbers.Number):
+        if not checks.array_like(leaf):
             raise TypeError(
                 f"`args{jax.tree_util.keystr(path)}` of memory_report is {type(leaf).__name__} "
                 f"{reprlib.repr(leaf)}, but the example arguments must be arrays, "

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax._src import checks, keys
+from pipejax._src import checks
 
 
 def dropout(x: jax.Array, key: jax.Array | None, drop_rate: float) -> jax.Array:
@@ -69,7 +69,7 @@ def dropout(x: jax.Array, key: jax.Array | None, drop_rate: float) -> jax.Array:
             )
     if key is None or (not traced and float(drop_rate) == 0.0):
         return x
-    typed = keys.check_keys(
+    typed = checks.check_keys(
         key, "key", "dropout", "Or pass one key per row of `x` (`jax.random.split(key, b)`)."
     )
     single = key.shape == () if typed else key.shape == (2,)
