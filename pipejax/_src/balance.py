@@ -693,10 +693,6 @@ def _materialise(tree: PyTree) -> PyTree:
     return jax.tree.map(zeros, tree)
 
 
-def _describe(tree: PyTree) -> str:
-    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", _structs(tree)))
-
-
 def _output_type(layer, p, x, k, idx) -> PyTree:
     """The layer's output type, or: JAX's own shape/dtype error as a ``ValueError`` naming the
     layer; any other exception (the user's own) with its type kept and the layer added as a note."""
@@ -705,14 +701,14 @@ def _output_type(layer, p, x, k, idx) -> PyTree:
     except Exception as err:
         where = "`sample_x`" if idx == 0 else f"the output of layer {idx - 1}"
         fix = f"Make layer {idx} accept what {where} is (with its batch axis first), or check `layer_params`."
+        types = checks.types_text(_structs(x))
         if type(err) in (TypeError, ValueError) and checks.raised_in_jax(err):
             raise ValueError(
-                f"Layer {idx} could not be applied to {where}, whose type is {_describe(x)}:\n"
+                f"Layer {idx} could not be applied to {where}, whose type is {types}:\n"
                 f"{type(err).__name__}: {err}\n{fix}"
             ) from err
         err.add_note(
-            f"Layer {idx} failed on {where}, whose type is {_describe(x)}, while pipejax "
-            f"measured its cost. {fix}"
+            f"Layer {idx} failed on {where}, whose type is {types}, while pipejax measured its cost. {fix}"
         )
         raise
 

@@ -172,6 +172,19 @@ def index_value(value: Any) -> int | None:
     return None
 
 
+def types_text(tree: Any, limit: int | None = None) -> str:
+    """``tree`` with each array leaf as its type (``float32[4, 3]``) and every other leaf as its
+    Python type, for messages; cut to about ``limit`` characters when given."""
+
+    def one(a):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return f"{getattr(a.dtype, 'name', a.dtype)}{list(a.shape)}"
+        return type(a).__name__
+
+    text = str(jax.tree.map(one, tree))
+    return text if limit is None or len(text) <= limit else text[:limit] + " ...(cut)"
+
+
 def array_like(x: Any) -> bool:
     """Whether ``x`` can stand for an array: an array, a tracer or a ``jax.ShapeDtypeStruct``
     (anything with a shape and a dtype), or a number."""

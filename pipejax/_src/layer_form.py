@@ -215,7 +215,8 @@ def _map(tree, params, convert, where, other=lambda a: a):
     if not any(is_mark(t) for t in jax.tree.leaves(marked, is_leaf=is_mark)):
         raise ValueError(
             f"`params` of {where} matches no subtree of `tree`, so nothing would be converted: "
-            f"`params` is {_describe(params)}, and `tree` holds {_describe(tree)}. `params` names "
+            f"`params` is {checks.types_text(params, 300)}, and `tree` holds "
+            f"{checks.types_text(tree, 300)}. `params` names "
             "the parameters inside `tree` by their structure and leaf shapes: pass them as `tree` "
             "holds them (e.g. `params=tree['params']`; for from_layers and layers_target, in the "
             "layer form), or `params=None` when `tree` is the parameters."
@@ -295,18 +296,6 @@ def _eager(pipe, tree, where) -> Iterator[None]:
 
 def _shown(value):
     return reprlib.repr(value)
-
-
-def _describe(tree, limit=300):
-    """``tree`` with each leaf as its type (``float32[4, 3]``), cut to about ``limit`` characters."""
-
-    def one(a):
-        if hasattr(a, "shape") and hasattr(a, "dtype"):
-            return f"{getattr(a.dtype, 'name', a.dtype)}{list(a.shape)}"
-        return type(a).__name__
-
-    text = str(jax.tree.map(one, tree))
-    return text if len(text) <= limit else text[:limit] + " ...(cut)"
 
 
 def _replicated(pipe):
