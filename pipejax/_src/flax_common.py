@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from flax import errors as flax_errors
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -581,16 +582,13 @@ def check_flag(value: Any, name: str, where: str, meaning: str) -> bool | None:
     Raises:
       TypeError: for anything else.
     """
-    if value is None:
-        return None
-    try:
-        return checks.check_bool(value, name, where, alternative=" or None")
-    except TypeError:
-        raise TypeError(
-            f"{checks.label(name, where)} must be True, False or None (None: the module's default), "
-            f"but got {type(value).__name__} {value!r}. `{name}=True` {meaning}; pass a Python bool, "
-            f"e.g. `{name}=False`."
-        ) from None
+    if value is None or isinstance(value, bool | np.bool_):
+        return None if value is None else bool(value)
+    raise TypeError(
+        f"{checks.label(name, where)} must be True, False or None (None: the module's default), "
+        f"but got {type(value).__name__} {value!r}. `{name}=True` {meaning}; pass a Python bool, "
+        f"e.g. `{name}=False`."
+    )
 
 
 def check_rng_collection(value: Any, owner: str) -> str:
