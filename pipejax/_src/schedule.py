@@ -367,18 +367,9 @@ class TrainingSchedule(NamedTuple):
         """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
         in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``).
 
-        ``in_flight(per_stage=True).max()``, without the ``ticks x stages`` count table: the
-        inputs' starts (+1) and ends (-1) sorted by stage and tick, ends first within a tick,
-        and the largest running sum (each stage's events sum to 0, so stages do not mix).
+        Linear in the table's size, as :meth:`in_flight` is.
         """
-        stage, first, done = self._held()
-        live = done >= first
-        stage, first, done = stage[live], first[live], done[live]
-        span = 2 * (self.num_ticks + 1)
-        events = np.concatenate([stage * span + 2 * first + 1, stage * span + 2 * (done + 1)])
-        steps = np.concatenate([np.ones(len(first), np.int64), -np.ones(len(done), np.int64)])
-        level = np.cumsum(steps[np.argsort(events, kind="stable")])
-        return max(1, int(level.max(initial=0)))
+        return max(1, int(self.in_flight(per_stage=True).max(initial=0)))
 
     def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
         """The lockstep time of the table: every tick lasts as long as its busiest device, which
