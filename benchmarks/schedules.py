@@ -50,8 +50,8 @@ import numpy as np  # noqa: E402
 import pipejax as pj  # noqa: E402
 from benchmarks import _simulate as sim  # noqa: E402
 from benchmarks._common import header, interleaved_times, kib, normal, section, table, temp_bytes  # noqa: E402
-from pipejax._src import schedule as sched  # noqa: E402
-from pipejax._src import train  # noqa: E402
+from pipejax._src.schedules import tables as sched  # noqa: E402
+from pipejax._src.training import step as train  # noqa: E402
 
 WIDTH, LAYERS, MICRO = 128, 3, 16  # a stage: LAYERS tanh dense layers; rows per micro-batch
 

@@ -18,11 +18,6 @@ from pipejax._src.checkpoint import MODES as CHECKPOINT_MODES
 from pipejax._src.checkpoint import checkpoint_sequential as checkpoint_sequential
 from pipejax._src.keys import key_for as stage_key
 from pipejax._src.keys import layer_key as layer_key
-from pipejax._src.layer_form import from_layers as from_layers
-from pipejax._src.layer_form import layers_target as layers_target
-from pipejax._src.layer_form import to_layers as to_layers
-from pipejax._src.loss import LossSums as LossSums
-from pipejax._src.loss import weighted_mean as weighted_mean
 from pipejax._src.memory import MemoryEstimate as MemoryEstimate
 from pipejax._src.memory import MemoryReport as MemoryReport
 from pipejax._src.memory import Residual as Residual
@@ -32,24 +27,29 @@ from pipejax._src.microbatch import Plan as MicrobatchPlan
 from pipejax._src.microbatch import merge as merge_microbatches
 from pipejax._src.microbatch import plan as microbatch_plan
 from pipejax._src.microbatch import split as split_microbatches
+from pipejax._src.params.layer_form import from_layers as from_layers
+from pipejax._src.params.layer_form import layers_target as layers_target
+from pipejax._src.params.layer_form import to_layers as to_layers
+from pipejax._src.params.placement import StageParams as StageParams
 from pipejax._src.pipeline import Pipeline as Pipeline
 from pipejax._src.pipeline import StageFn as StageFn
 from pipejax._src.pipeline import StatefulStageFn as StatefulStageFn
 from pipejax._src.pipeline import pipeline as pipeline
-from pipejax._src.placement import StageParams as StageParams
 from pipejax._src.random import dropout as dropout
-from pipejax._src.schedule import Schedule as Schedule
-from pipejax._src.schedule import TrainingSchedule as TrainingSchedule
-from pipejax._src.schedule import circular as circular_schedule
-from pipejax._src.schedule import circular_bubble_fraction as circular_bubble_fraction
-from pipejax._src.schedule import gpipe as gpipe_schedule
-from pipejax._src.schedule import gpipe_bubble_fraction as gpipe_bubble_fraction
-from pipejax._src.schedule import interleaved_one_f_one_b as interleaved_one_f_one_b_schedule
-from pipejax._src.schedule import one_f_one_b as one_f_one_b_schedule
-from pipejax._src.schedule import sequential as sequential_schedule
-from pipejax._src.schedule import zb_h1 as zb_h1_schedule
-from pipejax._src.schedule import zb_h1_bubble_fraction as zb_h1_bubble_fraction
-from pipejax._src.timeline import inputs_held as timeline_inputs_held
+from pipejax._src.schedules.tables import Schedule as Schedule
+from pipejax._src.schedules.tables import TrainingSchedule as TrainingSchedule
+from pipejax._src.schedules.tables import circular as circular_schedule
+from pipejax._src.schedules.tables import circular_bubble_fraction as circular_bubble_fraction
+from pipejax._src.schedules.tables import gpipe as gpipe_schedule
+from pipejax._src.schedules.tables import gpipe_bubble_fraction as gpipe_bubble_fraction
+from pipejax._src.schedules.tables import interleaved_one_f_one_b as interleaved_one_f_one_b_schedule
+from pipejax._src.schedules.tables import one_f_one_b as one_f_one_b_schedule
+from pipejax._src.schedules.tables import sequential as sequential_schedule
+from pipejax._src.schedules.tables import zb_h1 as zb_h1_schedule
+from pipejax._src.schedules.tables import zb_h1_bubble_fraction as zb_h1_bubble_fraction
+from pipejax._src.schedules.timeline import inputs_held as timeline_inputs_held
+from pipejax._src.training.loss import LossSums as LossSums
+from pipejax._src.training.loss import weighted_mean as weighted_mean
 
 __version__ = "0.1.0"
 

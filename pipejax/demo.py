@@ -373,7 +373,7 @@ def memory_notes(table, estimate=None) -> dict[int, str]:
     :class:`pipejax.MemoryEstimate`, the temp bytes its own buffers need: the estimate with the
     stash of the device's inputs in place of the largest one. (The SPMD program allocates the
     largest row's buffers, ``estimate.total``, on every device.)"""
-    from pipejax._src import timeline
+    from pipejax._src.schedules import timeline
 
     held = timeline.inputs_held(table)
     if estimate is None:

@@ -311,7 +311,7 @@ def test_linen_eager_calls_compile_once():
 def test_programs_are_cached_by_configuration():
     """Equal configurations share one pipeline; a different option, mesh or flag builds another,
     and an unhashable flag builds one for its call only (as before there was a cache)."""
-    from pipejax._src import flax_common
+    from pipejax._src.flax import common as flax_common
 
     mesh = jax.make_mesh((2,), ("stage",))
     a, b = nnx_pipe(mesh), nnx_pipe(mesh)

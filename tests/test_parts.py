@@ -14,8 +14,8 @@ import pytest
 import pipejax as pj
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import checks, keys
-from pipejax._src.layout import Container, Layout
-from pipejax._src.placement import pack as pack_params
+from pipejax._src.containers import Container, Layout
+from pipejax._src.params.placement import pack as pack_params
 from tests import models
 
 # --- micro-batching -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import pipejax as pj
-from pipejax._src.layout import _from_blocks, _to_blocks
+from pipejax._src.containers import _from_blocks, _to_blocks
 
 D, H, B = 4, 8, 12
 COL, ROW = P(None, "model"), P("model", None)

@@ -29,8 +29,8 @@ from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
 import pipejax.hessian
-from pipejax._src import schedule as sched
-from pipejax._src import train
+from pipejax._src.schedules import tables as sched
+from pipejax._src.training import step as train
 from tests import models
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -427,7 +427,8 @@ def test_every_schedule_runs_its_ticks_in_the_engine_loop(monkeypatch, placement
     computation, B and W run after it -- with and without a mesh; the training program has no
     ``lax.scan`` of its own (``train``, ``slots``, ``stage_grad``). Counted while tracing
     ``value_and_grad``."""
-    from pipejax._src import engine, slots, stage_grad
+    from pipejax._src import engine
+    from pipejax._src.training import slots, stage_grad
 
     calls = []
     real = engine.device_tick

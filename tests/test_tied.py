@@ -26,7 +26,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import pipejax as pj
-from pipejax._src import stage_forms
+from pipejax._src.params import forms as stage_forms
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 V, D, T, B = 7, 3, 2, 6  # vocabulary, width, tokens per example, batch

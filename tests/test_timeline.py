@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import pipejax as pj
-from pipejax._src import schedule, timeline
+from pipejax._src.schedules import tables as schedule
+from pipejax._src.schedules import timeline
 
 matplotlib.use("Agg")
 

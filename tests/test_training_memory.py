@@ -61,7 +61,7 @@ def test_without_a_mesh_the_training_schedules_accumulate_gradients():
     accumulation over the micro-batches, the F and B slots of micro-batch ``i`` before those of
     ``i + 1``. Its memory is one micro-batch's worth, flat in ``m``; its loss and gradients are
     GPipe's; every stage runs one F and one B slot per micro-batch."""
-    from pipejax._src import train
+    from pipejax._src.training import step as train
 
     stages = [stage] * 4
     r = np.random.default_rng(1)
@@ -96,7 +96,7 @@ def test_without_a_mesh_every_slot_is_kept_apart(monkeypatch, as_branch):
     barriers before some of its CSE passes, and merged 4 of the 8 recomputed ``tanh`` here, which
     is why CPU runs the branch; the barrier form's count was checked on an H200 with jax 0.11.2,
     where it keeps as many as the branch.)"""
-    from pipejax._src import slots
+    from pipejax._src.training import slots
 
     monkeypatch.setattr(slots, "_as_branch", lambda: as_branch)
     r = np.random.default_rng(2)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src import compat
-from pipejax._src.loss import check_float_loss
+from pipejax._src.training.loss import check_float_loss
 
 PyTree = Any
 

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from pipejax._src import checks
 from pipejax._src.keys import layer_key
-from pipejax._src.placement import StageParams
+from pipejax._src.params.placement import StageParams
 
 PyTree = Any
 Layer = Callable[[PyTree, PyTree, Any], PyTree]  # layer(params, x, key) -> y

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax._src import checks
-from pipejax._src.layout import Layout
-from pipejax._src.schedule import Schedule
+from pipejax._src.containers import Layout
+from pipejax._src.schedules.tables import Schedule
 
 MODES = ("always", "except_last", "never")
 
@@ -239,8 +239,8 @@ def remat_for(checkpoint: Any) -> Remat:
 
 
 def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
-    """Phases for :func:`pipejax._src.schedule.sequential` and
-    :func:`~pipejax._src.schedule.one_device` (``mesh=None``): no tick is a bubble, so none is
+    """Phases for :func:`pipejax._src.schedules.tables.sequential` and
+    :func:`~pipejax._src.schedules.tables.one_device` (``mesh=None``): no tick is a bubble, so none is
     guarded; ``"except_last"`` keeps the activations of the last micro-batch (as torchgpipe
     does) in a second scan, from its first tick on."""
     T = schedule.num_ticks
@@ -255,9 +255,9 @@ def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
 
 
 def training_phases(schedule) -> list[Phase]:
-    """The phase of a training table (:class:`~pipejax._src.schedule.TrainingSchedule`): one scan
+    """The phase of a training table (:class:`~pipejax._src.schedules.tables.TrainingSchedule`): one scan
     over every tick, its slots unwrapped. Its program owns the backward pass (the slots save and
-    recompute as the checkpoint mode says, :mod:`pipejax._src.stage_grad`), so nothing differentiates
+    recompute as the checkpoint mode says, :mod:`pipejax._src.training.stage_grad`), so nothing differentiates
     the loop and no slot is guarded by the phase."""
     return [Phase(0, schedule.num_ticks, _identity, guard=False)]
 

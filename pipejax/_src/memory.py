@@ -12,9 +12,10 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from pipejax._src import boundaries, checks, compat, microbatch, options
-from pipejax._src import schedule as sched
+from pipejax._src import checks, compat, microbatch, options
+from pipejax._src.engine import boundaries
 from pipejax._src.pipeline import Pipeline
+from pipejax._src.schedules import tables as sched
 
 
 class Residual(NamedTuple):
@@ -212,7 +213,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
 
     and ``P``, the parameter bytes of one stage (``P_d``: of the stages one device holds). With
     ``n`` devices, ``m`` micro-batches, ``T`` ticks (``v m + n - 1`` for ``v`` repeats) and ``K`` stash slots
-    (:meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots`):
+    (:meth:`~pipejax._src.schedules.tables.TrainingSchedule.stash_slots`):
 
     ========  ============  =================  ===============  =======  ==============
     schedule  mode          stash              work             outputs  loop, params

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pipejax._src import checkpoint as ckpt
-from pipejax._src import checks, compat, placement, stage_forms
-from pipejax._src import schedule as sched
-from pipejax._src.placement import StageParams
+from pipejax._src import checks, compat
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params import placement
+from pipejax._src.params.placement import StageParams
+from pipejax._src.schedules import tables as sched
 
 PyTree = Any
 
@@ -223,7 +225,7 @@ def check_tied(tied, num_stages) -> tuple[tuple[tuple[int, tuple[str, ...]], ...
 
     The structure is checked here, at construction; that each path names an array leaf of the
     stage's parameters, and that a group's leaves agree in shape and dtype, is checked when the
-    parameters are seen (:func:`pipejax._src.stage_forms.tie`).
+    parameters are seen (:func:`pipejax._src.params.forms.tie`).
     """
     if tied is None:
         return ()

@@ -5,12 +5,12 @@ How a call runs:
 1. ``x`` is cut into ``m`` micro-batches (:mod:`pipejax._src.microbatch`).
 2. The shapes of the activations at every stage boundary are found with ``jax.eval_shape``; this
    is also where a stage whose output cannot feed the next stage is reported.
-3. The schedule (:mod:`pipejax._src.schedule`) is a static table of which micro-batch each stage
+3. The schedule (:mod:`pipejax._src.schedules.tables`) is a static table of which micro-batch each stage
    works on at each tick. A ``lax.scan`` over the ticks runs it.
    * With a mesh, the scan runs inside ``jax.shard_map``: device ``s`` runs stage ``s`` and sends its
      output to device ``s + 1`` with ``lax.ppermute`` after every tick. Heterogeneous stages are
      chosen with ``lax.switch`` on the device's stage index, and their activations travel in a flat
-     :class:`~pipejax._src.layout.Container` so every device sends the same type.
+     :class:`~pipejax._src.containers.Container` so every device sends the same type.
    * Without a mesh, the same table runs on one device: each tick applies every stage to the
      output the previous stage produced on the tick before.
 4. A stage with no micro-batch at a tick (a bubble) does not compute at all (``lax.cond``), so no
@@ -57,22 +57,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import (
-    aux_outputs,
-    checks,
-    compat,
-    engine,
-    loss,
-    microbatch,
-    options,
-    placement,
-    stage_forms,
-    train,
-)
-from pipejax._src import boundaries as bnd
-from pipejax._src import schedule as sched
-from pipejax._src.placement import StageParams, stage_index
-from pipejax._src.placement import pack as pack_params
+from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
+from pipejax._src.engine import boundaries as bnd
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params import placement
+from pipejax._src.params.placement import StageParams, stage_index
+from pipejax._src.params.placement import pack as pack_params
+from pipejax._src.schedules import tables as sched
+from pipejax._src.training import loss
+from pipejax._src.training import step as train
 
 PyTree = Any
 
@@ -433,7 +426,7 @@ class Pipeline:
         With ``schedule="gpipe"`` or ``"circular"`` this is ``jax.value_and_grad`` of the loss of
         the pipeline's output. With ``"1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` one program
         interleaves forwards and backwards of different micro-batches
-        (:mod:`pipejax._src.slots`): a device keeps what the backward needs of a bounded number
+        (:mod:`pipejax._src.training.slots`): a device keeps what the backward needs of a bounded number
         of micro-batches (at most ``2 n`` per stage it holds) whatever their number: the
         stage inputs, recomputing each stage in its backward slot, or with
         ``checkpoint="never"`` the residuals of the stage's vjp. Keys are the forward
@@ -495,7 +488,7 @@ class Pipeline:
 
         With ``param_specs`` each leaf is also sharded over the mesh's other axes as its spec
         says; heterogeneous stages then store each ``(dtype, split)`` group in a buffer of its
-        own, its sharded dimensions leading (see :class:`~pipejax._src.layout.Container`).
+        own, its sharded dimensions leading (see :class:`~pipejax._src.containers.Container`).
 
         The circular schedule on ``n > 1`` devices stacks the stages as ``(repeats, n, ...)``
         instead of ``(num_stages, ...)``: entry ``[r, d]`` is stage ``r n + d``, and device ``d``
@@ -628,7 +621,7 @@ class Pipeline:
     def schedule(self, batch: int) -> sched.Schedule:
         """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
 
-        Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedule`).
+        Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedules.tables`).
         """
         return sched.circular(
             self.num_devices, self._micro_per_shard(microbatch.plan(batch, self.chunks)), self.repeats

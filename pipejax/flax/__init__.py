@@ -5,16 +5,16 @@ stages, keep each stage's parameters on its own device, and convert to and from 
 sequential form of the same layers. See ``docs/flax.md``.
 """
 
-from pipejax._src.flax_layers import from_layers as from_layers
-from pipejax._src.flax_layers import layers_target as layers_target
-from pipejax._src.flax_layers import to_layers as to_layers
-from pipejax._src.flax_linen import LinenPipeline as LinenPipeline
-from pipejax._src.flax_linen import StagePartitioned as StagePartitioned
-from pipejax._src.flax_nnx import NNXPipeline as NNXPipeline
-from pipejax._src.flax_nnx import restack as restack
-from pipejax._src.flax_nnx import unstack as unstack
-from pipejax._src.flax_sharding import on_mesh as on_mesh
-from pipejax._src.flax_sharding import restore_target as restore_target
+from pipejax._src.flax.linen import LinenPipeline as LinenPipeline
+from pipejax._src.flax.linen import StagePartitioned as StagePartitioned
+from pipejax._src.flax.nnx import NNXPipeline as NNXPipeline
+from pipejax._src.flax.nnx import restack as restack
+from pipejax._src.flax.nnx import unstack as unstack
+from pipejax._src.flax.sharding import on_mesh as on_mesh
+from pipejax._src.flax.sharding import restore_target as restore_target
+from pipejax._src.flax.train_state import from_layers as from_layers
+from pipejax._src.flax.train_state import layers_target as layers_target
+from pipejax._src.flax.train_state import to_layers as to_layers
 
 __all__ = [
     "LinenPipeline",

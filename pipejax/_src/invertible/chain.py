@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from pipejax._src import checks, compat
 from pipejax._src.checkpoint import checkpoint_sequential
+from pipejax._src.containers import Layout
 from pipejax._src.invertible.base import (
     Layer,
     PyTree,
@@ -23,7 +24,6 @@ from pipejax._src.invertible.base import (
     zero_logdet,
 )
 from pipejax._src.invertible.reversible import reversible_scan, scan, scan_steps
-from pipejax._src.layout import Layout
 
 MEMORY_MODES = ("linear", "sqrt", "constant")
 

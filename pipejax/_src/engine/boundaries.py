@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src import aux_outputs, checks
-from pipejax._src.layout import Layout, is_weak
-from pipejax._src.placement import StageParams
+from pipejax._src.containers import Layout, is_weak
+from pipejax._src.params.placement import StageParams
 
 PyTree = Any
 

@@ -18,8 +18,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from pipejax._src import compat
-from pipejax._src.placement import StageParams
-from pipejax._src.placement import pack as pack_params
+from pipejax._src.params.placement import StageParams
+from pipejax._src.params.placement import pack as pack_params
 
 PyTree = Any
 

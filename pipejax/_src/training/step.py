@@ -2,15 +2,15 @@
 
 For GPipe and circular pipelines the step is ``jax.value_and_grad`` of the loss through the
 forward pipeline (the engine's loop, differentiated by autodiff). The 1F1B and ZB-H1 schedules
-(:func:`pipejax._src.schedule.training`) interleave forward and backward work of different
+(:func:`pipejax._src.schedules.tables.training`) interleave forward and backward work of different
 micro-batches, which no transformation of a forward program produces: their step runs the
-table's F, B and W slots in the engine's loop (:mod:`pipejax._src.slots`), each slot's stage
-differentiated by hand (:mod:`pipejax._src.stage_grad`).
+table's F, B and W slots in the engine's loop (:mod:`pipejax._src.training.slots`), each slot's stage
+differentiated by hand (:mod:`pipejax._src.training.stage_grad`).
 
 This module holds what every schedule shares: the checks of a step's arguments, the per-call
 plan (micro-batches of ``x``, targets and side inputs, the table, the parameters' runner form,
 the boundaries between stages), and the loss contract's last step (a weighted loss divides the
-summed losses and gradients by the summed weights, see :func:`pipejax._src.loss.per_example`).
+summed losses and gradients by the summed weights, see :func:`pipejax._src.training.loss.per_example`).
 The loss and gradients equal those of ``jax.value_and_grad`` of the GPipe pipeline, up to the
 order of floating-point sums; side inputs (``context=``) are cut into micro-batches as
 ``targets`` are, and every slot hands its stage the rows of its micro-batch.
@@ -26,21 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pipejax._src import (
-    aux_outputs,
-    checks,
-    compat,
-    engine,
-    microbatch,
-    options,
-    slots,
-    stage_forms,
-    stage_grad,
-)
-from pipejax._src import boundaries as bnd
-from pipejax._src import schedule as sched
-from pipejax._src.loss import check_float_params, mean_loss, per_example
-from pipejax._src.placement import StageParams
+from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
+from pipejax._src.engine import boundaries as bnd
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params.placement import StageParams
+from pipejax._src.schedules import tables as sched
+from pipejax._src.training import slots, stage_grad
+from pipejax._src.training.loss import check_float_params, mean_loss, per_example
 
 PyTree = Any
 

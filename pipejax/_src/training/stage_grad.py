@@ -2,12 +2,12 @@
 the backward (B) and weight (W) slots pull back from it.
 
 The schedules that own the backward pass (1F1B, ZB-H1, interleaved 1F1B) run their slots in the
-engine's loop (:mod:`pipejax._src.slots`); this module is what a slot computes on typed values,
+engine's loop (:mod:`pipejax._src.training.slots`); this module is what a slot computes on typed values,
 whatever device it runs on:
 
 * **F** (:meth:`StageGrad.save`): the stage on its input; the last stage applies ``loss_fn`` to
   the micro-batch and gives the masked sum of its per-example losses (over the batch size for a
-  mean; with the weights' sum for a weighted loss, see :func:`pipejax._src.loss.per_example`).
+  mean; with the weights' sum for a weighted loss, see :func:`pipejax._src.training.loss.per_example`).
   It keeps what B and W need: the stage input (``checkpoint="always"``, and B recomputes the
   stage), or the residuals of the stage's ``jax.vjp`` (``"never"``; a ``jax.checkpoint`` policy
   saves what the policy saves), those that depend on the micro-batch only: parameter-only
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pipejax._src import aux_outputs, compat, engine
-from pipejax._src import boundaries as bnd
 from pipejax._src import checkpoint as ckpt
-from pipejax._src.layout import Layout
-from pipejax._src.loss import per_example
+from pipejax._src.containers import Layout
+from pipejax._src.engine import boundaries as bnd
+from pipejax._src.training.loss import per_example
 
 
 class Variant(NamedTuple):
@@ -128,7 +128,8 @@ class StageGrad:
     def _extra(self, stats, mask):
         """The aux loss of a slot's (stage, micro-batch), ``w_i aux_loss(aux)`` (see
         :mod:`pipejax._src.aux_outputs`; with a weighted loss ``W w_i aux_loss(aux)``, ``W`` the
-        batch's total weight, see :func:`pipejax._src.train._total_weight`), or ``None`` without one."""
+        batch's total weight, see :func:`pipejax._src.training.step._total_weight`), or ``None``
+        without one."""
         if self.aux_loss is None:
             return None
         aux = stats[1] if self.cfg.stateful else stats

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pipejax._src import checks
+from pipejax._src.schedules import timeline  # presentation: reads the tables, imports none of this
 
 KINDS = ("gpipe", "circular")
 
@@ -79,17 +80,19 @@ class Schedule(NamedTuple):
         """Idle device-ticks over all device-ticks."""
         return float((self.table < 0).mean())
 
-    def render(self) -> str:
-        """The table as a text timeline, a line per device (see :func:`pipejax._src.timeline.render`)."""
-        from pipejax._src import timeline  # presentation sits above the tables
+    def slot_fields(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{kind: (micro-batch table, stage table)}`` for each slot kind of a tick, in the order
+        a device runs them: ``"F"`` only."""
+        return {"F": (self.table, self.stages())}
 
+    def render(self) -> str:
+        """The table as a text timeline, a line per device (see
+        :func:`pipejax._src.schedules.timeline.render`)."""
         return timeline.render(self)
 
     def plot(self, **kwargs):
         """The table as a picture with matplotlib; returns the ``Axes`` (see
-        :func:`pipejax._src.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
-        from pipejax._src import timeline
-
+        :func:`pipejax._src.schedules.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
         return timeline.plot(self, **kwargs)
 
 
@@ -234,7 +237,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 #
 # 1F1B (PipeDream-flush, Narayanan et al. 2021) and ZB-H1 (Qi et al. 2023) interleave forward and
 # backward work of different micro-batches, so they are not the reverse of a forward scan: the
-# training program (:mod:`pipejax._src.slots`) runs their tables in the engine's loop. A tick of
+# training program (:mod:`pipejax._src.training.slots`) runs their tables in the engine's loop. A tick of
 # a device runs, in this order, at most one forward slot F (its stage on one micro-batch), one
 # backward slot B (the stage's vjp: input and parameter cotangents for "1f1b", the input
 # cotangent only for "zb-h1") and, for "zb-h1", one weight slot W (the parameter cotangent); then
@@ -388,17 +391,23 @@ class TrainingSchedule(NamedTuple):
         busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
         return float(1.0 - busy / self.step_time(f, b, w))
 
-    def render(self) -> str:
-        """The table as a text timeline, a line per device (see :func:`pipejax._src.timeline.render`)."""
-        from pipejax._src import timeline  # presentation sits above the tables
+    def slot_fields(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{kind: (micro-batch table, stage table)}`` for each slot kind of a tick, in the order
+        a device runs them: F, B, and W when the table has W slots (W runs the stage of its B)."""
+        fs, bs = self.stages()
+        fields = {"F": (self.forward, fs), "B": (self.backward, bs)}
+        if self.weight is not None:
+            fields["W"] = (self.weight, bs)
+        return fields
 
+    def render(self) -> str:
+        """The table as a text timeline, a line per device (see
+        :func:`pipejax._src.schedules.timeline.render`)."""
         return timeline.render(self)
 
     def plot(self, **kwargs):
         """The table as a picture with matplotlib; returns the ``Axes`` (see
-        :func:`pipejax._src.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
-        from pipejax._src import timeline
-
+        :func:`pipejax._src.schedules.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
         return timeline.plot(self, **kwargs)
 
 

@@ -40,10 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import flax_common as common
-from pipejax._src import flax_sharding, layer_form, stage_forms
+from pipejax._src.flax import common
+from pipejax._src.flax import sharding as flax_sharding
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params import layer_form
+from pipejax._src.params.placement import StageParams
 from pipejax._src.pipeline import pipeline
-from pipejax._src.placement import StageParams
 
 PyTree = Any
 
@@ -185,7 +187,7 @@ def from_layers(pipe: Any, tree: PyTree, like: PyTree = None) -> PyTree:
 
 
 def _is_nnx(pipe: Any) -> bool:
-    from pipejax._src.flax_nnx import NNXPipeline
+    from pipejax._src.flax.nnx import NNXPipeline
 
     return isinstance(pipe, NNXPipeline)
 
@@ -195,7 +197,7 @@ def _stack(pipe: Any) -> common.Stack:
 
 
 def _linen_stack(pipe: Any, fn: str) -> common.Stack:
-    from pipejax._src.flax_linen import LinenPipeline
+    from pipejax._src.flax.linen import LinenPipeline
 
     if not isinstance(pipe, LinenPipeline):
         raise TypeError(

@@ -20,14 +20,14 @@ equal NNX graph definitions and share the compiled programs.
 
 The Flax side's other jobs each have a module of their own:
 
-* :mod:`~pipejax._src.flax_options`: the stage sizes (``balance=`` / ``num_stages=``), the
+* :mod:`~pipejax._src.flax.options`: the stage sizes (``balance=`` / ``num_stages=``), the
   pipeline options an adapter forwards (read from :func:`pipejax.pipeline`'s signature), and
   ``tied=`` in layers' terms;
-* :mod:`~pipejax._src.flax_calls`: one call's preparation (:func:`~pipejax._src.flax_calls.prepare`:
+* :mod:`~pipejax._src.flax.calls`: one call's preparation (:func:`~pipejax._src.flax.calls.prepare`:
   flags and ``context=`` side inputs routed to the layers that take them) and ``carry=``, the
   activation among a layer's outputs; the rest is the layer's aux outputs with ``aux=``;
-* :mod:`~pipejax._src.flax_batchnorm`: deferred BatchNorm (``deferred_batch_norm=True``);
-* :mod:`~pipejax._src.flax_sharding`: the layers' sharding metadata as ``param_specs``,
+* :mod:`~pipejax._src.flax.batchnorm`: deferred BatchNorm (``deferred_batch_norm=True``);
+* :mod:`~pipejax._src.flax.sharding`: the layers' sharding metadata as ``param_specs``,
   :func:`~pipejax.flax.on_mesh` and :func:`~pipejax.flax.restore_target`.
 
 Randomness: stage ``s`` on micro-batch ``i`` receives ``pj.stage_key(key, i, s)`` from the
@@ -55,8 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax._src import checks
 from pipejax._src.balance import partition
-from pipejax._src.flax_batchnorm import SownMoments, is_sown, updated
-from pipejax._src.flax_calls import (
+from pipejax._src.flax.batchnorm import SownMoments, is_sown, updated
+from pipejax._src.flax.calls import (
     Carry,
     carry_hint,
     check_carry,
@@ -66,9 +66,9 @@ from pipejax._src.flax_calls import (
     select_carry,
     split_carry,
 )
-from pipejax._src.flax_options import Options, check_options, layer_tied, no_layer, stage_sizes
+from pipejax._src.flax.options import Options, check_options, layer_tied, no_layer, stage_sizes
+from pipejax._src.params.placement import StageParams
 from pipejax._src.pipeline import Pipeline, pipeline
-from pipejax._src.placement import StageParams
 
 PyTree = Any
 
@@ -450,7 +450,7 @@ def _layer_step(
 
     ``where`` names the layer in notes (``"layer 2 (stage 1, Block)"``): a Linen layer that draws
     from an rng the pipeline did not give it (Flax's ``InvalidRngError``) gains a note saying which
-    layer it is and how to pass the rng (:func:`~pipejax._src.flax_calls.linen_rng_note`)."""
+    layer it is and how to pass the rng (:func:`~pipejax._src.flax.calls.linen_rng_note`)."""
     if where is None:
         where = f"layer {index}"
 

@@ -3,7 +3,7 @@
 Homogeneous stages already have this layout: every parameter leaf is stacked on a leading stage
 axis, which a mesh shards with ``P(axis_name)``. Heterogeneous stages have a different parameter
 tree per stage, so :class:`StageParams` packs each stage's leaves into one flat buffer per dtype
-(see :mod:`pipejax._src.layout`) and stacks the stages: ``buffers[k]`` has shape
+(see :mod:`pipejax._src.containers`) and stacks the stages: ``buffers[k]`` has shape
 ``(num_stages, size_k)`` and is sharded along the stage axis. A device then stores
 ``sum_k size_k * itemsize_k`` bytes, where ``size_k`` is the largest stage's demand on dtype ``k``:
 its own stage's parameters, padded to the largest stage.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax._src import compat
-from pipejax._src.layout import Container, Layout
+from pipejax._src.containers import Container, Layout
 
 
 @jax.tree_util.register_pytree_node_class

@@ -1,7 +1,7 @@
 """Schedule tables as timelines: one row per device, one column per tick, a cell per slot.
 
 People read a pipeline schedule faster as a picture than as a table. Any table works, since every
-schedule is one (:mod:`pipejax._src.schedule`): a forward table (:class:`Schedule`: GPipe,
+schedule is one (:mod:`pipejax._src.schedules.tables`): a forward table (:class:`Schedule`: GPipe,
 circular) has one slot per tick, F; a training table (:class:`TrainingSchedule`: 1F1B, ZB-H1,
 interleaved 1F1B) runs its F, B (and W) slots of a tick side by side, in lockstep. A cell names
 the slot's kind and micro-batch (``F3``: the forward of micro-batch 3), its colour is the
@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pipejax._src import checks
-from pipejax._src.schedule import Schedule, TrainingSchedule
 
 
 class Slot(NamedTuple):
@@ -30,40 +29,30 @@ class Slot(NamedTuple):
     stage: int  # the stage the slot belongs to
 
 
-def kinds(schedule: Schedule | TrainingSchedule) -> tuple[str, ...]:
+def kinds(schedule) -> tuple[str, ...]:
     """The slot kinds of a tick, in the order a device runs them: ``("F",)`` for a forward
     table, ``("F", "B")`` for 1F1B, ``("F", "B", "W")`` for ZB-H1."""
-    if isinstance(schedule, Schedule):
-        return ("F",)
-    if isinstance(schedule, TrainingSchedule):
-        return ("F", "B") if schedule.weight is None else ("F", "B", "W")
-    raise TypeError(
-        "`schedule` must be a pipejax schedule table (`pj.gpipe_schedule(...)`, "
-        "`pj.circular_schedule(...)`, `pj.one_f_one_b_schedule(...)`, `pj.zb_h1_schedule(...)`, "
-        "or `pipe.schedule(batch)`), "
-        f"but got {type(schedule).__name__}."
-    )
+    if not callable(getattr(schedule, "slot_fields", None)):
+        raise TypeError(
+            "`schedule` must be a pipejax schedule table (`pj.gpipe_schedule(...)`, "
+            "`pj.circular_schedule(...)`, `pj.one_f_one_b_schedule(...)`, `pj.zb_h1_schedule(...)`, "
+            "or `pipe.schedule(batch)`), "
+            f"but got {type(schedule).__name__}."
+        )
+    return tuple(schedule.slot_fields())
 
 
-def slots(schedule: Schedule | TrainingSchedule) -> np.ndarray:
+def slots(schedule) -> np.ndarray:
     """``Slot`` fields as arrays: int32[3, ticks, devices, k], the micro-batch, the stage and a
     kind index into :func:`kinds` for each of the ``k`` slots of each tick and device."""
-    names = kinds(schedule)
-    if isinstance(schedule, Schedule):
-        micro = [schedule.table]
-        stage = [schedule.stages()]
-    else:
-        fs, bs = schedule.stages()
-        micro = [schedule.forward, schedule.backward]
-        stage = [fs, bs]
-        if schedule.weight is not None:
-            micro.append(schedule.weight)
-            stage.append(bs)  # W runs the stage of its B
-    kind = [np.full(micro[0].shape, j) for j in range(len(names))]
+    fields = kinds(schedule) and schedule.slot_fields()
+    micro = [m for m, _ in fields.values()]
+    stage = [s for _, s in fields.values()]
+    kind = [np.full(micro[0].shape, j) for j in range(len(fields))]
     return np.stack([np.stack(micro, -1), np.stack(stage, -1), np.stack(kind, -1)]).astype(np.int32)
 
 
-def render(schedule: Schedule | TrainingSchedule) -> str:
+def render(schedule) -> str:
     """The timeline as text: a line per device, a ``|``-separated column per tick, ``.`` for an
     idle slot.
 
@@ -97,7 +86,7 @@ def render(schedule: Schedule | TrainingSchedule) -> str:
     )
 
 
-def inputs_held(schedule: Schedule | TrainingSchedule) -> np.ndarray:
+def inputs_held(schedule) -> np.ndarray:
     """int[devices]: the most stage inputs each device keeps for the backward pass at once, with
     ``checkpoint="always"`` (what a device stores besides its parameters, in units of one
     stage input of one micro-batch).
@@ -113,9 +102,8 @@ def inputs_held(schedule: Schedule | TrainingSchedule) -> np.ndarray:
       >>> inputs_held(pj.one_f_one_b_schedule(4, 8)).tolist()
       [7, 5, 3, 1]
     """
-    if isinstance(schedule, Schedule):
+    if kinds(schedule) == ("F",):  # a forward table keeps every input it received
         return np.full(schedule.num_devices, schedule.num_ticks)
-    kinds(schedule)  # the type check
     return schedule.in_flight().max(axis=0)
 
 
@@ -173,7 +161,7 @@ def _label(kind: str, micro: int, stage: int, repeats: int) -> str:
 
 
 def plot(
-    schedule: Schedule | TrainingSchedule,
+    schedule,
     *,
     ax: Any = None,
     title: str | None = None,
@@ -247,7 +235,7 @@ def plot(
     for d, text in notes.items():
         ax.text(ticks + 0.2, devices - 0.5 - d, text, va="center", fontsize=8)
     if title is None:
-        if isinstance(schedule, Schedule):
+        if kinds(schedule) == ("F",):
             name = "circular" if schedule.repeats > 1 else "gpipe"
             costs, bubble = "forward table; autodiff runs it backwards", schedule.bubble_fraction()
         elif schedule.weight is None:

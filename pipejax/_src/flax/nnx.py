@@ -38,9 +38,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from pipejax._src import checks, flax_batchnorm, flax_calls, flax_sharding
-from pipejax._src import flax_common as common
-from pipejax._src.placement import StageParams
+from pipejax._src import checks
+from pipejax._src.flax import batchnorm as flax_batchnorm
+from pipejax._src.flax import calls as flax_calls
+from pipejax._src.flax import common
+from pipejax._src.flax import sharding as flax_sharding
+from pipejax._src.params.placement import StageParams
 
 PyTree = Any
 
@@ -530,7 +533,7 @@ class NNXPipeline(nnx.Module):
 class _NNXLayers:
     """Layer ``index`` as a pure function: rebuilt with ``nnx.merge``, reseeded from its key.
 
-    A :class:`~pipejax._src.flax_common.RunLayer` equal by value (graph definitions, call defaults,
+    A :class:`~pipejax._src.flax.common.RunLayer` equal by value (graph definitions, call defaults,
     and the structure, shapes and dtypes of the layers' rng state), so identically built
     pipelines share one cached pipeline. It holds no arrays: a layer's rng state (its streams'
     keys and counts) is rebuilt as zeros of its shapes, since ``nnx.reseed`` overwrites all of it

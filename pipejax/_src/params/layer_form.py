@@ -39,11 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import checks, compat, options, stage_forms
+from pipejax._src import checks, compat, options
 from pipejax._src.balance import _check_balance
-from pipejax._src.layout import Container, Layout
+from pipejax._src.containers import Container, Layout
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params.placement import StageParams
 from pipejax._src.pipeline import Pipeline
-from pipejax._src.placement import StageParams
 
 PyTree = Any
 

@@ -1,15 +1,15 @@
 """The slots of a training table in the engine's one tick loop: 1F1B, ZB-H1 and interleaved
-1F1B (:func:`pipejax._src.schedule.training`).
+1F1B (:func:`pipejax._src.schedules.tables.training`).
 
 Their table runs in the loop of the forward schedules (:meth:`engine.MeshDevices.loop` on a
 mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_MeshSlots` or
 :class:`_LocalSlots` (:class:`engine.Slots`); what each slot computes on typed values is
-:class:`~pipejax._src.stage_grad.StageGrad`'s:
+:class:`~pipejax._src.training.stage_grad.StageGrad`'s:
 
 * **F** (micro-batch ``i``, ``step``): the engine's tick delivers the device's input
   -- micro-batch ``i`` of ``x`` on stage 0, the activation the previous device sent otherwise --
   and the stage runs on it, keeping what B and W need in a ring buffer of
-  :meth:`~pipejax._src.schedule.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size);
+  :meth:`~pipejax._src.schedules.tables.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size);
   the last stage adds its micro-batch's loss terms to the sums.
 * **B** (``back``): the stage's pullback is applied to the cotangent the next device
   sent: "1f1b" gets the parameter and the input cotangents, "zb-h1" the input cotangent only and
@@ -25,7 +25,7 @@ cast to vary along the manual axes before the loop. Such a program owns its back
 the loop is one scan with no remat wrapper (:func:`pipejax._src.checkpoint.training_phases`).
 
 Without a mesh there is one device and no bubble to fill: every training schedule is gradient
-accumulation over the micro-batches, the table :func:`~pipejax._src.schedule.sequential_training`
+accumulation over the micro-batches, the table :func:`~pipejax._src.schedules.tables.sequential_training`
 (:func:`_on_one_device`), with the same keys, loss terms and checkpoint modes, and one
 micro-batch's activations kept at a time.
 
@@ -46,8 +46,8 @@ from jax.sharding import PartitionSpec
 
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine
-from pipejax._src.layout import Container, Layout
-from pipejax._src.stage_grad import StageGrad, Variant
+from pipejax._src.containers import Container, Layout
+from pipejax._src.training.stage_grad import StageGrad, Variant
 
 
 def run(grad: StageGrad, table, boundaries, xs, runner, stats_layouts=None, param_specs=None):
@@ -398,7 +398,7 @@ class _LocalSlots(_Slots):
 
     def _tick_micro(self, row):
         """The micro-batch of every slot of a tick of the one-device table (every column runs
-        the same one, :func:`~pipejax._src.schedule.sequential_training`), read once: a slot
+        the same one, :func:`~pipejax._src.schedules.tables.sequential_training`), read once: a slot
         reading its own column gave every slot its own index and predicate, which XLA keeps
         apart: with 16 stacked stages 3,156 HLO lines against 2,701 and 58,808 temp bytes
         against 57,720 (CPU, jax 0.10.2)."""
@@ -414,7 +414,7 @@ class _LocalSlots(_Slots):
 
 def _on_one_device(grad: StageGrad, m, bnd, xs, runner, stats_layouts):
     """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
-    training table runs as :func:`~pipejax._src.schedule.sequential_training`, gradient
+    training table runs as :func:`~pipejax._src.schedules.tables.sequential_training`, gradient
     accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one
     virtual device per stage. At tick ``i`` the F slots of stages ``0, ..., S - 1`` run on
     micro-batch ``i`` and keep what B needs (as on a mesh, :meth:`StageGrad.save`: the stage

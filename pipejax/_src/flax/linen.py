@@ -14,7 +14,7 @@ and :meth:`LinenPipeline.from_sequential` convert to and from the variables of
 This module supplies only what is Linen about it: layer ``l`` as a pure function,
 ``layer.apply({"params": p_l}, h, rngs={rng_collection: layer_key}, **flags)``, and where the
 updated BatchNorm statistics go (a Linen variable). Grouping into stages, the pipeline and the
-BatchNorm update are the core the NNX adapter shares (:mod:`pipejax._src.flax_common`), and every
+BatchNorm update are the core the NNX adapter shares (:mod:`pipejax._src.flax.common`), and every
 keyword argument that is not a field of the module is an option of :func:`pipejax.pipeline`
 (``chunks``, ``mesh``, ``schedule``, ``data_axis_name``, ...), forwarded unchanged.
 
@@ -44,9 +44,11 @@ import jax
 import jax.numpy as jnp
 from flax.core import unfreeze
 
-from pipejax._src import flax_batchnorm, flax_calls, flax_sharding
-from pipejax._src import flax_common as common
-from pipejax._src.placement import StageParams
+from pipejax._src.flax import batchnorm as flax_batchnorm
+from pipejax._src.flax import calls as flax_calls
+from pipejax._src.flax import common
+from pipejax._src.flax import sharding as flax_sharding
+from pipejax._src.params.placement import StageParams
 
 PyTree = Any
 
@@ -576,7 +578,7 @@ def _named(per_layer: Sequence[Any]) -> dict[str, Any]:
 class _LinenLayers:
     """Layer ``index`` as a pure function: ``layer.apply`` with its key as the ``rng_collection`` rng.
 
-    A :class:`~pipejax._src.flax_common.RunLayer` equal by value (equal unbound layers, as Linen
+    A :class:`~pipejax._src.flax.common.RunLayer` equal by value (equal unbound layers, as Linen
     modules compare by their attributes), so equal modules share one cached pipeline.
     """
 

@@ -1,0 +1,87 @@
+"""The devices of a table without a mesh (:class:`LocalDevices`): every stage on one device."""
+
+from __future__ import annotations
+
+from pipejax._src.engine.collectives import _lead, _unlead
+from pipejax._src.engine.config import Config, Inputs
+from pipejax._src.engine.tick import Carry, _Ctx, _scan, device_tick, make_step
+from pipejax._src.schedules import tables as sched
+
+
+class LocalDevices:
+    """Without a mesh: one device runs every stage, in turn, on each micro-batch; no bubble, no
+    guard and no switch.
+
+    Heterogeneous stages run :func:`pipejax._src.schedules.tables.sequential`, micro-batch ``t`` at tick
+    ``t``: its ``S`` columns are virtual devices that hand their output to the next one within
+    the tick, a Python loop over the columns (each stage function appears once, called
+    directly). Homogeneous (stacked) stages run :func:`pipejax._src.schedules.tables.one_device`, stage
+    ``t mod S`` of micro-batch ``t // S`` at tick ``t``: one column, whose tick picks its stage's
+    row of the parameters (the stage function appears once). The parameter cotangent is then
+    summed in the one accumulator of the backward loop. (An inner ``lax.scan`` over the stages
+    per micro-batch, the earlier form, built an ``(S, ...)`` cotangent per micro-batch in its
+    transpose: a whole copy of the parameters in temp memory, 1,327,878 -> 278,532 KiB and
+    36.9 -> 27.3 ms per step on an H200 with ``benchmarks/gpu.py``'s model, ``"always"``.)
+    """
+
+    def __init__(self, cfg: Config, stacked: bool):
+        self.cfg, self.stacked = cfg, stacked
+
+    def table(self, num_stages: int, num_micro: int, training: bool = False):
+        """The table these devices run (see the class); ``training``: a training table's, the
+        stages' F slots and then their B slots on each micro-batch in turn
+        (:func:`~pipejax._src.schedules.tables.sequential_training`)."""
+        if training:
+            return sched.sequential_training(num_stages, num_micro)
+        return (sched.one_device if self.stacked else sched.sequential)(num_stages, num_micro)
+
+    def run(self, ctx: _Ctx, schedule, phases, inputs: Inputs, slots=None):
+        """The forward's ``(outputs, stats per stage)``; with ``slots`` (a training table, run on
+        virtual devices, one per stage) the final state of its B slots and the stats."""
+        cfg, S, m = self.cfg, ctx.S, ctx.m
+        ident = lambda t: t
+        untyped = lambda tree, template: tree
+        stages = ctx.stages
+        assert slots is None or not self.stacked, "a training table runs a virtual device per stage"
+
+        def tick(phase, inputs):
+            params, state = inputs.params, inputs.state
+            step = make_step(cfg, ctx, inputs, phase, untyped, ident) if slots is None else slots.step
+
+            def one(d, inbox, acc, stats, row, static=None):
+                carry = Carry(inbox, None, acc, stats, ())
+                carry, out = device_tick(ctx, d, params, state, carry, row, step, static)
+                return out, carry.acc, carry.stats
+
+            def body(c, row):
+                if self.stacked:  # one column: the stage the row names
+                    out, acc, stats = one(0, *c, row)
+                    return (out[0], acc, stats), None
+                acc, stats, back = c
+                inbox, new, outs = None, [], []
+                for d in range(S):  # a column per stage, each with its own stage
+                    out, acc, st = one(d, inbox, acc, stats[d], row, static=d)
+                    inbox = out[0]
+                    new.append(st)
+                    outs.append(out)
+                if slots is not None:  # B: the columns backwards, handing cotangents on in the tick
+                    sent = None
+                    for d in reversed(range(S)):
+                        back, sent = slots.back(slots.arrive(back, sent), outs[d], row, d)
+                    back = slots.arrive(back, sent)  # (stage 0 sends none)
+                return (acc, tuple(new), back), None
+
+            return body
+
+        if self.stacked:
+            init = (
+                stages.message_zeros(0)[0],
+                _lead(stages.acc_zeros(m)),
+                stages.message_zeros(0, (S, m))[1],
+            )
+            _, acc, stats = _scan(schedule, phases, init, tick, inputs)
+            return _unlead(acc), stages.stats_rows(_lead(stats))
+        stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
+        acc, back = (_lead(stages.acc_zeros(m)), None) if slots is None else (None, slots.init())
+        acc, stats, back = _scan(schedule, phases, (acc, stats, back), tick, inputs)
+        return (_unlead(acc) if slots is None else back), stages.stats_rows(list(stats))
