@@ -431,8 +431,8 @@ def test_every_schedule_runs_its_ticks_in_the_engine_loop(monkeypatch, placement
     from pipejax._src.training import slots, stage_grad
 
     calls = []
-    real = engine.device_tick
-    monkeypatch.setattr(engine, "device_tick", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine.tick.device_tick
+    monkeypatch.setattr(engine.tick, "device_tick", lambda *a, **k: calls.append(1) or real(*a, **k))
     scans, real_scan = [], jax.lax.scan
     training = {train.__name__, slots.__name__, stage_grad.__name__}
 

@@ -293,7 +293,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     """
     _check_estimable(pipe)
     options.check_params_shape(params, pipe)  # as a call of the pipeline checks them
-    batch = pipe._check_batch(x)
+    batch = pipe.plan.check_batch(x)
     plan = microbatch.plan(batch, pipe.chunks)
     n, m, v, name = pipe.num_devices, plan.num_micro, pipe.repeats, pipe.schedule_name
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *jnp.shape(a)[1:]), _dtype(a)), x)

@@ -49,22 +49,18 @@ and a collective that not every device reaches deadlocks.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 
-from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
-from pipejax._src.engine import boundaries as bnd
+from pipejax._src import aux_outputs, checks, compat, microbatch, options
+from pipejax._src import plan as plan_mod
 from pipejax._src.params import forms as stage_forms
-from pipejax._src.params import placement
 from pipejax._src.params.placement import StageParams, stage_index
 from pipejax._src.params.placement import pack as pack_params
 from pipejax._src.schedules import tables as sched
-from pipejax._src.training import loss
 from pipejax._src.training import step as train
 
 PyTree = Any
@@ -298,6 +294,11 @@ def pipeline(
     )
 
 
+def _plan_field(name: str, doc: str) -> property:
+    """A read-only view of the plan's field ``name`` on the facade."""
+    return property(lambda self: getattr(self.plan, name), doc=doc)
+
+
 class Pipeline:
     """A configured pipeline; see :func:`pipeline`. Call it as ``apply(params, x, key=None)``."""
 
@@ -319,33 +320,24 @@ class Pipeline:
         tied: Any = None,
         aux: str | None = None,
     ):
-        self.homogeneous, self.stages = options.check_stages(stages, num_stages)
-        self.aux = aux_outputs.check_mode(aux)
-        self.tied = options.check_tied(tied, len(self.stages))
-        self.num_stages = len(self.stages)
-        repeats = options.check_schedule(schedule, repeats, self.num_stages)
-        self.schedule_name = schedule
-        self.repeats = repeats
-        self.num_devices = self.num_stages // repeats  # devices along the stage axis
-        chunks = options.check_chunks(chunks)
-        checkpoint = options.check_checkpoint(checkpoint, schedule)
-        options.check_mesh(mesh, axis_name, self.num_devices, repeats)
-        self.data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.mesh = mesh
-        self.axis_name = axis_name
-        self.data_axis_name = data_axis_name
-        self.per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
-        self.stateful = checks.check_bool(stateful, "stateful")
-        if param_specs is not None and mesh is None:
-            raise ValueError(
-                "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
-                "None. Give a mesh with the axes the specs name, or drop `param_specs`."
-            )
-        self.param_specs = param_specs
+        self.plan = plan_mod.Plan.build(
+            stages,
+            num_stages=num_stages,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            mesh=mesh,
+            axis_name=axis_name,
+            per_example_keys=per_example_keys,
+            stateful=stateful,
+            schedule=schedule,
+            repeats=repeats,
+            data_axis_name=data_axis_name,
+            param_specs=param_specs,
+            tied=tied,
+            aux=aux,
+        )
         self._jitted = jax.jit(self._apply)
-        if schedule in sched.TRAINING_KINDS:
+        if self.plan.owns_backward:
             self._jitted = _not_differentiable(self._jitted, schedule)
 
     def __repr__(self) -> str:
@@ -359,6 +351,25 @@ class Pipeline:
             f"Pipeline({self.num_stages} {kind} stages, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}{how}, {where})"
         )
+
+    # the plan's fields, read-only: a Pipeline is not reconfigured after it is built
+    homogeneous = _plan_field("homogeneous", "Whether the stages are one function stacked on a stage axis.")
+    stages = _plan_field("stages", "The stage functions (one, for homogeneous stages).")
+    num_stages = _plan_field("num_stages", "The number of stages.")
+    schedule_name = _plan_field("schedule_name", "The schedule's name, e.g. 'gpipe' or '1f1b'.")
+    repeats = _plan_field("repeats", "The stages each device holds.")
+    num_devices = _plan_field("num_devices", "The devices along the stage axis.")
+    chunks = _plan_field("chunks", "The micro-batches a mini-batch is cut into.")
+    checkpoint = _plan_field("checkpoint", "The checkpoint mode or policy.")
+    mesh = _plan_field("mesh", "The mesh, or None.")
+    axis_name = _plan_field("axis_name", "The mesh axis of the stages.")
+    data_axis_name = _plan_field("data_axis_name", "The mesh axis of data parallelism, or None.")
+    data_size = _plan_field("data_size", "The size of the data axis (1 without one).")
+    per_example_keys = _plan_field("per_example_keys", "Whether each example gets its own key.")
+    stateful = _plan_field("stateful", "Whether stages take and return state.")
+    param_specs = _plan_field("param_specs", "The PartitionSpecs of parameters inside their stage, or None.")
+    tied = _plan_field("tied", "The groups of tied parameters, or None.")
+    aux = _plan_field("aux", "How stages' aux outputs are reduced, or None.")
 
     # -- public -----------------------------------------------------------------------------
 
@@ -378,10 +389,11 @@ class Pipeline:
         ``stage(params, x, key, context=c)``. ``None`` (the default) passes no keyword.
         """
         checks.check_key(key)
-        options.check_params_shape(params, self)
+        plan = self.plan
+        options.check_params_shape(params, plan)
         options.check_not_abstract(params)
         options.check_not_abstract(state, "state")
-        self._check_batch(x, context)
+        plan.check_batch(x, context)
         if (
             self.mesh is not None
             and compat.is_explicit(self.mesh, self.axis_name)
@@ -404,9 +416,9 @@ class Pipeline:
                     "receive it. Build it with `pj.pipeline(..., stateful=True)` and stages "
                     "`stage(params, x, key, state, mask) -> (y, stats)`."
                 )
-            options.check_params_shape(state, self, name="state")
-        params, (x, context), key, state = self._commit(params, (x, context), key, state)
-        with self._own_mesh((params, x, key, state, context)):
+            options.check_params_shape(state, plan, name="state")
+        params, (x, context), key, state = plan.commit(params, (x, context), key, state)
+        with plan.own_mesh((params, x, key, state, context)):
             return self._jitted(params, x, key, state, context)
 
     def value_and_grad(
@@ -472,7 +484,7 @@ class Pipeline:
           1f1b 268.0 188.0
           zb-h1 268.0 188.0
         """
-        return train.value_and_grad(self, loss_fn, aux_loss)
+        return train.value_and_grad(self.plan, self, loss_fn, aux_loss)
 
     def place(self, params: Any) -> Any:
         """Lays ``params`` out for this pipeline; each device of the mesh gets its stage's share.
@@ -498,15 +510,15 @@ class Pipeline:
         The ``state`` of a stateful pipeline takes the same forms and may be placed the same way
         (``apply(placed_params, x, state=apply.place(state))``).
         """
-        options.check_params_shape(params, self)
-        splits = self._splits(params)
+        options.check_params_shape(params, self.plan)
+        splits = self.plan.splits(params)
         if not self.homogeneous and not isinstance(params, StageParams):
             params = pack_params(params, splits)
         if self.mesh is None:
             return params
         if self.repeats > 1 and self.num_devices > 1:
-            params = stage_forms.device_major(self, params)
-        specs = stage_forms.leaf_specs(self, params, splits)
+            params = stage_forms.device_major(self.plan, params)
+        specs = stage_forms.leaf_specs(self.plan, params, splits)
 
         def put(a, spec):
             sharding = NamedSharding(self.mesh, spec)
@@ -522,75 +534,6 @@ class Pipeline:
             return StageParams(buffers, params.container, params.layouts)
         return jax.tree.map(put, params, specs)
 
-    def _stage_lead(self) -> tuple[Any, ...]:
-        """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
-        for ``(S, ...)``; ``(None, axis)`` for the circular ``(repeats, n, ...)`` layout; ``(None,
-        None)`` for several stages on one device."""
-        if self.repeats == 1:
-            return (self.axis_name,)
-        return (None, self.axis_name) if self.num_devices > 1 else (None, None)
-
-    def _splits(self, params):
-        """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
-        (heterogeneous), the splits over the non-stage axes; ``None`` without ``param_specs``."""
-        if params is None:
-            return None
-        if self.param_specs is None:  # a placed StageParams carries the splits it was placed with
-            if isinstance(params, StageParams) and self.mesh is not None:
-                given = [lay.leaf_splits() for lay in params.layouts]
-                return given if any(any(leaf) for leaf in given) else None
-            return None
-        specs = self.param_specs
-        if self.homogeneous:
-            lead = 2 if stage_forms.is_device_major(self, params) else 1
-            one = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params
-            )
-            splits = placement.leaf_splits(specs, one, self.mesh, self.axis_name, "param_specs")
-            self._check_data_splits([splits])
-            return splits
-        if (
-            isinstance(specs, (str, bytes))
-            or not isinstance(specs, Sequence)
-            or len(specs) != self.num_stages
-        ):
-            raise ValueError(
-                f"Heterogeneous stages take `param_specs` as a list with one entry per stage "
-                f"({self.num_stages}), each a pytree prefix of that stage's parameters with "
-                f"PartitionSpec leaves (or None); got {type(specs).__name__}"
-                + (f" of length {len(specs)}" if isinstance(specs, Sequence) else "")
-                + "."
-            )
-        per_stage = params.unpacked_structs() if isinstance(params, StageParams) else params
-        splits = [
-            placement.leaf_splits(sp, p, self.mesh, self.axis_name, f"param_specs[{i}]")
-            for i, (sp, p) in enumerate(zip(specs, per_stage, strict=True))
-        ]
-        self._check_data_splits(splits)
-        if isinstance(params, StageParams):
-            given = [lay.leaf_splits() for lay in params.layouts]
-            if [tuple(sp) for sp in splits] != given:
-                raise ValueError(
-                    "`params` is a StageParams packed with other parameter shardings than this "
-                    "pipeline's `param_specs`; place the per-stage parameters with this pipeline "
-                    "(`apply.place(params)`), or unpack them first (`params.unpack()`)."
-                )
-        return splits
-
-    def _check_data_splits(self, splits) -> None:
-        """A dimension sharded over the (manual) data axis must be sharded over it alone."""
-        if self.data_axis_name is None:
-            return
-        for stage_splits in splits:
-            for leaf in stage_splits:
-                for dim, axes, _ in leaf:
-                    if self.data_axis_name in axes and len(axes) > 1:
-                        raise ValueError(
-                            f"`param_specs` shards a dimension {dim} over {axes}, mixing the data axis "
-                            f"{self.data_axis_name!r} with other axes. Shard that dimension over the "
-                            "data axis alone (FSDP), and another one over the others."
-                        )
-
     def stage_params(self, params: Any, s: int) -> PyTree:
         """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms.
 
@@ -598,25 +541,16 @@ class Pipeline:
           IndexError: if ``s`` is not a stage of this pipeline.
         """
         s = stage_index(s, self.num_stages)
-        options.check_params_shape(params, self)
+        options.check_params_shape(params, self.plan)
         if isinstance(params, StageParams):
             return params.stage(s)
         if self.homogeneous:
-            if stage_forms.is_device_major(self, params):
+            if stage_forms.is_device_major(self.plan, params):
                 n = self.num_devices
                 return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
             # (an index across an Explicit stage axis is refused: the stage, replicated)
             return jax.tree.map(lambda a: compat.replicate(a)[s], params)
         return params[s]
-
-    def _check_batch(self, x, context=None, targets=None) -> int:
-        """``x``'s batch size, checked with ``context``'s and ``targets``' (before tracing)."""
-        batch = microbatch.batch_size(x)
-        if context is not None:
-            microbatch.check_side_batch(context, batch)
-        if targets is not None:
-            loss.check_targets(targets, batch)
-        return batch
 
     def schedule(self, batch: int) -> sched.Schedule:
         """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
@@ -624,186 +558,20 @@ class Pipeline:
         Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedules.tables`).
         """
         return sched.circular(
-            self.num_devices, self._micro_per_shard(microbatch.plan(batch, self.chunks)), self.repeats
+            self.num_devices, self.plan.micro_per_shard(microbatch.plan(batch, self.chunks)), self.repeats
         )
-
-    def _micro_per_shard(self, plan: microbatch.Plan) -> int:
-        """Micro-batches each data shard runs; raises unless the data axis divides their number."""
-        batch = plan.batch
-        if plan.num_micro % self.data_size:
-            raise ValueError(
-                f"The batch of {batch} examples with `chunks={self.chunks}` is cut into "
-                f"{plan.num_micro} micro-batches of {plan.micro_size}, which the data axis "
-                f"{self.data_axis_name!r} of size {self.data_size} does not divide; every data "
-                "shard runs the same number of whole micro-batches. Use a `chunks` that is a "
-                f"multiple of {self.data_size} and a batch of at least `chunks` examples (e.g. "
-                f"`chunks={self.data_size * max(1, plan.num_micro // self.data_size)}`)."
-            )
-        return plan.num_micro // self.data_size
 
     # -- input placement (eager calls) ------------------------------------------------------
 
-    def _own_mesh(self, inputs) -> contextlib.AbstractContextManager:
-        """The mesh context the pipeline's program runs in, when the caller set another with
-        ``jax.set_mesh``: eagerly, its own mesh (``None``: no mesh context, one device), so that a
-        pipeline on mesh A runs inside ``jax.set_mesh(B)``, and a ``mesh=None`` pipeline takes
-        inputs committed to one device there. Traced inside the caller's program (``jax.jit``
-        under the context), nothing can be switched: a pipeline on another mesh than the
-        context's is refused with a message (JAX's ``shard_map`` needs the two to match)."""
-        if not compat.mesh_context_set():
-            return contextlib.nullcontext()
-        context = jax.sharding.get_abstract_mesh()
-        if self.mesh is not None and self.mesh.abstract_mesh == context:
-            return contextlib.nullcontext()
-        if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(inputs)):
-            if self.mesh is None:  # traced into the caller's program, which places it
-                return contextlib.nullcontext()
-            raise ValueError(
-                f"The pipeline runs on the mesh {_mesh_text(self.mesh.abstract_mesh)}, but it is "
-                f"traced inside `jax.set_mesh` of another mesh, {_mesh_text(context)}; JAX's "
-                "shard_map needs the context mesh to be the pipeline's. Trace the function that "
-                "calls it (`jax.jit`) outside that block or inside `with jax.set_mesh(pipe.mesh):`, "
-                "or build the pipeline with the context's mesh."
-            )
-        return jax.set_mesh(self.mesh)
-
-    def _commit(self, params, x, key, state):
-        """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
-        leaves = [a for a in jax.tree.leaves((params, x, key, state)) if options.is_concrete(a)]
-        if self.mesh is None:
-            # One device runs everything: gather inputs spread over several devices onto one.
-            device_sets = {frozenset(a.sharding.device_set) for a in leaves if a.committed}
-            if len(device_sets) <= 1 and all(len(d) == 1 for d in device_sets):
-                return params, x, key, state
-            target = min((d for ds in device_sets for d in ds), key=lambda d: d.id)
-            return jax.device_put((params, x, key, state), SingleDeviceSharding(target))
-        mesh_devices = set(self.mesh.devices.flat)
-
-        def put(tree, spec):
-            sharding = NamedSharding(self.mesh, spec)
-
-            def move(a):
-                if options.is_concrete(a) and a.committed and a.sharding.device_set != mesh_devices:
-                    return jax.device_put(a, sharding)
-                return a
-
-            return jax.tree.map(move, tree)
-
-        def per_stage(tree):
-            if not (self.homogeneous or isinstance(tree, StageParams)):
-                return put(tree, PartitionSpec())
-            if stage_forms.is_device_major(self, tree):
-                return put(tree, PartitionSpec(None, self.axis_name))
-            return put(tree, PartitionSpec(self.axis_name))
-
-        return per_stage(params), put(x, PartitionSpec()), put(key, PartitionSpec()), per_stage(state)
-
     # -- traced -----------------------------------------------------------------------------
 
-    def _cut(self, x, key, context=None, targets=None, *, stream=True) -> Cut:
-        """The per-call plan (:class:`Cut`), computed once per call or training step: the batch
-        cut into micro-batches, with ``context`` and ``targets`` cut alike.
-
-        A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
-        micro-batches over the data axis, or (``stream``, the forward call) over the stage axis,
-        which streams it to stage 0; anything else is replicated first.
-        """
-        p = microbatch.plan(microbatch.batch_size(x), self.chunks)
-        if context is not None:
-            microbatch.check_side_batch(context, p.batch)
-        num_micro = self._micro_per_shard(p)
-        data = PartitionSpec(self.data_axis_name) if self.data_axis_name and not p.padding else None
-        keep = data if stream else None
-        if stream and self.mesh is not None and not self.data_axis_name and not p.padding:
-            keep = PartitionSpec(self.axis_name) if num_micro % self.num_devices == 0 else None
-        xs = microbatch.cut(compat.replicate(x, keep=keep), p)
-        cs = (
-            None
-            if context is None
-            else microbatch.cut(compat.replicate(context, keep=data if stream else None), p)
-        )
-        ts = None if targets is None else microbatch.cut(compat.replicate(targets), p)
-        key_struct = None
-        if key is not None:
-            lead = (p.micro_size,) if self.per_example_keys else ()
-            key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
-        return Cut(p, num_micro, xs, microbatch.row_mask(p), cs, ts, key_struct)
-
     def _apply(self, params, x, key, state, context=None):
-        y, stats, aux, mask = self._forward(params, x, key, state, context)
-        if self.aux is not None:
-            aux = aux_outputs.reduce(self.aux, aux, mask, microbatch.batch_size(x), self.homogeneous)
-        return self._returned(y, stats, aux)
+        plan = self.plan
+        y, stats, aux, mask = plan.forward(params, x, key, state, context)
+        if plan.aux is not None:
+            aux = aux_outputs.reduce(plan.aux, aux, mask, microbatch.batch_size(x), plan.homogeneous)
+        return plan.returned(y, stats, aux)
 
-    def _returned(self, y, stats, aux):
-        """What a call returns: ``y``, ``(y, stats)``, ``(y, aux)`` or ``(y, stats, aux)``."""
-        out = (y,) + ((stats,) if self.stateful else ()) + ((aux,) if self.aux is not None else ())
-        return out if len(out) > 1 else y
-
-    def _forward(self, params, x, key, state, context=None):
-        """``(y, stats, aux (m, ...) per stage, mask bool[m, b])``: the forward loop's results,
-        aux unreduced (``None`` when off)."""
-        call = self._cut(x, key, context)
-        plan, xs, cs, key_struct = call.plan, call.xs, call.cs, call.key_struct
-        mask = call.mask if self.stateful else None  # stateless stages take no mask
-        schedule = sched.circular(self.num_devices, call.num_micro, self.repeats)
-        splits = self._splits(params)
-        params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
-        params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
-        param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
-        cfg = engine.Config(
-            self.stages,
-            self.stateful,
-            self.per_example_keys,
-            self.checkpoint,
-            self.axis_name,
-            self.data_axis_name,
-            inner_axes=param_specs is not None,
-            aux=self.aux is not None,
-        )
-        local = self.mesh is None
-        if self.homogeneous:
-            boundaries, stats = bnd.homogeneous(self, params, state, xs, key_struct, cs)
-            xs = boundaries[0].cast(xs)
-            stages = engine.Homogeneous(
-                cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
-            )
-        else:
-            boundaries, stats = bnd.heterogeneous(self, params, state, xs, key_struct, cs)
-            layouts = (None, None)
-            if not local:
-                layouts = (params.layouts, state.layouts)
-                params, state = params.buffers, state.buffers
-            # without a mesh every stage is a column of its own (see `engine.LocalDevices`)
-            stages = engine.Heterogeneous(
-                cfg, boundaries, stats, *layouts, self.num_stages if local else self.num_devices, not local
-            )
-        if local:
-            devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
-        else:
-            devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size, param_specs)
-        ys, stats = engine.run(
-            cfg, devices, stages, schedule, engine.Inputs(params, state, xs, (mask, cs), key)
-        )
-        ys = boundaries[-1].retype(ys)  # the weak types of the last stage's output
-        if plan.padding:  # dropping padding rows cuts across a data axis's Explicit sharding
-            ys = compat.replicate(ys)
-        y = microbatch.merge(ys, plan)
-        stats, aux = aux_outputs.split(stats, self.stateful, self.aux is not None, self.homogeneous)
-        return y, stats, aux, call.mask
-
-
-class Cut(NamedTuple):
-    """The per-call plan: what one forward call or training step runs (all but the arrays
-    static)."""
-
-    plan: microbatch.Plan  # how the mini-batch is cut
-    num_micro: int  # micro-batches each data shard runs
-    xs: Any  # x cut into micro-batches: leaves (m, b, ...)
-    mask: jax.Array  # bool[m, b]: the real rows (False: padding of an uneven last micro-batch)
-    cs: Any  # context cut alike, or None
-    ts: Any  # targets cut alike (training steps), or None
-    key_struct: Any  # the type of the key a stage receives, or None without a key
 
 
 def _not_differentiable(forward, schedule: str):
@@ -830,7 +598,3 @@ def _not_differentiable(forward, schedule: str):
     return call
 
 
-def _mesh_text(mesh) -> str:
-    """``{'stage': 4} (Explicit)``: a mesh's axes and their types, for messages."""
-    types = ", ".join(sorted({t.name for t in mesh.axis_types}))
-    return f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))} ({types})"

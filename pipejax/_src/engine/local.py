@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pipejax._src import checkpoint as ckpt
+from pipejax._src.engine import tick as ticks  # `ticks.device_tick`: one name a test can patch
 from pipejax._src.engine.collectives import _lead, _unlead
 from pipejax._src.engine.config import Config, Inputs
-from pipejax._src.engine.tick import Carry, _Ctx, _scan, device_tick, make_step
-from pipejax._src.schedules import tables as sched
+from pipejax._src.engine.tick import Carry, _Ctx, _scan, make_step
 
 
 class LocalDevices:
@@ -27,13 +28,10 @@ class LocalDevices:
     def __init__(self, cfg: Config, stacked: bool):
         self.cfg, self.stacked = cfg, stacked
 
-    def table(self, num_stages: int, num_micro: int, training: bool = False):
-        """The table these devices run (see the class); ``training``: a training table's, the
-        stages' F slots and then their B slots on each micro-batch in turn
-        (:func:`~pipejax._src.schedules.tables.sequential_training`)."""
-        if training:
-            return sched.sequential_training(num_stages, num_micro)
-        return (sched.one_device if self.stacked else sched.sequential)(num_stages, num_micro)
+    def phases(self, checkpoint, schedule):
+        """The checkpoint phases of a forward table on one device (see
+        :func:`~pipejax._src.checkpoint.sequential_phases`)."""
+        return ckpt.sequential_phases(checkpoint, schedule)
 
     def run(self, ctx: _Ctx, schedule, phases, inputs: Inputs, slots=None):
         """The forward's ``(outputs, stats per stage)``; with ``slots`` (a training table, run on
@@ -50,7 +48,7 @@ class LocalDevices:
 
             def one(d, inbox, acc, stats, row, static=None):
                 carry = Carry(inbox, None, acc, stats, ())
-                carry, out = device_tick(ctx, d, params, state, carry, row, step, static)
+                carry, out = ticks.device_tick(ctx, d, params, state, carry, row, step, static)
                 return out, carry.acc, carry.stats
 
             def body(c, row):

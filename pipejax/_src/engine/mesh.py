@@ -9,7 +9,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat
+from pipejax._src.engine import tick as ticks  # `ticks.device_tick`: one name a test can patch
 from pipejax._src.engine.collectives import (
     _as_varying,
     _gather_stages,
@@ -23,7 +25,7 @@ from pipejax._src.engine.collectives import (
 from pipejax._src.engine.config import Config, Inputs, clip, read, take
 from pipejax._src.engine.stages import Homogeneous
 from pipejax._src.engine.table_rows import loop_delay, split_row
-from pipejax._src.engine.tick import Carry, _Ctx, _scan, at, device_tick, make_step, recomputed
+from pipejax._src.engine.tick import Carry, _Ctx, _scan, at, make_step, recomputed
 from pipejax._src.schedules.tables import Schedule
 
 
@@ -68,6 +70,11 @@ class MeshDevices:
             inner, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs(param_in), axis_names=manual
         )
         return fn(params, *values)
+
+    def phases(self, checkpoint, schedule):
+        """The checkpoint phases of a forward table on the mesh (see
+        :func:`~pipejax._src.checkpoint.phases`)."""
+        return ckpt.phases(checkpoint, schedule)
 
     def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
         axis, data = self.cfg.axis_name, self.cfg.data_axis_name
@@ -236,7 +243,7 @@ class MeshDevices:
                 else:  # the micro-batch of the device's F slot
                     j = clip(at(row, d, D)[0], m)
                 fresh = stages.pack(read(cfg, queue, j))
-                carry, out = device_tick(
+                carry, out = ticks.device_tick(
                     ctx,
                     d,
                     inputs.params,

@@ -96,9 +96,9 @@ def full_specs(pipe, params, splits):
 
 def leaf_specs(pipe, params, splits):
     """The ``PartitionSpec`` of every placed leaf of ``params`` (stacked leaves, or a
-    ``StageParams``' buffers, one per slot): the stage axis (see :meth:`Pipeline._stage_lead`),
+    ``StageParams``' buffers, one per slot): the stage axis (see :meth:`~pipejax._src.plan.Plan.stage_lead`),
     then the leaf's ``splits`` over the other axes (``None``: none)."""
-    lead = pipe._stage_lead()
+    lead = pipe.stage_lead()
     if isinstance(params, StageParams):
         return params.container.slot_specs(lead)
     leaves, treedef = jax.tree.flatten(params)

@@ -55,7 +55,7 @@ def run(grad: StageGrad, table, boundaries, xs, runner, stats_layouts=None, para
     pipeline's mesh (:func:`_on_mesh`) or without one (:func:`_on_one_device`); ``runner`` holds
     the stage parameters in the engine's form, ``xs`` the micro-batches of ``x``."""
     if grad.pipe.mesh is None:
-        return _on_one_device(grad, table.num_micro, boundaries, xs, runner, stats_layouts)
+        return _on_one_device(grad, table, boundaries, xs, runner, stats_layouts)
     return _on_mesh(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
 
 
@@ -412,7 +412,7 @@ class _LocalSlots(_Slots):
         return jax.tree.map(lambda a: a[s], params) if self.homogeneous else params[s]
 
 
-def _on_one_device(grad: StageGrad, m, bnd, xs, runner, stats_layouts):
+def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
     """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
     training table runs as :func:`~pipejax._src.schedules.tables.sequential_training`, gradient
     accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one
@@ -424,7 +424,7 @@ def _on_one_device(grad: StageGrad, m, bnd, xs, runner, stats_layouts):
     device keeps one micro-batch's worth, whatever ``m`` is. Stage 0 reads its micro-batch as
     data. Keys, loss terms and the order of the sums over micro-batches are the mesh program's.
     """
-    pipe, cfg, S = grad.pipe, grad.cfg, grad.pipe.num_stages
+    pipe, cfg, S, m = grad.pipe, grad.cfg, grad.pipe.num_stages, table.num_micro
     prows = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
     variants = [
         Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
@@ -433,7 +433,6 @@ def _on_one_device(grad: StageGrad, m, bnd, xs, runner, stats_layouts):
     layouts = [stats_layouts] * S if pipe.homogeneous else stats_layouts
     stages = engine.Heterogeneous(cfg, bnd, layouts, None, None, S, switch=False)
     devices = engine.LocalDevices(cfg, stacked=False)
-    table = devices.table(S, m, training=True)
     ctx = engine._Ctx(S, S, 1, m, stages)
     inputs = engine.Inputs(prows, None, xs, None, grad.key)
     dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots=slots)

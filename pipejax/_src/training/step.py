@@ -30,7 +30,6 @@ from pipejax._src import aux_outputs, checks, compat, engine, microbatch, option
 from pipejax._src.engine import boundaries as bnd
 from pipejax._src.params import forms as stage_forms
 from pipejax._src.params.placement import StageParams
-from pipejax._src.schedules import tables as sched
 from pipejax._src.training import slots, stage_grad
 from pipejax._src.training.loss import check_float_params, mean_loss, per_example
 
@@ -39,10 +38,12 @@ PyTree = Any
 
 def value_and_grad(
     pipe,
+    call: Callable[..., Any],
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     aux_loss: Callable[[PyTree], jax.Array] | None = None,
 ) -> Callable[..., Any]:
-    """``f(params, x, targets, key=None, *, context=None) -> (loss, grads)`` for ``pipe``; see
+    """``f(params, x, targets, key=None, *, context=None) -> (loss, grads)`` for the pipeline
+    whose plan is ``pipe`` and whose forward call is ``call``; see
     :meth:`pipejax.Pipeline.value_and_grad`."""
     aux_loss = aux_outputs.check_aux_loss(aux_loss, pipe)
     if not callable(loss_fn):
@@ -50,21 +51,21 @@ def value_and_grad(
             f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
             f"example, but got {type(loss_fn).__name__} {loss_fn!r}."
         )
-    owns_backward = pipe.schedule_name in sched.TRAINING_KINDS
+    owns_backward = pipe.owns_backward
 
     def traced(params, x, targets, key, context, state):
         if owns_backward:
             loss, grads, _, stats, aux = _run(
                 pipe, loss_fn, params, x, targets, key, context, state, aux_loss
             )
-            return (pipe._returned(loss, stats, aux), grads)
+            return (pipe.returned(loss, stats, aux), grads)
         if pipe.aux is None:
             side = {} if context is None else {"context": context}
             if pipe.stateful:
                 side["state"] = state
 
             def loss_of(p):
-                out = pipe(p, x, key, **side)
+                out = call(p, x, key, **side)
                 y, stats = out if pipe.stateful else (out, None)
                 return mean_loss(loss_fn, y, targets), stats
 
@@ -73,14 +74,14 @@ def value_and_grad(
         batch = microbatch.batch_size(x)
 
         def loss_aux(p):  # the aux loss from the records of every (stage, micro-batch)
-            y, stats, aux, mask = pipe._forward(p, x, key, state, context)
+            y, stats, aux, mask = pipe.forward(p, x, key, state, context)
             loss = mean_loss(loss_fn, y, targets)
             extra = aux_outputs.total(aux_loss, aux, mask, batch, pipe.homogeneous)
             loss = loss if extra is None else loss + extra.astype(loss.dtype)
             return loss, (stats, aux_outputs.reduce(pipe.aux, aux, mask, batch, pipe.homogeneous))
 
         (loss, (stats, aux)), grads = jax.value_and_grad(loss_aux, has_aux=True)(params)
-        return (pipe._returned(loss, stats, aux), grads)
+        return (pipe.returned(loss, stats, aux), grads)
 
     jitted = jax.jit(traced)
 
@@ -89,7 +90,7 @@ def value_and_grad(
         _check_params(pipe, params)
         options.check_not_abstract(params)
         check_float_params(params)
-        pipe._check_batch(x, context, targets)
+        pipe.check_batch(x, context, targets)
         if state is not None:
             if not pipe.stateful:
                 raise TypeError(
@@ -98,8 +99,8 @@ def value_and_grad(
                 )
             _check_params(pipe, state, name="state")
         # concrete inputs committed to other devices are moved where the pipeline runs
-        params, (x, targets, context), key, state = pipe._commit(params, (x, targets, context), key, state)
-        with pipe._own_mesh((params, x, targets, key, context, state)):
+        params, (x, targets, context), key, state = pipe.commit(params, (x, targets, context), key, state)
+        with pipe.own_mesh((params, x, targets, key, context, state)):
             return jitted(params, x, targets, key, context, state)
 
     f.__doc__ = (
@@ -115,8 +116,9 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
     ``p``; without a mesh ``int[S, 3]``, one F and one B slot per stage and micro-batch (the
     gradient accumulation of :func:`slots._on_one_device`). For tests and benchmarks."""
+    pipe = pipe.plan  # a Pipeline
     _check_params(pipe, params)
-    pipe._check_batch(x, None, targets)
+    pipe.check_batch(x, None, targets)
     counts = jax.jit(lambda *a: _run(pipe, loss_fn, *a)[2])(params, x, targets, key)  # stateless
     return np.asarray(counts)
 
@@ -131,7 +133,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     ``aux`` pipeline returns them (``None`` otherwise)."""
     # the per-call plan, once: side inputs and targets are cut as x (each slot's stage reads its
     # micro-batch's rows); num_micro per data shard
-    call = pipe._cut(x, key, context, targets, stream=False)
+    call = pipe.cut(x, key, context, targets, stream=False)
     plan, num_micro, xs, mask, ts, cs, key_struct = (
         call.plan,
         call.num_micro,
@@ -141,31 +143,10 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
         call.cs,
         call.key_struct,
     )
-    name = pipe.schedule_name
-    if name == "interleaved-1f1b" and pipe.mesh is None:
-        name = "1f1b"  # one device: gradient accumulation (`slots._on_one_device`), no ring to share
-    elif name == "interleaved-1f1b" and num_micro % pipe.num_devices:
-        n, p = pipe.num_devices, pipe.data_size
-        per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
-        # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
-        fits = [
-            c
-            for c in range(1, plan.batch + 1)
-            if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
-        ]
-        fix = "a batch of at least that many examples"
-        if fits:  # nearest first
-            best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
-            also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
-            fix = f"e.g. `chunks={best}`{also} for this batch"
-        raise ValueError(
-            f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
-            f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
-            f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
-            f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
-        )
-    table = sched.training(name, pipe.num_stages, num_micro, pipe.repeats if pipe.mesh is not None else 1)
-    splits = pipe._splits(params)  # `param_specs` (or a placed StageParams' own), checked
+    if pipe.schedule_name == "interleaved-1f1b" and pipe.mesh is not None:
+        _check_interleaved(pipe, plan, num_micro)
+    table = pipe.table(num_micro, training=True)
+    splits = pipe.splits(params)  # `param_specs` (or a placed StageParams' own), checked
     # tied copies: the same values; the gradients come back summed over each group (the transpose
     # of the tie), and a tangent of one copy reaches every copy (jvp of this step: HVPs)
     params, untie = jax.vjp(lambda p: stage_forms.tie(pipe, p), params)
@@ -222,6 +203,32 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     if aux is not None:
         aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.homogeneous)
     return loss, grads, counts, stats, aux
+
+
+def _check_interleaved(pipe, plan, num_micro) -> None:
+    """Interleaved 1F1B sends micro-batches round the ring in groups of ``n``: their number per
+    data shard must be a multiple of ``n``."""
+    if num_micro % pipe.num_devices == 0:
+        return
+    n, p = pipe.num_devices, pipe.data_size
+    per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+    # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
+    fits = [
+        c
+        for c in range(1, plan.batch + 1)
+        if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
+    ]
+    fix = "a batch of at least that many examples"
+    if fits:  # nearest first
+        best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
+        also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
+        fix = f"e.g. `chunks={best}`{also} for this batch"
+    raise ValueError(
+        f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
+        f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+        f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
+        f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
+    )
 
 
 def _total_weight(pipe, loss_fn, ys_struct, ts, mask, plan) -> jax.Array:

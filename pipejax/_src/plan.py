@@ -1,0 +1,373 @@
+"""The plan of a pipeline: every option checked and resolved once, frozen, and read by every part
+below the facade (:class:`~pipejax._src.pipeline.Pipeline`).
+
+A :class:`Plan` holds the stages and their kind, the schedule, the devices (mesh, axes, repeats,
+data axis) and the options. It decides what a call runs: how a batch is cut into micro-batches
+(:meth:`Plan.cut`), which table runs them (:meth:`Plan.table`, the one place a table is chosen,
+on a mesh or on one device, forward or training), how ``param_specs`` split each leaf
+(:meth:`Plan.splits`), where concrete inputs go (:meth:`Plan.commit`), and the forward loop
+(:meth:`Plan.forward`). The forward call and the training step
+(:mod:`pipejax._src.training.step`) read the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
+from pipejax._src.engine import boundaries as bnd
+from pipejax._src.params import forms as stage_forms
+from pipejax._src.params import placement
+from pipejax._src.params.placement import StageParams
+from pipejax._src.schedules import tables as sched
+from pipejax._src.training import loss
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A pipeline's options, checked once (:meth:`build`) and frozen."""
+
+    stages: tuple[Callable[..., Any], ...]
+    homogeneous: bool  # one stage function stacked on a stage axis, or one function per stage
+    num_stages: int
+    schedule_name: str
+    repeats: int  # stages per device
+    num_devices: int  # devices along the stage axis
+    chunks: int
+    checkpoint: Any
+    mesh: Mesh | None
+    axis_name: str
+    data_axis_name: str | None
+    data_size: int
+    per_example_keys: bool
+    stateful: bool
+    param_specs: Any
+    tied: Any
+    aux: str | None
+
+    @classmethod
+    def build(
+        cls,
+        stages,
+        *,
+        num_stages,
+        chunks,
+        checkpoint,
+        mesh,
+        axis_name,
+        per_example_keys=False,
+        stateful=False,
+        schedule="gpipe",
+        repeats=1,
+        data_axis_name=None,
+        param_specs=None,
+        tied=None,
+        aux=None,
+    ) -> Plan:
+        """Checks every option (each once, in :mod:`pipejax._src.options`) and resolves them."""
+        homogeneous, stages = options.check_stages(stages, num_stages)
+        aux = aux_outputs.check_mode(aux)
+        tied = options.check_tied(tied, len(stages))
+        num_stages = len(stages)
+        repeats = options.check_schedule(schedule, repeats, num_stages)
+        num_devices = num_stages // repeats
+        chunks = options.check_chunks(chunks)
+        checkpoint = options.check_checkpoint(checkpoint, schedule)
+        options.check_mesh(mesh, axis_name, num_devices, repeats)
+        data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
+        per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
+        stateful = checks.check_bool(stateful, "stateful")
+        if param_specs is not None and mesh is None:
+            raise ValueError(
+                "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
+                "None. Give a mesh with the axes the specs name, or drop `param_specs`."
+            )
+        return cls(
+            stages, homogeneous, num_stages, schedule, repeats, num_devices, chunks, checkpoint, mesh,
+            axis_name, data_axis_name, data_size, per_example_keys, stateful, param_specs, tied, aux,
+        )  # fmt: skip
+
+    @property
+    def owns_backward(self) -> bool:
+        """Whether the schedule's table holds the backward slots (1F1B, ZB-H1, interleaved 1F1B),
+        so the training step runs them, or autodiff runs the forward loop backwards."""
+        return self.schedule_name in sched.TRAINING_KINDS
+
+    def table(self, num_micro: int, training: bool = False):
+        """The table a call of ``num_micro`` micro-batches (per data shard) runs: the one place a
+        table is chosen.
+
+        On a mesh: the forward table (:func:`~pipejax._src.schedules.tables.circular`, GPipe's
+        with ``repeats = 1``), or, for a training step, the schedule's training table. Without a
+        mesh one device runs every stage and no schedule has a bubble to fill: the stages in turn
+        on each micro-batch (:func:`~pipejax._src.schedules.tables.sequential`, or for stacked
+        stages :func:`~pipejax._src.schedules.tables.one_device`), or for a training step each
+        micro-batch's F slots and then its B slots
+        (:func:`~pipejax._src.schedules.tables.sequential_training`, gradient accumulation).
+        """
+        if self.mesh is None:
+            if training:
+                return sched.sequential_training(self.num_stages, num_micro)
+            return (sched.one_device if self.homogeneous else sched.sequential)(self.num_stages, num_micro)
+        if training:
+            return sched.training(self.schedule_name, self.num_stages, num_micro, self.repeats)
+        return sched.circular(self.num_devices, num_micro, self.repeats)
+
+    def stage_lead(self) -> tuple[Any, ...]:
+        """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
+        for ``(S, ...)``; ``(None, axis)`` for the circular ``(repeats, n, ...)`` layout; ``(None,
+        None)`` for several stages on one device."""
+        if self.repeats == 1:
+            return (self.axis_name,)
+        return (None, self.axis_name) if self.num_devices > 1 else (None, None)
+
+    def splits(self, params):
+        """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
+        (heterogeneous), the splits over the non-stage axes; ``None`` without ``param_specs``."""
+        if params is None:
+            return None
+        if self.param_specs is None:  # a placed StageParams carries the splits it was placed with
+            if isinstance(params, StageParams) and self.mesh is not None:
+                given = [lay.leaf_splits() for lay in params.layouts]
+                return given if any(any(leaf) for leaf in given) else None
+            return None
+        specs = self.param_specs
+        if self.homogeneous:
+            lead = 2 if stage_forms.is_device_major(self, params) else 1
+            one = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params
+            )
+            splits = placement.leaf_splits(specs, one, self.mesh, self.axis_name, "param_specs")
+            self.check_data_splits([splits])
+            return splits
+        if (
+            isinstance(specs, (str, bytes))
+            or not isinstance(specs, Sequence)
+            or len(specs) != self.num_stages
+        ):
+            raise ValueError(
+                f"Heterogeneous stages take `param_specs` as a list with one entry per stage "
+                f"({self.num_stages}), each a pytree prefix of that stage's parameters with "
+                f"PartitionSpec leaves (or None); got {type(specs).__name__}"
+                + (f" of length {len(specs)}" if isinstance(specs, Sequence) else "")
+                + "."
+            )
+        per_stage = params.unpacked_structs() if isinstance(params, StageParams) else params
+        splits = [
+            placement.leaf_splits(sp, p, self.mesh, self.axis_name, f"param_specs[{i}]")
+            for i, (sp, p) in enumerate(zip(specs, per_stage, strict=True))
+        ]
+        self.check_data_splits(splits)
+        if isinstance(params, StageParams):
+            given = [lay.leaf_splits() for lay in params.layouts]
+            if [tuple(sp) for sp in splits] != given:
+                raise ValueError(
+                    "`params` is a StageParams packed with other parameter shardings than this "
+                    "pipeline's `param_specs`; place the per-stage parameters with this pipeline "
+                    "(`apply.place(params)`), or unpack them first (`params.unpack()`)."
+                )
+        return splits
+
+    def check_data_splits(self, splits) -> None:
+        """A dimension sharded over the (manual) data axis must be sharded over it alone."""
+        if self.data_axis_name is None:
+            return
+        for stage_splits in splits:
+            for leaf in stage_splits:
+                for dim, axes, _ in leaf:
+                    if self.data_axis_name in axes and len(axes) > 1:
+                        raise ValueError(
+                            f"`param_specs` shards a dimension {dim} over {axes}, mixing the data axis "
+                            f"{self.data_axis_name!r} with other axes. Shard that dimension over the "
+                            "data axis alone (FSDP), and another one over the others."
+                        )
+
+    def check_batch(self, x, context=None, targets=None) -> int:
+        """``x``'s batch size, checked with ``context``'s and ``targets``' (before tracing)."""
+        batch = microbatch.batch_size(x)
+        if context is not None:
+            microbatch.check_side_batch(context, batch)
+        if targets is not None:
+            loss.check_targets(targets, batch)
+        return batch
+
+    def micro_per_shard(self, plan: microbatch.Plan) -> int:
+        """Micro-batches each data shard runs; raises unless the data axis divides their number."""
+        batch = plan.batch
+        if plan.num_micro % self.data_size:
+            raise ValueError(
+                f"The batch of {batch} examples with `chunks={self.chunks}` is cut into "
+                f"{plan.num_micro} micro-batches of {plan.micro_size}, which the data axis "
+                f"{self.data_axis_name!r} of size {self.data_size} does not divide; every data "
+                "shard runs the same number of whole micro-batches. Use a `chunks` that is a "
+                f"multiple of {self.data_size} and a batch of at least `chunks` examples (e.g. "
+                f"`chunks={self.data_size * max(1, plan.num_micro // self.data_size)}`)."
+            )
+        return plan.num_micro // self.data_size
+
+    def own_mesh(self, inputs) -> contextlib.AbstractContextManager:
+        """The mesh context the pipeline's program runs in, when the caller set another with
+        ``jax.set_mesh``: eagerly, its own mesh (``None``: no mesh context, one device), so that a
+        pipeline on mesh A runs inside ``jax.set_mesh(B)``, and a ``mesh=None`` pipeline takes
+        inputs committed to one device there. Traced inside the caller's program (``jax.jit``
+        under the context), nothing can be switched: a pipeline on another mesh than the
+        context's is refused with a message (JAX's ``shard_map`` needs the two to match)."""
+        if not compat.mesh_context_set():
+            return contextlib.nullcontext()
+        context = jax.sharding.get_abstract_mesh()
+        if self.mesh is not None and self.mesh.abstract_mesh == context:
+            return contextlib.nullcontext()
+        if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(inputs)):
+            if self.mesh is None:  # traced into the caller's program, which places it
+                return contextlib.nullcontext()
+            raise ValueError(
+                f"The pipeline runs on the mesh {_mesh_text(self.mesh.abstract_mesh)}, but it is "
+                f"traced inside `jax.set_mesh` of another mesh, {_mesh_text(context)}; JAX's "
+                "shard_map needs the context mesh to be the pipeline's. Trace the function that "
+                "calls it (`jax.jit`) outside that block or inside `with jax.set_mesh(pipe.mesh):`, "
+                "or build the pipeline with the context's mesh."
+            )
+        return jax.set_mesh(self.mesh)
+
+    def commit(self, params, x, key, state):
+        """Moves concrete inputs committed elsewhere onto the devices the pipeline runs on."""
+        leaves = [a for a in jax.tree.leaves((params, x, key, state)) if options.is_concrete(a)]
+        if self.mesh is None:
+            # One device runs everything: gather inputs spread over several devices onto one.
+            device_sets = {frozenset(a.sharding.device_set) for a in leaves if a.committed}
+            if len(device_sets) <= 1 and all(len(d) == 1 for d in device_sets):
+                return params, x, key, state
+            target = min((d for ds in device_sets for d in ds), key=lambda d: d.id)
+            return jax.device_put((params, x, key, state), SingleDeviceSharding(target))
+        mesh_devices = set(self.mesh.devices.flat)
+
+        def put(tree, spec):
+            sharding = NamedSharding(self.mesh, spec)
+
+            def move(a):
+                if options.is_concrete(a) and a.committed and a.sharding.device_set != mesh_devices:
+                    return jax.device_put(a, sharding)
+                return a
+
+            return jax.tree.map(move, tree)
+
+        def per_stage(tree):
+            if not (self.homogeneous or isinstance(tree, StageParams)):
+                return put(tree, PartitionSpec())
+            if stage_forms.is_device_major(self, tree):
+                return put(tree, PartitionSpec(None, self.axis_name))
+            return put(tree, PartitionSpec(self.axis_name))
+
+        return per_stage(params), put(x, PartitionSpec()), put(key, PartitionSpec()), per_stage(state)
+
+    def cut(self, x, key, context=None, targets=None, *, stream=True) -> Cut:
+        """The per-call plan (:class:`Cut`), computed once per call or training step: the batch
+        cut into micro-batches, with ``context`` and ``targets`` cut alike.
+
+        A batch sharded with Explicit axes cannot be cut up in place, except one split into whole
+        micro-batches over the data axis, or (``stream``, the forward call) over the stage axis,
+        which streams it to stage 0; anything else is replicated first.
+        """
+        p = microbatch.plan(microbatch.batch_size(x), self.chunks)
+        if context is not None:
+            microbatch.check_side_batch(context, p.batch)
+        num_micro = self.micro_per_shard(p)
+        data = PartitionSpec(self.data_axis_name) if self.data_axis_name and not p.padding else None
+        keep = data if stream else None
+        if stream and self.mesh is not None and not self.data_axis_name and not p.padding:
+            keep = PartitionSpec(self.axis_name) if num_micro % self.num_devices == 0 else None
+        xs = microbatch.cut(compat.replicate(x, keep=keep), p)
+        cs = (
+            None
+            if context is None
+            else microbatch.cut(compat.replicate(context, keep=data if stream else None), p)
+        )
+        ts = None if targets is None else microbatch.cut(compat.replicate(targets), p)
+        key_struct = None
+        if key is not None:
+            lead = (p.micro_size,) if self.per_example_keys else ()
+            key_struct = jax.ShapeDtypeStruct(lead + key.shape, key.dtype)
+        return Cut(p, num_micro, xs, microbatch.row_mask(p), cs, ts, key_struct)
+
+    def returned(self, y, stats, aux):
+        """What a call returns: ``y``, ``(y, stats)``, ``(y, aux)`` or ``(y, stats, aux)``."""
+        out = (y,) + ((stats,) if self.stateful else ()) + ((aux,) if self.aux is not None else ())
+        return out if len(out) > 1 else y
+
+    def forward(self, params, x, key, state, context=None):
+        """``(y, stats, aux (m, ...) per stage, mask bool[m, b])``: the forward loop's results,
+        aux unreduced (``None`` when off)."""
+        call = self.cut(x, key, context)
+        plan, xs, cs, key_struct = call.plan, call.xs, call.cs, call.key_struct
+        mask = call.mask if self.stateful else None  # stateless stages take no mask
+        schedule = self.table(call.num_micro)
+        splits = self.splits(params)
+        params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
+        params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
+        param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
+        cfg = engine.Config(
+            self.stages,
+            self.stateful,
+            self.per_example_keys,
+            self.checkpoint,
+            self.axis_name,
+            self.data_axis_name,
+            inner_axes=param_specs is not None,
+            aux=self.aux is not None,
+        )
+        local = self.mesh is None
+        if self.homogeneous:
+            boundaries, stats = bnd.homogeneous(self, params, state, xs, key_struct, cs)
+            xs = boundaries[0].cast(xs)
+            stages = engine.Homogeneous(
+                cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
+            )
+        else:
+            boundaries, stats = bnd.heterogeneous(self, params, state, xs, key_struct, cs)
+            layouts = (None, None)
+            if not local:
+                layouts = (params.layouts, state.layouts)
+                params, state = params.buffers, state.buffers
+            # without a mesh every stage is a column of its own (see `engine.LocalDevices`)
+            stages = engine.Heterogeneous(
+                cfg, boundaries, stats, *layouts, self.num_stages if local else self.num_devices, not local
+            )
+        if local:
+            devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
+        else:
+            devices = engine.MeshDevices(cfg, self.mesh, self.repeats, self.data_size, param_specs)
+        ys, stats = engine.run(
+            cfg, devices, stages, schedule, engine.Inputs(params, state, xs, (mask, cs), key)
+        )
+        ys = boundaries[-1].retype(ys)  # the weak types of the last stage's output
+        if plan.padding:  # dropping padding rows cuts across a data axis's Explicit sharding
+            ys = compat.replicate(ys)
+        y = microbatch.merge(ys, plan)
+        stats, aux = aux_outputs.split(stats, self.stateful, self.aux is not None, self.homogeneous)
+        return y, stats, aux, call.mask
+
+
+class Cut(NamedTuple):
+    """The per-call plan: what one forward call or training step runs (all but the arrays
+    static)."""
+
+    plan: microbatch.Plan  # how the mini-batch is cut
+    num_micro: int  # micro-batches each data shard runs
+    xs: Any  # x cut into micro-batches: leaves (m, b, ...)
+    mask: jax.Array  # bool[m, b]: the real rows (False: padding of an uneven last micro-batch)
+    cs: Any  # context cut alike, or None
+    ts: Any  # targets cut alike (training steps), or None
+    key_struct: Any  # the type of the key a stage receives, or None without a key
+
+
+def _mesh_text(mesh) -> str:
+    """``{'stage': 4} (Explicit)``: a mesh's axes and their types, for messages."""
+    types = ", ".join(sorted({t.name for t in mesh.axis_types}))
+    return f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))} ({types})"
