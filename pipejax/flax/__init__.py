@@ -6,10 +6,10 @@ sequential form of the same layers. See ``docs/flax.md``.
 """
 
 from pipejax._src.flax.linen import LinenPipeline as LinenPipeline
-from pipejax._src.flax.linen import StagePartitioned as StagePartitioned
+from pipejax._src.flax.linen_variables import StagePartitioned as StagePartitioned
 from pipejax._src.flax.nnx import NNXPipeline as NNXPipeline
-from pipejax._src.flax.nnx import restack as restack
-from pipejax._src.flax.nnx import unstack as unstack
+from pipejax._src.flax.nnx_stacking import restack as restack
+from pipejax._src.flax.nnx_stacking import unstack as unstack
 from pipejax._src.flax.sharding import on_mesh as on_mesh
 from pipejax._src.flax.sharding import restore_target as restore_target
 from pipejax._src.flax.train_state import from_layers as from_layers

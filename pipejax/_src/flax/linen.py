@@ -16,7 +16,10 @@ This module supplies only what is Linen about it: layer ``l`` as a pure function
 updated BatchNorm statistics go (a Linen variable). Grouping into stages, the pipeline and the
 BatchNorm update are the core the NNX adapter shares (:mod:`pipejax._src.flax.common`), and every
 keyword argument that is not a field of the module is an option of :func:`pipejax.pipeline`
-(``chunks``, ``mesh``, ``schedule``, ``data_axis_name``, ...), forwarded unchanged.
+(``chunks``, ``mesh``, ``schedule``, ``data_axis_name``, ...), forwarded unchanged. Layer ``l`` as
+a pure function (and the BatchNorm interceptor below) is :mod:`pipejax._src.flax.linen_layers`;
+the ``"stages"`` variables' box (:class:`~pipejax.flax.StagePartitioned`), their checks and the
+conversions of the layers' own variables are :mod:`pipejax._src.flax.linen_variables`.
 
 BatchNorm (``deferred_batch_norm=True``). The module then also owns ``{"batch_stats": {"stages":
 StageParams}}``: every layer's ``batch_stats``, laid out per stage like the parameters. The
@@ -39,15 +42,26 @@ from typing import Any
 
 import flax.errors
 import flax.linen as nn
-import flax.struct
 import jax
-import jax.numpy as jnp
 from flax.core import unfreeze
 
 from pipejax._src.flax import batchnorm as flax_batchnorm
 from pipejax._src.flax import calls as flax_calls
 from pipejax._src.flax import common
 from pipejax._src.flax import sharding as flax_sharding
+from pipejax._src.flax.linen_layers import _LinenLayers
+from pipejax._src.flax.linen_variables import (
+    _NAME,
+    _batch_stats_of,
+    _check_collections,
+    _check_packed,
+    _check_present,
+    _named,
+    _stack_trees,
+    _stage_params_of,
+    _unstack_tree,
+    stack_box,
+)
 from pipejax._src.params.placement import StageParams
 
 PyTree = Any
@@ -484,7 +498,6 @@ class LinenPipeline(nn.Module):
         return stack.place(params, specs), placed_state, h
 
 
-_NAME = "LinenPipeline"
 _FIELDS = (
     "layers",
     "balance",
@@ -510,243 +523,3 @@ def _init(self, *args: Any, pipeline_options: Mapping[str, Any] | None = None, *
 
 _init.__wrapped__ = _dataclass_init  # type: ignore[attr-defined]
 LinenPipeline.__init__ = _init  # type: ignore[method-assign]
-
-
-# Flax layers that always hold parameters: an absent entry for one of them is a mistake.
-_PARAM_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Embed, nn.Einsum)
-
-
-def _check_present(layers: Sequence[nn.Module], tree: Mapping[str, Any], names: list[str]) -> None:
-    """Raises for a layer absent from the ``params`` of ``from_sequential`` that must have some.
-
-    A layer needs an entry if it is a Flax layer that always has parameters (``nn.Dense``,
-    ``nn.Conv``, ...), or if an equal layer (same class and configuration) has one. Other
-    absent layers are taken to have no parameters (as ``nn.Sequential.init`` leaves them out);
-    if they do, ``apply`` says which layer found none.
-    """
-    present = [name in tree and bool(jax.tree.leaves(tree[name])) for name in names]
-    missing = [
-        index
-        for index, layer in enumerate(layers)
-        if not present[index]
-        and (
-            isinstance(layer, _PARAM_LAYERS)
-            or any(present[j] and other == layer for j, other in enumerate(layers) if j != index)
-        )
-    ]
-    if missing:
-        listing = ", ".join(f"layers_{i} ({type(layers[i]).__name__})" for i in missing)
-        verb = "holds" if len(missing) == 1 else "hold"
-        raise ValueError(
-            f"`variables['params']` has no parameters for {listing}, which {verb} parameters: "
-            "nn.Sequential(layers).init creates an entry 'layers_<l>' for every layer with parameters. "
-            "Pass the variables of all of them (only layers without parameters may be absent)."
-        )
-
-
-def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:
-    """Layer ``l``'s slice ``[l]`` of every leaf, for each layer of a stacked tree."""
-    tree = unfreeze(tree)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != num_layers:
-            raise ValueError(
-                f"`variables[{what!r}]` must be a layer stack: every leaf stacked on a leading axis "
-                f"of size {num_layers} (the number of layers), as nn.scan(..., variable_axes="
-                f"{{{what!r}: 0}}, length={num_layers}) makes it, but "
-                f"{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}."
-            )
-    return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers)]
-
-
-def _stack_trees(trees: Sequence[Any], what: str) -> Any:
-    """The trees of all layers stacked leaf by leaf on a new leading axis."""
-    structures = {jax.tree.structure(t) for t in trees}
-    if len(structures) != 1:
-        raise ValueError(
-            f"The layers' {what!r} have different structures, so they do not form a stack; "
-            "to_stacked needs layers of one kind (as nn.scan makes them)."
-        )
-    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
-
-
-def _named(per_layer: Sequence[Any]) -> dict[str, Any]:
-    """``{"layers_<l>": tree}`` for every layer with a non-empty tree (``nn.Sequential``'s names)."""
-    return {f"layers_{index}": t for index, t in enumerate(per_layer) if jax.tree.leaves(t)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _LinenLayers:
-    """Layer ``index`` as a pure function: ``layer.apply`` with its key as the ``rng_collection`` rng.
-
-    A :class:`~pipejax._src.flax.common.RunLayer` equal by value (equal unbound layers, as Linen
-    modules compare by their attributes), so equal modules share one cached pipeline.
-    """
-
-    layers: tuple[nn.Module, ...]  # unbound copies (``LinenPipeline._layers``)
-    rng_collection: str
-    deferred: bool
-
-    def __call__(self, index, variables, x, key, mask, kwargs):
-        layers = self.layers
-        rngs = {} if key is None else {self.rng_collection: key}
-        if not jax.tree.leaves(variables.get("batch_stats")):
-            variables = {"params": variables["params"]}
-        variables = _unboxed(variables)  # the layers' own sharding boxes: constraints do not apply here
-        records: dict[tuple[str, ...], flax_batchnorm.SownMoments] = {}
-        try:
-            with nn.intercept_methods(_batch_norm_interceptor(mask, self.deferred, index, records)):
-                y, sown = layers[index].apply(variables, x, rngs=rngs, mutable=["intermediates"], **kwargs)
-        except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeParamNotFoundError) as err:
-            err.add_note(
-                f"pipejax.flax.LinenPipeline: layer {index} ({type(layers[index]).__name__}) has no such "
-                f"variable in the pipeline's variables: was 'layers_{index}' missing from the variables "
-                "given to from_sequential / from_stacked? Convert the variables of every layer with "
-                "parameters."
-            )
-            raise
-        except flax.errors.ScopeParamShapeError as err:
-            err.add_note(
-                f"pipejax.flax.LinenPipeline: in layer {index} ({type(layers[index]).__name__}), whose "
-                f"parameters are 'layers_{index}' of the variables given to from_sequential / "
-                "from_stacked: give that layer parameters of the shapes it creates (those of "
-                "`nn.Sequential(layers).init(key, x)`)."
-            )
-            raise
-        return y, records, unfreeze(sown).get("intermediates", {})
-
-
-def _unboxed(tree: Any) -> Any:
-    """``tree`` with every ``nn.Partitioned``-style box replaced by its value (no constraint)."""
-    is_box = lambda t: isinstance(t, nn.meta.AxisMetadata)
-    return jax.tree.map(lambda t: t.unbox(apply_constraint=False) if is_box(t) else t, tree, is_leaf=is_box)
-
-
-def _batch_norm_interceptor(row_mask: jax.Array | None, deferred: bool, index: int, records: dict):
-    """A Linen method interceptor that runs every ``nn.BatchNorm`` call as deferred batch norm.
-
-    Evaluation calls run unchanged. A training call normalises the micro-batch with its own
-    statistics over the real rows (``row_mask``), through a separate pure ``apply`` of the layer
-    whose update of the running statistics is dropped, and records the micro-batch's moments
-    under the BatchNorm's path.
-    """
-    busy = []  # set while the interceptor runs the BatchNorm itself, which it must not intercept
-
-    def intercept(next_fun, args, kwargs, context):
-        module = context.module
-        if busy or context.method_name != "__call__" or not isinstance(module, nn.BatchNorm):
-            return next_fun(*args, **kwargs)
-        where = f"Layer {index}'s {type(module).__name__} (at {'/'.join(module.path) or 'the layer itself'})"
-        if not deferred:
-            raise ValueError(flax_batchnorm.needs_flag(f"{where} is an nn.BatchNorm", _NAME))
-        if "batch_stats" not in module.variables:
-            raise ValueError(
-                f"{where} has no 'batch_stats'. Pass the LinenPipeline's batch_stats with its "
-                "params, as `init` returns them: apply({'params': ..., 'batch_stats': ...}, x)."
-            )
-        x = args[0] if args else kwargs["x"]
-        use_running_average = args[1] if len(args) > 1 else kwargs.get("use_running_average")
-        if nn.merge_param("use_running_average", module.use_running_average, use_running_average):
-            return next_fun(*args, **kwargs)
-        path = tuple(module.path)
-        flax_batchnorm.check_training_call(where, kwargs.get("mask"), module.axis_name, path, records)
-        clone = module.copy(parent=None, name=None, use_running_average=False)
-        busy.append(True)
-        try:
-            y, _ = clone.apply(
-                dict(module.variables),
-                x,
-                mask=flax_batchnorm.row_mask_for(row_mask, x),
-                mutable=["batch_stats"],
-            )
-        finally:
-            busy.pop()
-        records[path] = flax_batchnorm.batch_norm_moments(x, row_mask, module.axis, module.momentum)
-        return y
-
-    return intercept
-
-
-def _check_collections(index: int, layer: nn.Module, variables: Mapping[str, Any], deferred: bool) -> None:
-    if "batch_stats" in variables and not deferred:
-        raise ValueError(
-            flax_batchnorm.needs_flag(
-                f"Layer {index} ({type(layer).__name__}) creates 'batch_stats' (BatchNorm statistics)", _NAME
-            )
-        )
-    extra = sorted(set(variables) - {"params", "batch_stats"})
-    if extra:
-        raise NotImplementedError(
-            f"Layer {index} ({type(layer).__name__}) creates the variable collection(s) {extra} "
-            "besides 'params' and 'batch_stats'. LinenPipeline supports parameters and "
-            "BatchNorm statistics only (caches and other mutable state are not supported)."
-        )
-
-
-@flax.struct.dataclass
-class StagePartitioned(nn.Partitioned):
-    """The box of a :class:`LinenPipeline`'s ``"stages"`` variables: its sharding metadata.
-
-    ``value`` is the :class:`pipejax.StageParams`; ``names`` the partition of each of its buffers,
-    ``("stage", None)`` (``(None, "stage", None)`` for the circular schedule; ``(None, None)``
-    without a mesh). So ``nn.get_partition_spec(variables)`` reports ``P("stage", None)`` for the
-    packed stages (a prefix of the buffers), and Flax's usual recipe (abstract variables ->
-    ``get_partition_spec`` -> shardings -> ``jax.jit(init, out_shardings=...)``) keeps each stage
-    on its device instead of replicating it. Unboxing (``nn.unbox``, ``self.param``) returns the
-    value without a sharding constraint: the pipeline places its parameters itself.
-    """
-
-    def unbox(self, apply_constraint: bool = True) -> Any:
-        return self.value
-
-
-def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
-    """``packed`` boxed with the partition of its buffers.
-
-    One ``names`` tuple serves every buffer (Flax applies it as a prefix), so when buffers are
-    split differently inside their stages (``param_specs``, the layers' sharding metadata) it is
-    their common prefix, the stage axis, and the buffers' own shardings say the rest.
-    """
-    ndim = packed.buffers[0].ndim if packed.buffers else 2
-    names = tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim)))
-    if packed.container.splits is not None and stack.placer.mesh is not None:
-        lead = stack.placer._stage_lead()
-        specs = {tuple(sp) for sp in packed.container.slot_specs(lead)}
-        names = next(iter(specs)) if len(specs) == 1 else lead
-    return StagePartitioned(packed, names=names)
-
-
-def _check_packed(value: Any, collection: str) -> StageParams:
-    """``value`` (the ``"stages"`` variable) as a :class:`~pipejax.StageParams`, or a clear error."""
-    if isinstance(value, nn.meta.AxisMetadata):
-        value = value.unbox(apply_constraint=False)
-    if isinstance(value, StageParams):
-        return value
-    raise ValueError(
-        f"The LinenPipeline's {collection!r} entry 'stages' must be a pipejax.StageParams (what `init` "
-        f"and `from_sequential` return), but got {type(value).__name__}: "
-        f"{jax.tree.map(lambda a: getattr(a, 'shape', a), value)!r}. A checkpoint restored without a "
-        "target comes back as plain dicts and lists; restore with a target of the saved structure, "
-        "e.g. orbax's `restore(path, target)` with `target = jax.tree.map(ocp.utils.to_shape_dtype_struct, "
-        "state)` (see docs/flax.md, 'Checkpoints with orbax')."
-    )
-
-
-def _batch_stats_of(variables: Any) -> StageParams | None:
-    try:
-        state = variables["batch_stats"]["stages"]
-    except (KeyError, TypeError, IndexError):
-        return None
-    return _check_packed(state, "batch_stats")
-
-
-def _stage_params_of(variables: Any) -> StageParams:
-    try:
-        packed = variables["params"]["stages"]
-    except (KeyError, TypeError, IndexError):
-        raise ValueError(
-            "`variables` must be this LinenPipeline's own variables, {'params': {'stages': "
-            "StageParams}} (inside a bigger model, pass its subtree, e.g. "
-            "{'params': variables['params']['LinenPipeline_0']}), but got "
-            f"{jax.tree.map(lambda a: getattr(a, 'shape', a), variables)!r}."
-        ) from None
-    return _check_packed(packed, "params")
