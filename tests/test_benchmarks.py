@@ -1,5 +1,5 @@
 """Every benchmark script runs end to end in its --quick smoke mode; its numbers live in
-BUILD_NOTES.md and docs/."""
+benchmarks/RESULTS.md and docs/."""
 
 import os
 import pathlib
@@ -48,7 +48,8 @@ def run_quick(script: str, *args: str) -> str:
             ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),
         ),
         ("gpu.py", ("One device:", "composed (jax.value_and_grad)", "1f1b always")),  # any backend
-        ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all four")),
+        ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all of them")),
+        ("decisions.py", ("Decision sites", "private members", "Import circles", "Files over 600 lines")),
     ],
 )
 def test_benchmark_quick(script, headings):

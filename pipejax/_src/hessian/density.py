@@ -12,16 +12,16 @@ import jax.numpy as jnp
 from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
+from pipejax._src.hessian.data import reading
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
 from pipejax._src.hessian.lanczos import (
-    Progress,
     Reorth,
     _lanczos,
     check_basis_dtype,
     check_none_basis,
-    check_progress,
     check_reorth,
 )
+from pipejax._src.hessian.progress import Progress, check_progress
 
 PyTree = Any
 

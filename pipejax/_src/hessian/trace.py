@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from pipejax._src import checks
 from pipejax._src.hessian import tree
 from pipejax._src.hessian.blocks import dimension, map_blocks
-from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator, reading
-from pipejax._src.hessian.lanczos import Progress, check_progress, report
+from pipejax._src.hessian.data import reading
+from pipejax._src.hessian.hvp import Curvature, Mode, Operator, check_key, make_operator
+from pipejax._src.hessian.progress import Progress, check_progress, report
 
 PyTree = Any
 
