@@ -6,7 +6,7 @@ from pipejax._src import checkpoint as ckpt
 from pipejax._src.engine import tick as ticks  # `ticks.device_tick`: one name a test can patch
 from pipejax._src.engine.collectives import _lead, _unlead
 from pipejax._src.engine.config import Config, Inputs
-from pipejax._src.engine.tick import Carry, _Ctx, _scan, make_step
+from pipejax._src.engine.tick import Carry, _Ctx, _scan
 
 
 class LocalDevices:
@@ -33,18 +33,18 @@ class LocalDevices:
         :func:`~pipejax._src.checkpoint.sequential_phases`)."""
         return ckpt.sequential_phases(checkpoint, schedule)
 
-    def run(self, ctx: _Ctx, schedule, phases, inputs: Inputs, slots=None):
-        """The forward's ``(outputs, stats per stage)``; with ``slots`` (a training table, run on
-        virtual devices, one per stage) the final state of its B slots and the stats."""
+    def run(self, ctx: _Ctx, schedule, phases, inputs: Inputs, slots):
+        """``(what the slots return, stats per stage)``: a forward table's outputs
+        (:class:`ForwardSlots`), or a training table's final state of its B slots (run on
+        virtual devices, one per stage)."""
         cfg, S, m = self.cfg, ctx.S, ctx.m
         ident = lambda t: t
         untyped = lambda tree, template: tree
         stages = ctx.stages
-        assert slots is None or not self.stacked, "a training table runs a virtual device per stage"
 
         def tick(phase, inputs):
             params, state = inputs.params, inputs.state
-            step = make_step(cfg, ctx, inputs, phase, untyped, ident) if slots is None else slots.step
+            step = slots.step_for(cfg, ctx, inputs, phase, untyped, ident)
 
             def one(d, inbox, acc, stats, row, static=None):
                 carry = Carry(inbox, None, acc, stats, ())
@@ -62,11 +62,7 @@ class LocalDevices:
                     inbox = out[0]
                     new.append(st)
                     outs.append(out)
-                if slots is not None:  # B: the columns backwards, handing cotangents on in the tick
-                    sent = None
-                    for d in reversed(range(S)):
-                        back, sent = slots.back(slots.arrive(back, sent), outs[d], row, d)
-                    back = slots.arrive(back, sent)  # (stage 0 sends none)
+                back = slots.columns_back(back, outs, row, S)  # a training table's B slots
                 return (acc, tuple(new), back), None
 
             return body
@@ -80,6 +76,6 @@ class LocalDevices:
             _, acc, stats = _scan(schedule, phases, init, tick, inputs)
             return _unlead(acc), stages.stats_rows(_lead(stats))
         stats = tuple(stages.message_zeros(d, (1, m))[1] for d in range(S))
-        acc, back = (_lead(stages.acc_zeros(m)), None) if slots is None else (None, slots.init())
+        acc, _, back = slots.start(lambda: _lead(stages.acc_zeros(m)), None)
         acc, stats, back = _scan(schedule, phases, (acc, stats, back), tick, inputs)
-        return (_unlead(acc) if slots is None else back), stages.stats_rows(list(stats))
+        return slots.result(acc, back), stages.stats_rows(list(stats))

@@ -22,10 +22,10 @@ from pipejax._src.engine.collectives import (
     shift,
     sum_exact,
 )
-from pipejax._src.engine.config import Config, Inputs, clip, read, take
+from pipejax._src.engine.config import Config, Inputs, read, take
 from pipejax._src.engine.stages import Homogeneous
 from pipejax._src.engine.table_rows import loop_delay, split_row
-from pipejax._src.engine.tick import Carry, _Ctx, _scan, at, make_step, recomputed
+from pipejax._src.engine.tick import Carry, _Ctx, _scan, recomputed
 from pipejax._src.schedules.tables import Schedule
 
 
@@ -76,7 +76,7 @@ class MeshDevices:
         :func:`~pipejax._src.checkpoint.phases`)."""
         return ckpt.phases(checkpoint, schedule)
 
-    def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs):
+    def run(self, ctx: _Ctx, schedule: Schedule, phases, inputs: Inputs, slots):
         axis, data = self.cfg.axis_name, self.cfg.data_axis_name
         rep = PartitionSpec()
         stage_spec = PartitionSpec(axis) if self.repeats == 1 else PartitionSpec(None, axis)
@@ -95,7 +95,7 @@ class MeshDevices:
         drains = finished is not None
 
         def body(d, params, state, xs, mask, key):
-            return self._body(ctx, schedule, phases, d, Inputs(params, state, xs, mask, key), finished)
+            return self._body(ctx, schedule, phases, d, Inputs(params, state, xs, mask, key), finished, slots)
 
         operands = [
             (state, stage_spec, True),
@@ -200,9 +200,9 @@ class MeshDevices:
         explicit = compat.is_explicit(self.mesh, self.cfg.axis_name)
         return self.cfg.data_axis_name is None and ctx.D > 1 and explicit
 
-    def _body(self, ctx, schedule, phases, d, inputs, finished):
+    def _body(self, ctx, schedule, phases, d, inputs, finished, slots):
         """The forward schedules' device: the loop, then its outputs and stats."""
-        carry, drain = self.loop(ctx, schedule, phases, d, inputs, finished)
+        carry, drain = self.loop(ctx, schedule, phases, d, inputs, slots, finished)
         stats = _gather_stages(carry.stats, d, ctx.D, self.cfg.axis_name)
         if drain is not None:
             slots = jax.tree.leaves(drain)[0].shape[0]
@@ -214,12 +214,12 @@ class MeshDevices:
         # zeros is exact, so the sum is bitwise the last device's outputs.
         return sum_exact(_unlead(carry.acc), self.cfg.axis_name), stats
 
-    def loop(self, ctx, schedule, phases, d, inputs, finished=None, slots=None):
+    def loop(self, ctx, schedule, phases, d, inputs, slots, finished=None):
         """The one tick loop of device ``d``: every schedule's table, run by :func:`device_tick`.
 
-        ``slots`` (:class:`Slots`): a training table's F slot (the tick's stage computation) and
-        its B and W slots, which run after F and send cotangents one device back; ``None``: a
-        forward table, whose stage computation is :func:`make_step`'s. Returns the final
+        ``slots`` (:class:`Slots`): the table's program, the tick's stage computation and what
+        runs after it (a forward table's :class:`ForwardSlots`; a training table's F slot, then
+        its B and W slots, which send cotangents one device back). Returns the final
         :class:`Carry` and the drain queue (``None`` unless ``finished``, see :meth:`finished`).
         """
         cfg, axes, axis, D, m = self.cfg, self.axes, self.cfg.axis_name, ctx.D, ctx.m
@@ -234,14 +234,11 @@ class MeshDevices:
             return lax.axis_index(cfg.data_axis_name) * m + i
 
         def tick(phase, inputs):
-            step = make_step(cfg, ctx, inputs, phase, vary, global_micro) if slots is None else slots.step
+            step = slots.step_for(cfg, ctx, inputs, phase, vary, global_micro)
 
             def body(c, row):
                 c, queue, drain = c
-                if slots is None:  # stage 0 starts micro-batch t at tick t (see `streams`)
-                    j = split_row(row, D)[2] % k
-                else:  # the micro-batch of the device's F slot
-                    j = clip(at(row, d, D)[0], m)
+                j = slots.fresh_index(row, d, D, k, m)  # the micro-batch the device reads
                 fresh = stages.pack(read(cfg, queue, j))
                 carry, out = ticks.device_tick(
                     ctx,
@@ -262,10 +259,10 @@ class MeshDevices:
                     )
                 if drain is not None:  # the last stage's output joins the drain queue
                     drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
-                if slots is not None:  # B and W; their input cotangents go one device back
-                    back, sent = slots.back(carry.back, out, row, d)
-                    back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
-                    carry = carry._replace(back=back)
+                # B and W (a training table); their input cotangents go one device back
+                back, sent = slots.back(carry.back, out, row, d)
+                back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
+                carry = carry._replace(back=back)
                 return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
@@ -273,13 +270,13 @@ class MeshDevices:
         # (a training table reads the micro-batch of its F slot from x whole: a streamed queue is
         # a carry of the loop whose temp memory grows with m, and the training tables keep
         # their memory flat in m)
-        streams = slots is None and self.streams(ctx)
+        streams = slots.may_stream and self.streams(ctx)
         # a bubble's input (homogeneous stages of a forward table): the tick's micro-batch of x,
         # which every device reads when every device holds x; when x is streamed a later
         # device's queue slot may hold zeros, so a bubble there reads micro-batch 0
         # (loop-invariant: no per-tick residual). An idle F slot of a training table computes
         # nothing.
-        computes_bubbles = stages.computes_bubbles and slots is None
+        computes_bubbles = stages.computes_bubbles and slots.bubbles_compute
         bubbles_fresh = computes_bubbles and not streams
         safe = None
         if computes_bubbles and streams:
@@ -289,15 +286,14 @@ class MeshDevices:
         if not streams:  # every device holds every micro-batch: read micro-batch t at tick t
             k = jax.tree.leaves(queue)[0].shape[0] + schedule.num_ticks
         message, stat = stages.message_zeros(0)
-        delay = loop_delay(schedule) if ctx.v > 1 and slots is None else 0
+        delay = loop_delay(schedule) if ctx.v > 1 and slots.loop_buffer else 0
         loop = stages.message_zeros(0, (delay + 1,))[0] if delay else ()
-        drain, acc = None, _lead(stages.acc_zeros(m))
+        drain, acc = None, lambda: _lead(stages.acc_zeros(m))
         if finished is not None:  # ceil(m / D) output slots per device instead of m
-            drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), None
+            drain, acc = compat.to_varying(stages.acc_zeros(-(-m // D)), axes), lambda: None
             pushes = self.pushes(finished, -(-m // D), D)
-        prev, back = (message, stat), None
-        if slots is not None:  # no outputs, no bubble that returns the last one
-            acc, prev, back = None, None, slots.init()
+        # a training table keeps no outputs and no bubble that returns the last one
+        acc, prev, back = slots.start(acc, (message, stat))
         stats = stages.message_zeros(0, (ctx.S if ctx.stage_major else ctx.v, m))[1]
         init = Carry(message, prev, acc, stats, loop, back)
         carry, _, drain = _scan(schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pipejax._src.engine.collectives import _unlead
 from pipejax._src.engine.config import Config, Inputs, clip, stage_keys, take, write
 from pipejax._src.engine.stages import _round
 from pipejax._src.engine.table_rows import rows, split_row
@@ -118,14 +119,29 @@ def _may_be(d, target) -> bool:
 
 
 class Slots(Protocol):
-    """What a training table's program gives the loop (:meth:`MeshDevices.loop`,
-    :meth:`LocalDevices.run`; see :mod:`pipejax._src.training.slots`)."""
+    """What a table's program gives the loop (:meth:`MeshDevices.loop`, :meth:`LocalDevices.run`):
+    the tick's stage computation and what runs after it. A forward table's is
+    :class:`ForwardSlots`; a training table's runs its F slot as the stage computation and its B
+    and W slots after it (see :mod:`pipejax._src.training.slots`). The loop asks the slots, never
+    which kind of table it runs."""
 
-    def step(self, d, params, state, inbox, prev, row, static_stage=None, fresh=None):
-        """The F slot, as :func:`make_step`'s step: ``(message, stats, ...)``."""
+    # the forward table's ways, which a training table does not take: stage 0's micro-batches
+    # may stream to it over the stage axis; a homogeneous stage computes on a bubble; the
+    # circular loop-back waits in a delay line
+    may_stream: bool
+    bubbles_compute: bool
+    loop_buffer: bool
 
-    def init(self):
-        """The B and W slots' state at the first tick (:attr:`Carry.back`)."""
+    def step_for(self, cfg, ctx, inputs, phase, vary, global_micro):
+        """The tick's stage computation under checkpoint phase ``phase``, as :func:`make_step`'s
+        step: ``(message, stats, ...)``."""
+
+    def fresh_index(self, row, d, D: int, k: int, m: int):
+        """The slot of the device's micro-batch queue that holds the micro-batch it reads."""
+
+    def start(self, acc, prev):
+        """``(acc, prev, back)`` at the first tick: ``acc()`` makes the output accumulator;
+        ``back`` is the B and W slots' state (:attr:`Carry.back`)."""
 
     def back(self, state, out, row, d):
         """Device ``d``'s B and W slots after F (``out``: its F slot's): ``(state, the cotangent
@@ -133,6 +149,40 @@ class Slots(Protocol):
 
     def arrive(self, state, received):
         """``state`` with the cotangent the next device sent."""
+
+    def columns_back(self, state, outs, row, num_columns: int):
+        """One device's B slots of every column (no mesh), the last column first."""
+
+    def result(self, acc, state):
+        """What the loop on one device returns: the outputs, or the B slots' state."""
+
+
+class ForwardSlots:
+    """A forward table's program (GPipe, circular): the tick's stage computation is
+    :func:`make_step`'s, no slot runs after it, and the last stage's outputs are kept."""
+
+    may_stream = bubbles_compute = loop_buffer = True
+
+    def step_for(self, cfg, ctx, inputs, phase, vary, global_micro):
+        return make_step(cfg, ctx, inputs, phase, vary, global_micro)
+
+    def fresh_index(self, row, d, D: int, k: int, m: int):
+        return split_row(row, D)[2] % k  # stage 0 starts micro-batch t at tick t
+
+    def start(self, acc, prev):
+        return acc(), prev, None
+
+    def back(self, state, out, row, d):
+        return state, None
+
+    def arrive(self, state, received):
+        return state
+
+    def columns_back(self, state, outs, row, num_columns: int):
+        return state
+
+    def result(self, acc, state):
+        return _unlead(acc)
 
 
 class _Ctx(NamedTuple):

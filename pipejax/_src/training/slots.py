@@ -66,8 +66,34 @@ class _Slots:
     prows: Any  # the device's parameter rows
     loss0: Any  # f[2] zeros: a slot's loss part when it has none
 
+    # the forward table's ways, none of which a training table takes (see `engine.Slots`): x is
+    # read whole (a streamed queue is a carry whose temp memory grows with m, and the training
+    # tables keep their memory flat in m); an idle F slot computes nothing; the interleaved
+    # loop-back is a ring send
+    may_stream = bubbles_compute = loop_buffer = False
+
+    def step_for(self, cfg, ctx, inputs, phase, vary, global_micro):
+        return self.step  # one phase, no remat wrapper: F keeps what B needs itself
+
+    def fresh_index(self, row, d, D: int, k: int, m: int):
+        return engine.clip(engine.at(row, d, D)[0], m)  # the micro-batch of the device's F slot
+
+    def start(self, acc, prev):
+        return None, None, self.init()  # no outputs, no bubble that returns the last one
+
     def arrive(self, dev, received):
         return dev._replace(bin=received)
+
+    def columns_back(self, dev, outs, row, num_columns: int):
+        """The B slots of every column of one device (no mesh), the last column first, handing
+        the input cotangents on within the tick."""
+        sent = None
+        for d in reversed(range(num_columns)):
+            dev, sent = self.back(self.arrive(dev, sent), outs[d], row, d)
+        return self.arrive(dev, sent)  # (stage 0 sends none)
+
+    def result(self, acc, dev):
+        return dev
 
 
 # --- on a mesh: one SPMD program, a device per stage ---------------------------------------------
@@ -307,7 +333,7 @@ def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs
         offset = 0 if data is None else lax.axis_index(data) * m
         slots = outer.on_device(grad.on_shard(ts, mask, key, cs, state, aux_scale, offset), prows)
         inputs = engine.Inputs(prows, None, xs, None, key)
-        carry, _ = devices.loop(ctx, table, ckpt.training_phases(table), d, inputs, slots=slots)
+        carry, _ = devices.loop(ctx, table, ckpt.training_phases(table), d, inputs, slots)
         dev = carry.back
         # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
         stats = engine.sum_exact(carry.stats, axis)
@@ -435,7 +461,7 @@ def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
     devices = engine.LocalDevices(cfg, stacked=False)
     ctx = engine._Ctx(S, S, 1, m, stages)
     inputs = engine.Inputs(prows, None, xs, None, grad.key)
-    dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots=slots)
+    dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots)
     # every stage runs F and B (with W) once per micro-batch
     counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
     if pipe.homogeneous and records(pipe):
