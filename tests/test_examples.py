@@ -1,4 +1,5 @@
-"""The examples and the code in the docs run as tests, each in a fresh process.
+"""The examples and the code in the docs run as tests: each example in a fresh process, the docs'
+pages in groups of pages, one fresh process per group.
 
 A subprocess gives each script its own JAX, initialised with the 4 fake CPU devices it asks for,
 independent of the strict settings this test process runs under.
@@ -61,49 +62,102 @@ def python_blocks(markdown):
     return "\n".join(re.findall(r"```python\n(.*?)```", markdown, re.S))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "page",
-    [
-        "README.md",
-        "docs/pipeline.md",
+# The pages whose python blocks run as tests, in groups. The pages of a group run one after the
+# other in one process, each page as its own script with its own globals (so a page cannot use
+# what another page defined), and the group pays for one JAX start-up. A group is named after its
+# first guide, and the name is the test's id (tests/conftest.py orders the longest ids first).
+# The pages of a guide are read in order and share no names: each page repeats its own setup.
+# (docs/multihost.md's script runs in tests/test_multihost.py, in one process and on two: a run
+# here would repeat the one-process run. NOT_IN_GROUPS below lists the pages left out.)
+PIPELINE_GUIDE = ["stages", "schedules", "training", "memory", "meshes", "guarantees"]
+FLAX_GUIDE = ["linen", "nnx", "training", "layers", "checkpoints", "batchnorm"]
+DOC_GROUPS = {
+    "README.md": ["README.md"],
+    # the pipeline guide, then the shorter guides of the core library
+    "docs/pipeline.md": [
+        *(f"docs/pipeline_{name}.md" for name in PIPELINE_GUIDE),
         "docs/checkpointing.md",
         "docs/balance.md",
-        "docs/flax.md",
         "docs/batchnorm.md",
         "docs/migrating_from_torchgpipe.md",
-        "docs/invertible.md",
     ],
-)
-def test_docs_code_runs(page):
-    """Every python snippet of the page runs, in order, as one script (their asserts included).
+    "docs/flax.md": [f"docs/flax_{name}.md" for name in FLAX_GUIDE],
+    "docs/invertible.md": ["docs/invertible.md"],
+}
 
-    (docs/multihost.md's script runs in tests/test_multihost.py, in one process and on two: a run
-    here would repeat the one-process run.)
+# Runs the pages named on its command line in turn. A page's script keeps the page's line numbers
+# (the text around its blocks becomes blank lines), so a traceback names the page and its line.
+RUN_PAGES = r"""
+import json as _json, re as _re, sys as _sys
+for _page in _sys.argv[1:]:
+    with open(_page) as _file:
+        _parts = _re.split(r"(```python\n.*?```)", _file.read(), flags=_re.S)
+    _source = "".join(
+        "\n" + _part[len("```python\n") : -3]
+        if _part.startswith("```python\n")
+        else "\n" * _part.count("\n")
+        for _part in _parts
+    )
+    if "_calls" in globals():  # COUNT_COMPILES ran: count each page's calls apart
+        _calls.clear()
+    print("PAGE", _page, flush=True)
+    exec(compile(_source, _page, "exec"), {"__name__": "__main__"})
+    if "_calls" in globals():
+        print("COMPILES", _page, _json.dumps(dict(_calls)), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", list(DOC_GROUPS))
+def test_docs_code_runs(group):
+    """Every python snippet of each page runs, in order, as one script (their asserts included).
 
     The train steps of the pages in ``TRAIN_STEPS`` must compile on their first call only: a
-    prelude counts the XLA compilations of every call of every function the page jits.
+    prelude counts the XLA compilations of every call of every function a page jits.
     """
-    source = python_blocks((ROOT / page).read_text())
-    assert "import pipejax as pj" in source
-    steps = TRAIN_STEPS.get(page)
-    # the longest pages (flax.md, pipeline.md) run for minutes on a loaded 2-core machine: a
-    # timeout here guards against a hang, not against slowness
-    script = source if steps is None else COUNT_COMPILES + source + REPORT_COMPILES
-    proc = run_python(["-c", script], timeout=900)
+    pages = DOC_GROUPS[group]
+    for page in pages:
+        assert "import pipejax as pj" in python_blocks((ROOT / page).read_text()), page
+    counted = any(page in TRAIN_STEPS for page in pages)
+    # the longest groups (the Flax guide, the pipeline guide) run for minutes on a loaded 2-core
+    # machine: a timeout here guards against a hang, not against slowness
+    script = (COUNT_COMPILES if counted else "") + RUN_PAGES
+    proc = run_python(["-c", script, *pages], timeout=900)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    if steps is not None:
-        calls = json.loads(re.search(r"^COMPILES (.*)$", proc.stdout, re.M)[1])
-        for name in steps:
+    for page in pages:
+        if page not in TRAIN_STEPS:
+            continue
+        calls = json.loads(re.search(rf"^COMPILES {re.escape(page)} (.*)$", proc.stdout, re.M)[1])
+        for name in TRAIN_STEPS[page]:
             counts = calls[name]
-            assert len(counts) >= 3 and counts[0] >= 1, (name, counts)
+            assert len(counts) >= 3 and counts[0] >= 1, (page, name, counts)
             assert counts[1:] == [0] * (len(counts) - 1), f"{page}: {name} compiled again: {counts}"
+
+
+# Pages with python blocks that DOC_GROUPS leaves out, and why.
+NOT_IN_GROUPS = {
+    "docs/multihost.md": "tests/test_multihost.py runs it",
+    "docs/quickstart.md": "tests/test_docs.py runs it",
+    "docs/hessian.md": "its blocks are fragments that use names they do not define",
+}
+
+
+def test_docs_pages_with_code_are_in_groups():
+    """A docs page with python blocks (a new page of a guide, say) is in a group or said to be left out."""
+    grouped = {page for pages in DOC_GROUPS.values() for page in pages}
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        page = f"docs/{path.name}"
+        if python_blocks(path.read_text()) and page not in NOT_IN_GROUPS:
+            assert page in grouped, f"{page} has python blocks: add it to DOC_GROUPS in {__file__}"
 
 
 # No surprise recompiles: the training loops of these pages compile once (tests/test_flax_recompile.py
 # checks the same for pretrained weights and NNX modules built outside the mesh).
 TRAIN_STEPS = {
-    "docs/flax.md": ["train_step", "ntrain_step", "ltrain_step", "nlm_train_step"],
+    "docs/flax_linen.md": ["train_step"],
+    "docs/flax_nnx.md": ["ntrain_step"],
+    "docs/flax_training.md": ["train_step", "ltrain_step", "nlm_train_step"],
+    "docs/flax_checkpoints.md": ["ntrain_step"],
     "README.md": [],
     "docs/quickstart.md": ["train_step"],
 }

@@ -141,7 +141,7 @@ def test_nnx_state_restores_without_the_mesh(tmp_path):
 # coroutines raise when they are collected (collected here, not in whichever test comes next).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_nnx_model_and_optimizer_restore_onto_the_mesh(tmp_path):
-    """The recipe of docs/flax.md: the train state's shapes from ``nnx.eval_shape`` of the
+    """The recipe of docs/flax_checkpoints.md: the train state's shapes from ``nnx.eval_shape`` of the
     builder (nothing materialised), made a target on the mesh with ``restore_target``; restored,
     every array is bitwise the saved one with the saved sharding, and training continues bitwise
     as the uninterrupted run, without compiling the train step again."""

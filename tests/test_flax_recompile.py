@@ -5,7 +5,7 @@ the second step would compile again (silently, and for a real model for tens of 
 tests count XLA compilations (``jax.monitoring``'s backend-compile events) per call of each
 jitted train step:
 
-* of the docs' own code: ``tests/test_examples.py::test_docs_code_runs`` runs ``docs/flax.md``
+* of the docs' own code: ``tests/test_examples.py::test_docs_code_runs`` runs the ``docs/flax_*.md`` pages
   (Linen and NNX) and ``docs/quickstart.md`` with ``jax.jit``/``nnx.jit`` wrapped to count the
   compilations of each call (one run of each page serves both checks);
 * of pretrained weights pipelined with ``from_sequential`` (Linen) and modules built outside

@@ -144,7 +144,7 @@ def test_no_stage_execution_is_wasted(layout, checkpoint, placement):
     re-execution computes a stage (counted with a callback inside the stage). Bubble ticks skip
     the stage, except homogeneous stages on a mesh: there a bubble runs the stage on a micro-batch
     of ``x`` (which the one stage function is written for) and discards it, which keeps no
-    guard's residuals (see docs/pipeline.md, bubble safety)."""
+    guard's residuals (see docs/pipeline_guarantees.md, bubble safety)."""
     n, m = 3, 4
     log: list[tuple[int, int]] = []
 

@@ -218,7 +218,7 @@ def test_bitwise_across_modes_and_meshes_and_gpipe_forward_with_dropout():
 def test_bubble_counted_in_the_stage(n, m):
     """Each stage records (its index, the micro-batch id its rows carry) when it really executes.
     (Heterogeneous stages: their bubbles skip the stage; a homogeneous stage on a mesh computes
-    its bubbles on a micro-batch of ``x`` and discards them, see docs/pipeline.md.)"""
+    its bubbles on a micro-batch of ``x`` and discards them, see docs/pipeline_guarantees.md.)"""
     v = 2
     log: list[tuple[int, int]] = []
 

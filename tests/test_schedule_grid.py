@@ -118,7 +118,7 @@ def per_example(y, t):
 
 def weighted(tokens):
     """An lm1b-style loss: per-row sums of token losses and the row's token count; the pipeline
-    divides the batch's summed losses by its summed weights (see docs/pipeline.md)."""
+    divides the batch's summed losses by its summed weights (see docs/pipeline_training.md)."""
 
     def loss(y, t):
         w = t[1]
