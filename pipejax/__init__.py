@@ -1,5 +1,6 @@
-"""pipejax: GPipe pipeline parallelism, deterministic checkpointing and higher-order derivatives
-for JAX, as pure composable functions."""
+"""pipejax: micro-batch pipeline parallelism (GPipe, circular, 1F1B, ZB-H1 and interleaved 1F1B
+schedules in one SPMD program), deterministic checkpointing and higher-order derivatives for JAX,
+as pure composable functions."""
 
 from pipejax._src.balance import Balance as Balance
 from pipejax._src.balance import Partition as Partition

@@ -231,7 +231,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     (``R``; 1F1B ``"never"``: ``3 (R + O)``), else 0: XLA puts the tick's parameter cotangent in
     their space when it fits. ``M = ceil(m / n)`` output micro-batches per device (the drain queue,
     on a mesh with Auto axes), ``m`` with Explicit axes (the output is returned replicated). Where the
-    terms come from (``docs/pipeline.md``, "Memory per device"): GPipe keeps per tick the
+    terms come from (``docs/pipeline_memory.md``, "Memory per device"): GPipe keeps per tick the
     stage input (``"always"``) or its residuals (``"never"``), and a backward tick holds one
     stage's residuals (recomputed, or read) with the cotangent it receives and the one it sends;
     1F1B keeps ``K`` slots, a tick receives and sends an activation and a cotangent, and with

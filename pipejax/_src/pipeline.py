@@ -1,4 +1,4 @@
-"""GPipe pipeline parallelism: ``pipeline(stages, ...) -> apply(params, x, key=None)``.
+"""Micro-batch pipeline parallelism: ``pipeline(stages, ...) -> apply(params, x, key=None)``.
 
 How a call runs:
 
@@ -106,7 +106,7 @@ def pipeline(
     tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
     aux: str | None = None,
 ) -> Pipeline:
-    """Builds a GPipe pipeline over ``stages``.
+    """Builds a micro-batch pipeline over ``stages`` (GPipe's schedule by default).
 
     The mini-batch ``x`` is cut into ``chunks`` micro-batches that stream through the stages: at
     tick ``t`` stage ``s`` works on micro-batch ``t - s``, so with a mesh the ``n`` devices work
@@ -196,7 +196,7 @@ def pipeline(
         computation over the other axes and keeps parameters and gradients sharded as given.
         A dimension sharded over the data axis (FSDP) is stored sharded, gathered on entry to
         the pipeline's program and its gradient reduce-scattered; shard it over the data axis
-        alone. :meth:`Pipeline.place` lays parameters out this way. See docs/pipeline.md,
+        alone. :meth:`Pipeline.place` lays parameters out this way. See docs/pipeline_meshes.md,
         "Pipelines in bigger meshes".
       tied: weights shared between stages, kept as one copy per holding stage (Megatron's
         embedding shared by the first and last stage), or ``None``. A list of groups, each a
@@ -206,7 +206,7 @@ def pipeline(
         ``[[(0, "embed"), (3, "head/table")]]``. Every copy's gradient (and tangent) is the sum
         over its group, under every schedule and every JAX derivative, while no value changes:
         copies that start equal stay bitwise equal under identical optimizer updates. The
-        copies must start equal; the pipeline does not check. See docs/pipeline.md, "Tied
+        copies must start equal; the pipeline does not check. See docs/pipeline_stages.md, "Tied
         weights across stages".
       aux: ``None``, or how the stages' auxiliary outputs are returned: ``"stack"``, ``"sum"``
         or ``"mean"``. A stage then returns ``(y, aux)`` (stateful: ``(y, stats, aux)``),
@@ -218,7 +218,7 @@ def pipeline(
         padding rows do not count). Recorded where stats are, in every schedule's loop, and
         differentiable; :meth:`Pipeline.value_and_grad`'s ``aux_loss`` adds losses of them. A
         stage that must leave the padding rows out of its own mean is built ``stateful`` (it
-        then reads the row mask). See docs/pipeline.md, "Auxiliary outputs".
+        then reads the row mask). See docs/pipeline_training.md, "Auxiliary outputs".
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with

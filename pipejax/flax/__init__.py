@@ -1,4 +1,5 @@
-"""Flax adapters: run a sequence of Flax layers (Linen or NNX) as a GPipe pipeline.
+"""Flax adapters: run a sequence of Flax layers (Linen or NNX) as a micro-batch pipeline
+(any of pipejax's schedules).
 
 ``LinenPipeline`` is a Linen module and ``NNXPipeline`` an NNX module; both cut their layers into
 stages, keep each stage's parameters on its own device, and convert to and from the plain

@@ -1,4 +1,4 @@
-"""A Flax Linen module that runs a sequence of Linen layers as a GPipe pipeline.
+"""A Flax Linen module that runs a sequence of Linen layers as a micro-batch pipeline.
 
 ``LinenPipeline(layers, balance=[...])`` cuts ``layers`` into stages of consecutive layers and
 runs them with :func:`pipejax.pipeline`. It is an ordinary Linen module: it can sit inside a
@@ -68,7 +68,7 @@ PyTree = Any
 
 
 class LinenPipeline(nn.Module):
-    """Runs a sequence of Linen layers as a GPipe pipeline, inside any Linen model.
+    """Runs a sequence of Linen layers as a micro-batch pipeline, inside any Linen model.
 
     The layers are cut into stages of consecutive layers (``balance`` layers per stage, or
     ``num_stages`` even stages), and :func:`pipejax.pipeline` streams ``chunks`` micro-batches

@@ -148,7 +148,7 @@ def _check_packed(value: Any, collection: str) -> StageParams:
         f"{jax.tree.map(lambda a: getattr(a, 'shape', a), value)!r}. A checkpoint restored without a "
         "target comes back as plain dicts and lists; restore with a target of the saved structure, "
         "e.g. orbax's `restore(path, target)` with `target = jax.tree.map(ocp.utils.to_shape_dtype_struct, "
-        "state)` (see docs/flax.md, 'Checkpoints with orbax')."
+        "state)` (see docs/flax_checkpoints.md, 'Checkpoints with orbax')."
     )
 
 

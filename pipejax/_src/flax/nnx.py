@@ -1,4 +1,4 @@
-"""A Flax NNX module that runs a sequence of NNX modules as a GPipe pipeline.
+"""A Flax NNX module that runs a sequence of NNX modules as a micro-batch pipeline.
 
 ``NNXPipeline(layers, balance=[...])`` takes NNX modules that already hold their parameters,
 cuts them into stages of consecutive layers, and keeps:
@@ -61,7 +61,7 @@ PyTree = Any
 
 
 class NNXPipeline(nnx.Module):
-    """Runs a sequence of NNX modules as a GPipe pipeline, as one NNX module.
+    """Runs a sequence of NNX modules as a micro-batch pipeline, as one NNX module.
 
     The layers are cut into stages of consecutive layers (``balance`` layers per stage, or
     ``num_stages`` even stages) and :func:`pipejax.pipeline` streams ``chunks`` micro-batches
@@ -148,7 +148,7 @@ class NNXPipeline(nnx.Module):
         Kept as the attribute ``pipeline_options``.
 
     Raises:
-      TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax.md``), and
+      TypeError, ValueError: for bad layers, balance, mesh or flags (see ``docs/flax_batchnorm.md``), and
         for BatchNorm layers without ``deferred_batch_norm=True``.
       NotImplementedError: for layers with state other than parameters, rng streams and
         ``nnx.BatchNorm`` statistics.

@@ -85,15 +85,7 @@ class Schedule(NamedTuple):
         a device runs them: ``"F"`` only."""
         return {"F": (self.table, self.stages())}
 
-    def render(self) -> str:
-        """The table as a text timeline, a line per device (see
-        :func:`pipejax._src.schedules.timeline.render`)."""
-        return timeline.render(self)
-
-    def plot(self, **kwargs):
-        """The table as a picture with matplotlib; returns the ``Axes`` (see
-        :func:`pipejax._src.schedules.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
-        return timeline.plot(self, **kwargs)
+    render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
 
 
 def _counts(**values) -> list[int]:
@@ -400,15 +392,7 @@ class TrainingSchedule(NamedTuple):
             fields["W"] = (self.weight, bs)
         return fields
 
-    def render(self) -> str:
-        """The table as a text timeline, a line per device (see
-        :func:`pipejax._src.schedules.timeline.render`)."""
-        return timeline.render(self)
-
-    def plot(self, **kwargs):
-        """The table as a picture with matplotlib; returns the ``Axes`` (see
-        :func:`pipejax._src.schedules.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
-        return timeline.plot(self, **kwargs)
+    render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
 
 
 def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:

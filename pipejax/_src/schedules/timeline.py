@@ -249,3 +249,15 @@ def plot(
 
 
 __all__ = ["Slot", "inputs_held", "kinds", "plot", "render", "slots"]
+
+
+def render_method(self) -> str:
+    """The table as a text timeline, a line per device (see
+    :func:`pipejax._src.schedules.timeline.render`)."""
+    return render(self)
+
+
+def plot_method(self, **kwargs):
+    """The table as a picture with matplotlib; returns the ``Axes`` (see
+    :func:`pipejax._src.schedules.timeline.plot` for ``ax``, ``title``, ``notes`` and ``labels``)."""
+    return plot(self, **kwargs)
