@@ -106,7 +106,7 @@ def pipeline(
     tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
     aux: str | None = None,
 ) -> Pipeline:
-    """Builds a micro-batch pipeline over ``stages`` (GPipe's schedule by default).
+    """Builds a micro-batch pipeline over ``stages`` (by default with the GPipe schedule).
 
     The mini-batch ``x`` is cut into ``chunks`` micro-batches that stream through the stages: at
     tick ``t`` stage ``s`` works on micro-batch ``t - s``, so with a mesh the ``n`` devices work
