@@ -100,9 +100,9 @@ class Plan:
         so the training step runs them, or autodiff runs the forward loop backwards."""
         return self.schedule_name in sched.TRAINING_KINDS
 
-    def table(self, num_micro: int, training: bool = False):
-        """The table a call of ``num_micro`` micro-batches (per data shard) runs: the one place a
-        table is chosen.
+    def table(self, call: Cut, training: bool = False):
+        """The table a call runs on its ``call.num_micro`` micro-batches (per data shard): the one
+        place a table is chosen, and where a table refuses a micro-batch count it cannot run.
 
         On a mesh: the forward table (:func:`~pipejax._src.schedules.tables.circular`, GPipe's
         with ``repeats = 1``), or, for a training step, the schedule's training table. Without a
@@ -112,11 +112,14 @@ class Plan:
         micro-batch's F slots and then its B slots
         (:func:`~pipejax._src.schedules.tables.sequential_training`, gradient accumulation).
         """
+        num_micro = call.num_micro
         if self.mesh is None:
             if training:
                 return sched.sequential_training(self.num_stages, num_micro)
             return (sched.one_device if self.homogeneous else sched.sequential)(self.num_stages, num_micro)
         if training:
+            if self.schedule_name == "interleaved-1f1b":
+                _check_interleaved(self, call.plan, num_micro)
             return sched.training(self.schedule_name, self.num_stages, num_micro, self.repeats)
         return sched.circular(self.num_devices, num_micro, self.repeats)
 
@@ -307,7 +310,7 @@ class Plan:
         call = self.cut(x, key, context)
         plan, xs, cs, key_struct = call.plan, call.xs, call.cs, call.key_struct
         mask = call.mask if self.stateful else None  # stateless stages take no mask
-        schedule = self.table(call.num_micro)
+        schedule = self.table(call)
         splits = self.splits(params)
         params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
         params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
@@ -365,6 +368,32 @@ class Cut(NamedTuple):
     cs: Any  # context cut alike, or None
     ts: Any  # targets cut alike (training steps), or None
     key_struct: Any  # the type of the key a stage receives, or None without a key
+
+
+def _check_interleaved(pipe: Plan, plan: microbatch.Plan, num_micro: int) -> None:
+    """Interleaved 1F1B sends micro-batches round the ring in groups of ``n``: their number per
+    data shard must be a multiple of ``n``."""
+    if num_micro % pipe.num_devices == 0:
+        return
+    n, p = pipe.num_devices, pipe.data_size
+    per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+    # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
+    fits = [
+        c
+        for c in range(1, plan.batch + 1)
+        if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
+    ]
+    fix = "a batch of at least that many examples"
+    if fits:  # nearest first
+        best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
+        also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
+        fix = f"e.g. `chunks={best}`{also} for this batch"
+    raise ValueError(
+        f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
+        f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+        f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
+        f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
+    )
 
 
 def _mesh_text(mesh) -> str:

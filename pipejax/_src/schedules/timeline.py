@@ -45,7 +45,8 @@ def kinds(schedule) -> tuple[str, ...]:
 def slots(schedule) -> np.ndarray:
     """``Slot`` fields as arrays: int32[3, ticks, devices, k], the micro-batch, the stage and a
     kind index into :func:`kinds` for each of the ``k`` slots of each tick and device."""
-    fields = kinds(schedule) and schedule.slot_fields()
+    kinds(schedule)  # the type check
+    fields = schedule.slot_fields()
     micro = [m for m, _ in fields.values()]
     stage = [s for _, s in fields.values()]
     kind = [np.full(micro[0].shape, j) for j in range(len(fields))]

@@ -132,20 +132,17 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     ``pipe.schedule_name``'s table; ``stats`` and ``aux`` as the forward call of a stateful or
     ``aux`` pipeline returns them (``None`` otherwise)."""
     # the per-call plan, once: side inputs and targets are cut as x (each slot's stage reads its
-    # micro-batch's rows); num_micro per data shard
+    # micro-batch's rows)
     call = pipe.cut(x, key, context, targets, stream=False)
-    plan, num_micro, xs, mask, ts, cs, key_struct = (
+    plan, xs, mask, ts, cs, key_struct = (
         call.plan,
-        call.num_micro,
         call.xs,
         call.mask,
         call.ts,
         call.cs,
         call.key_struct,
     )
-    if pipe.schedule_name == "interleaved-1f1b" and pipe.mesh is not None:
-        _check_interleaved(pipe, plan, num_micro)
-    table = pipe.table(num_micro, training=True)
+    table = pipe.table(call, training=True)
     splits = pipe.splits(params)  # `param_specs` (or a placed StageParams' own), checked
     # tied copies: the same values; the gradients come back summed over each group (the transpose
     # of the tie), and a tangent of one copy reaches every copy (jvp of this step: HVPs)
@@ -203,32 +200,6 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     if aux is not None:
         aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.homogeneous)
     return loss, grads, counts, stats, aux
-
-
-def _check_interleaved(pipe, plan, num_micro) -> None:
-    """Interleaved 1F1B sends micro-batches round the ring in groups of ``n``: their number per
-    data shard must be a multiple of ``n``."""
-    if num_micro % pipe.num_devices == 0:
-        return
-    n, p = pipe.num_devices, pipe.data_size
-    per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
-    # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
-    fits = [
-        c
-        for c in range(1, plan.batch + 1)
-        if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
-    ]
-    fix = "a batch of at least that many examples"
-    if fits:  # nearest first
-        best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
-        also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
-        fix = f"e.g. `chunks={best}`{also} for this batch"
-    raise ValueError(
-        f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
-        f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
-        f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
-        f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
-    )
 
 
 def _total_weight(pipe, loss_fn, ys_struct, ts, mask, plan) -> jax.Array:
