@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ BRANCH = r"(\bif\b|\belif\b|\bwhile\b|\belse\b|\band\b|\bor\b|\bnot\b)"
 DECISIONS = {
     "homogeneous or heterogeneous stages": (
         rf"({BRANCH}.*\bhomogeneous\b|\bhomogeneous\b.*{BRANCH}|isinstance\([^)]*(Homogeneous|Heterogeneous))",
-        ("engine/stages.py",),
+        ("kinds.py", "engine/stages.py"),
     ),
     "mesh or `mesh=None`": (r"\bmesh is (not )?None\b", ("plan.py",)),
     "forward or training table": (
@@ -47,7 +49,7 @@ DECISIONS = {
     ),
     "`isinstance(..., StageParams)`": (
         r"isinstance\([^)]*StageParams",
-        ("params/placement.py", "params/forms.py"),
+        ("params/placement.py", "params/forms.py", "kinds.py"),
     ),
 }
 
@@ -91,24 +93,29 @@ def sources(at: str | None) -> dict[str, str]:
 
 
 def code_lines(text: str) -> list[tuple[int, str]]:
-    """``(line number, line)`` of the code: docstrings, comments and blank lines dropped."""
+    """``(line number, code)`` of the code: comments and string literals (docstrings, messages)
+    blanked, blank lines dropped. A question asked inside an error message is not a branch."""
     try:
-        tree = ast.parse(text)
-    except SyntaxError:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
         return []
-    doc = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            value = body[0].value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                doc.update(range(body[0].lineno, body[0].end_lineno + 1))
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        code = line.split("#", 1)[0].strip() if not line.strip().startswith("#") else ""
-        if code and i not in doc:
-            out.append((i, line))
-    return out
+    lines = text.splitlines()
+    chars = [list(line) for line in lines]
+    literal = {tokenize.STRING, tokenize.COMMENT}
+    literal |= {
+        getattr(tokenize, n)
+        for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END")
+        if hasattr(tokenize, n)
+    }
+    for tok in tokens:
+        if tok.type not in literal:
+            continue
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        for r in range(r0, r1 + 1):
+            row = chars[r - 1]
+            lo, hi = (c0 if r == r0 else 0), (c1 if r == r1 else len(row))
+            row[lo:hi] = " " * (hi - lo)
+    return [(i, "".join(row)) for i, row in enumerate(chars, 1) if "".join(row).strip()]
 
 
 def decision_rows(files: dict[str, str]) -> list[list[str]]:
@@ -119,7 +126,7 @@ def decision_rows(files: dict[str, str]) -> list[list[str]]:
         for name, text in files.items():
             if name.startswith(SKIP):
                 continue
-            n = sum(1 for _, line in code_lines(text) if rx.search(line.split("#", 1)[0]))
+            n = sum(1 for _, line in code_lines(text) if rx.search(line))
             if n:
                 per_file[name.removeprefix("pipejax/_src/")] = n
         total = sum(per_file.values())

@@ -91,15 +91,14 @@ def split_output(out, s: int, stateful: bool, aux: bool):
     return out[0], out[1]
 
 
-def split(stats, stateful: bool, aux: bool, homogeneous: bool):
-    """The loops' per-stage records -> ``(stats, aux)`` (each ``None`` when off)."""
+def split(stats, stateful: bool, aux: bool, kind):
+    """The loops' per-stage records -> ``(stats, aux)`` (each ``None`` when off); ``kind``: the
+    stage kind (:mod:`pipejax._src.kinds`)."""
     if not aux:
         return stats, None
     if not stateful:
         return None, stats
-    if homogeneous:
-        return stats[0], stats[1]
-    return [st for st, _ in stats], [a for _, a in stats]
+    return kind.unzip(stats)
 
 
 def weights(mask: jax.Array, batch: int) -> jax.Array:
@@ -107,14 +106,14 @@ def weights(mask: jax.Array, batch: int) -> jax.Array:
     return jnp.sum(mask, axis=-1) / batch
 
 
-def reduce(mode: str, aux, mask: jax.Array, batch: int, homogeneous: bool):
+def reduce(mode: str, aux, mask: jax.Array, batch: int, kind):
     """The stacked records ``(m, ...)`` per stage (homogeneous: ``(S, m, ...)``) reduced over
     the micro-batches as ``mode`` says (see the module docstring)."""
     if mode == "stack":
         return aux
     aux, mask = compat.replicate((aux, mask))  # a data axis splits the micro-batches (Explicit)
     w = weights(mask, batch)
-    axis = 1 if homogeneous else 0
+    axis = kind.micro_axis
 
     def one(a):
         if mode == "sum":
@@ -170,20 +169,15 @@ def term(aux_loss, a, mask: jax.Array, batch: int):
     return value * (jnp.sum(mask) / batch).astype(jnp.result_type(value))
 
 
-def total(aux_loss, aux, mask: jax.Array, batch: int, homogeneous: bool):
+def total(aux_loss, aux, mask: jax.Array, batch: int, kind):
     """``sum_s sum_i w_i aux_loss(aux_si)`` from the stacked records (GPipe's training step);
     ``None`` when no stage has aux outputs."""
     aux, mask = compat.replicate((aux, mask))  # a data axis splits the micro-batches (Explicit)
-    per_stage = [aux] if homogeneous else list(aux)
     out = None
-    for a in per_stage:
+    for a, over in kind.record_groups(aux):  # (S, m, ...) stacked, or (m, ...) per stage
         if not jax.tree.leaves(a):
             continue
-        if homogeneous:  # (S, m, ...): every stage's micro-batches
-            f = jax.vmap(jax.vmap(lambda r, mk: term(aux_loss, r, mk, batch), (0, 0)), (0, None))
-        else:
-            f = jax.vmap(lambda r, mk: term(aux_loss, r, mk, batch), (0, 0))
-        values = f(a, mask)
+        values = over(lambda r, mk: term(aux_loss, r, mk, batch))(a, mask)
         if values is None:
             continue
         value = jnp.sum(values)

@@ -8,14 +8,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import checks, compat
-from pipejax._src.params import forms as stage_forms
 from pipejax._src.params import placement
-from pipejax._src.params.placement import StageParams
 from pipejax._src.schedules import tables as sched
 
 PyTree = Any
@@ -172,48 +169,7 @@ def check_data_axis(data_axis_name, mesh, axis_name) -> int:
 
 def check_params_shape(params, pipe: Any, name: str = "params") -> None:
     """Static checks on ``params`` (or ``state``, which takes the same forms) that need no tracing."""
-    n = pipe.num_stages
-    if isinstance(params, StageParams):
-        if pipe.homogeneous:
-            raise TypeError(
-                f"`{name}` is a StageParams (packed heterogeneous stages), but this pipeline "
-                f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
-            )
-        if params.num_stages != n:
-            raise ValueError(
-                f"`{name}` packs {params.num_stages} stages, but the pipeline has {n} stages. Pack "
-                f"one entry per stage with this pipeline's `place` (`apply.place(per_stage_{name})`, "
-                f"a list of {n} pytrees), or unpack the StageParams (`{name}.unpack()`) and fix "
-                "its list of stages."
-            )
-        return
-    if pipe.homogeneous:
-        leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-        major = stage_forms.is_device_major(pipe, params)
-        lead = (pipe.repeats, pipe.num_devices) if major else (n,)
-        placed = ""
-        if pipe.repeats > 1 and pipe.num_devices > 1:
-            placed = f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
-        for path, leaf in leaves:
-            shape = jnp.shape(leaf)
-            if tuple(shape[: len(lead)]) != lead:
-                raise ValueError(
-                    f"Homogeneous stages take `{name}` stacked on a leading stage axis of size "
-                    f"{n}{placed}, but `{name}` leaf {jax.tree_util.keystr(path) or '<root>'} has "
-                    f"shape {shape}. Stack the per-stage values, e.g. "
-                    f"`jax.tree.map(lambda *p: jnp.stack(p), *per_stage_{name})`; every leaf alike."
-                )
-        return
-    what = "parameter" if name == "params" else name
-    checks.sequence(
-        params, name, f"one {what} pytree per stage ({n} stages)", f" Wrap a single stage's {what} in a list."
-    )
-    if len(params) != n:
-        raise ValueError(
-            f"`{name}` has {len(params)} {'entry' if len(params) == 1 else 'entries'} but the "
-            f"pipeline has {n} stages; pass exactly one "
-            f"{what} pytree per stage (use None or {{}} for a stage without any)."
-        )
+    pipe.kind.check_params(params, pipe, name)
 
 
 def is_concrete(a) -> bool:

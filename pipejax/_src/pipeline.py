@@ -59,7 +59,6 @@ from pipejax._src import aux_outputs, checks, compat, microbatch, options
 from pipejax._src import plan as plan_mod
 from pipejax._src.params import forms as stage_forms
 from pipejax._src.params.placement import StageParams, stage_index
-from pipejax._src.params.placement import pack as pack_params
 from pipejax._src.schedules import tables as sched
 from pipejax._src.training import step as train
 
@@ -341,7 +340,7 @@ class Pipeline:
             self._jitted = _not_differentiable(self._jitted, schedule)
 
     def __repr__(self) -> str:
-        kind = "homogeneous" if self.homogeneous else "heterogeneous"
+        kind = self.kind.name
         where = "no mesh" if self.mesh is None else f"mesh axis {self.axis_name!r}"
         if self.data_axis_name is not None:
             where += f", data axis {self.data_axis_name!r}"
@@ -354,6 +353,7 @@ class Pipeline:
 
     # the plan's fields, read-only: a Pipeline is not reconfigured after it is built
     homogeneous = _plan_field("homogeneous", "Whether the stages are one function stacked on a stage axis.")
+    kind = _plan_field("kind", "The stage kind, which owns what differs between the kinds.")
     stages = _plan_field("stages", "The stage functions (one, for homogeneous stages).")
     num_stages = _plan_field("num_stages", "The number of stages.")
     schedule_name = _plan_field("schedule_name", "The schedule's name, e.g. 'gpipe' or '1f1b'.")
@@ -512,8 +512,7 @@ class Pipeline:
         """
         options.check_params_shape(params, self.plan)
         splits = self.plan.splits(params)
-        if not self.homogeneous and not isinstance(params, StageParams):
-            params = pack_params(params, splits)
+        params = self.kind.pack(params, splits)
         if self.mesh is None:
             return params
         if self.repeats > 1 and self.num_devices > 1:
@@ -542,15 +541,7 @@ class Pipeline:
         """
         s = stage_index(s, self.num_stages)
         options.check_params_shape(params, self.plan)
-        if isinstance(params, StageParams):
-            return params.stage(s)
-        if self.homogeneous:
-            if stage_forms.is_device_major(self.plan, params):
-                n = self.num_devices
-                return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
-            # (an index across an Explicit stage axis is refused: the stage, replicated)
-            return jax.tree.map(lambda a: compat.replicate(a)[s], params)
-        return params[s]
+        return self.kind.stage_params(self.plan, params, s)
 
     def schedule(self, batch: int) -> sched.Schedule:
         """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
@@ -569,7 +560,7 @@ class Pipeline:
         plan = self.plan
         y, stats, aux, mask = plan.forward(params, x, key, state, context)
         if plan.aux is not None:
-            aux = aux_outputs.reduce(plan.aux, aux, mask, microbatch.batch_size(x), plan.homogeneous)
+            aux = aux_outputs.reduce(plan.aux, aux, mask, microbatch.batch_size(x), plan.kind)
         return plan.returned(y, stats, aux)
 
 

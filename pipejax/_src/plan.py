@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
-from pipejax._src.engine import boundaries as bnd
+from pipejax._src import aux_outputs, checks, compat, engine, kinds, microbatch, options
 from pipejax._src.params import forms as stage_forms
-from pipejax._src.params import placement
 from pipejax._src.params.placement import StageParams
 from pipejax._src.schedules import tables as sched
 from pipejax._src.training import loss
@@ -95,6 +92,11 @@ class Plan:
         )  # fmt: skip
 
     @property
+    def kind(self) -> kinds.Kind:
+        """The stage kind (:mod:`pipejax._src.kinds`), which owns what differs between them."""
+        return kinds.of(self.homogeneous)
+
+    @property
     def owns_backward(self) -> bool:
         """Whether the schedule's table holds the backward slots (1F1B, ZB-H1, interleaved 1F1B),
         so the training step runs them, or autodiff runs the forward loop backwards."""
@@ -116,7 +118,7 @@ class Plan:
         if self.mesh is None:
             if training:
                 return sched.sequential_training(self.num_stages, num_micro)
-            return (sched.one_device if self.homogeneous else sched.sequential)(self.num_stages, num_micro)
+            return self.kind.local_table(self.num_stages, num_micro)
         if training:
             if self.schedule_name == "interleaved-1f1b":
                 _check_interleaved(self, call.plan, num_micro)
@@ -141,42 +143,7 @@ class Plan:
                 given = [lay.leaf_splits() for lay in params.layouts]
                 return given if any(any(leaf) for leaf in given) else None
             return None
-        specs = self.param_specs
-        if self.homogeneous:
-            lead = 2 if stage_forms.is_device_major(self, params) else 1
-            one = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params
-            )
-            splits = placement.leaf_splits(specs, one, self.mesh, self.axis_name, "param_specs")
-            self.check_data_splits([splits])
-            return splits
-        if (
-            isinstance(specs, (str, bytes))
-            or not isinstance(specs, Sequence)
-            or len(specs) != self.num_stages
-        ):
-            raise ValueError(
-                f"Heterogeneous stages take `param_specs` as a list with one entry per stage "
-                f"({self.num_stages}), each a pytree prefix of that stage's parameters with "
-                f"PartitionSpec leaves (or None); got {type(specs).__name__}"
-                + (f" of length {len(specs)}" if isinstance(specs, Sequence) else "")
-                + "."
-            )
-        per_stage = params.unpacked_structs() if isinstance(params, StageParams) else params
-        splits = [
-            placement.leaf_splits(sp, p, self.mesh, self.axis_name, f"param_specs[{i}]")
-            for i, (sp, p) in enumerate(zip(specs, per_stage, strict=True))
-        ]
-        self.check_data_splits(splits)
-        if isinstance(params, StageParams):
-            given = [lay.leaf_splits() for lay in params.layouts]
-            if [tuple(sp) for sp in splits] != given:
-                raise ValueError(
-                    "`params` is a StageParams packed with other parameter shardings than this "
-                    "pipeline's `param_specs`; place the per-stage parameters with this pipeline "
-                    "(`apply.place(params)`), or unpack them first (`params.unpack()`)."
-                )
-        return splits
+        return self.kind.splits(self, params, self.param_specs)
 
     def check_data_splits(self, splits) -> None:
         """A dimension sharded over the (manual) data axis must be sharded over it alone."""
@@ -262,7 +229,7 @@ class Plan:
             return jax.tree.map(move, tree)
 
         def per_stage(tree):
-            if not (self.homogeneous or isinstance(tree, StageParams)):
+            if not self.kind.stacks(tree):
                 return put(tree, PartitionSpec())
             if stage_forms.is_device_major(self, tree):
                 return put(tree, PartitionSpec(None, self.axis_name))
@@ -313,7 +280,7 @@ class Plan:
         schedule = self.table(call)
         splits = self.splits(params)
         params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
-        params, state = stage_forms.runner_form(self, params, splits), stage_forms.runner_form(self, state)
+        params, state = self.kind.runner_form(self, params, splits), self.kind.runner_form(self, state)
         param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
         cfg = engine.Config(
             self.stages,
@@ -326,22 +293,8 @@ class Plan:
             aux=self.aux is not None,
         )
         local = self.mesh is None
-        if self.homogeneous:
-            boundaries, stats = bnd.homogeneous(self, params, state, xs, key_struct, cs)
-            xs = boundaries[0].cast(xs)
-            stages = engine.Homogeneous(
-                cfg, boundaries, stats, self.num_stages if local else self.num_devices, local
-            )
-        else:
-            boundaries, stats = bnd.heterogeneous(self, params, state, xs, key_struct, cs)
-            layouts = (None, None)
-            if not local:
-                layouts = (params.layouts, state.layouts)
-                params, state = params.buffers, state.buffers
-            # without a mesh every stage is a column of its own (see `engine.LocalDevices`)
-            stages = engine.Heterogeneous(
-                cfg, boundaries, stats, *layouts, self.num_stages if local else self.num_devices, not local
-            )
+        boundaries, stats, xs = self.kind.boundaries(self, params, state, xs, key_struct, cs)
+        stages, params, state = self.kind.forward_stages(self, cfg, params, state, boundaries, stats, local)
         if local:
             devices = engine.LocalDevices(cfg, stacked=self.homogeneous)
         else:
@@ -353,7 +306,7 @@ class Plan:
         if plan.padding:  # dropping padding rows cuts across a data axis's Explicit sharding
             ys = compat.replicate(ys)
         y = microbatch.merge(ys, plan)
-        stats, aux = aux_outputs.split(stats, self.stateful, self.aux is not None, self.homogeneous)
+        stats, aux = aux_outputs.split(stats, self.stateful, self.aux is not None, self.kind)
         return y, stats, aux, call.mask
 
 

@@ -18,12 +18,10 @@ from pipejax._src.engine.collectives import (
     _is_spec,
     _lead,
     _unlead,
-    _unstack,
     shift,
     sum_exact,
 )
 from pipejax._src.engine.config import Config, Inputs, read, take
-from pipejax._src.engine.stages import Homogeneous
 from pipejax._src.engine.table_rows import loop_delay, split_row
 from pipejax._src.engine.tick import Carry, _Ctx, _scan, recomputed
 from pipejax._src.schedules.tables import Schedule
@@ -116,9 +114,7 @@ class MeshDevices:
                 # stage axis): replicated, as the stages composed would give it
                 acc = compat.replicate(acc)
             acc = jax.tree.map(lambda a: a[: ctx.m], acc)
-        return acc, ctx.stages.stats_rows(
-            stats if isinstance(ctx.stages, Homogeneous) else _unstack(stats, ctx.D)
-        )
+        return acc, ctx.stages.stats_rows(ctx.stages.device_rows(stats, ctx.D))
 
     def place_params(self, params, stage_spec):
         """``(params, in_specs, manual axes)``: stage parameters constrained for the ``shard_map``.

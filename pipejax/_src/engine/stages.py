@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pipejax._src import compat
 from pipejax._src.containers import Container, Layout
-from pipejax._src.engine.collectives import _as_varying
+from pipejax._src.engine.collectives import _as_varying, _unstack
 from pipejax._src.engine.config import named, read, stage_call, take, whole, zeros
 
 
@@ -115,6 +115,10 @@ class Heterogeneous:
         x = take(xs, ic) if d == 0 else x_in
         return stage_call(self.cfg, d)(params[d], x, key_for(d), state[d], take(mask, ic))
 
+    def device_rows(self, stats, num_devices: int):
+        """The mesh loop's stats ``(D, ...)`` as a list with one entry per device."""
+        return _unstack(stats, num_devices)
+
     def stats_rows(self, stats_by_device):
         """Per-device stats accumulators ``[d] -> (v, m, ...)`` -> a list with one pytree per stage."""
         rows = [
@@ -199,6 +203,10 @@ class Homogeneous:
             p, st = _row((params, state), _round(s, self.D, self.v), self.v)
         y, stats = self.call(p, x, key_for(s), st, read(self.cfg, mask, ic))
         return vary((self.pack(y), self.stats_message(stats)))
+
+    def device_rows(self, stats, num_devices: int):
+        """The mesh loop's stats, ``(D, v, m, ...)`` as :meth:`stats_rows` reads them."""
+        return stats
 
     def stats_rows(self, stats_by_device):
         """``(D, v, m, ...)`` stats -> ``(S, m, ...)`` in stage order (``s = r D + d``)."""

@@ -1,10 +1,11 @@
-"""The forms of stage parameters and state, and the one conversion into the engine's form.
+"""The forms of stage parameters and state: their stage-major and device-major layouts.
 
 Users pass stage parameters as a list of per-stage pytrees, a packed :class:`StageParams`, or
 (homogeneous stages) pytrees stacked on a stage axis, stage-major ``(S, ...)`` or, as ``place``
-lays them out for the circular schedule, device-major ``(v, n, ...)``. :func:`runner_form`
-converts any of them into the one form the engine reads, at the entry points only, and
-:func:`leaf_specs` gives each placed leaf its ``PartitionSpec``.
+lays them out for the circular schedule, device-major ``(v, n, ...)``. The stage kind
+(:meth:`pipejax._src.kinds.HomogeneousKind.runner_form`) converts any of them into the one form
+the engine reads, at the entry points only, with the layouts here; :func:`leaf_specs` gives each
+placed leaf its ``PartitionSpec``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from jax.sharding import PartitionSpec
 
 from pipejax._src import compat
 from pipejax._src.params.placement import StageParams
-from pipejax._src.params.placement import pack as pack_params
 
 PyTree = Any
 
@@ -36,7 +36,7 @@ def is_device_major(pipe, tree) -> bool:
         return False
     if isinstance(tree, StageParams):
         return bool(tree.buffers) and tree.device_major()[0]
-    if not pipe.homogeneous:
+    if not pipe.kind.stacks(tree):
         return False
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == pipe.repeats
@@ -56,8 +56,7 @@ def reshape_stacked(tree, lead, drop):
 
 def device_major(pipe, tree):
     """Stacked stages as ``(repeats, n, ...)``; other trees (per-stage lists, None) unchanged."""
-    stacked = pipe.homogeneous or isinstance(tree, StageParams)
-    if tree is None or not stacked or is_device_major(pipe, tree):
+    if tree is None or not pipe.kind.stacks(tree) or is_device_major(pipe, tree):
         return tree
     return reshape_stacked(tree, (pipe.repeats, pipe.num_devices), 1)
 
@@ -67,25 +66,6 @@ def stage_major(pipe, tree):
     if not is_device_major(pipe, tree):
         return tree
     return reshape_stacked(tree, (pipe.num_stages,), 2)
-
-
-def runner_form(pipe, tree, splits=None):
-    """``params``/``state`` in the one form the engine reads, converted once at the entry.
-
-    Homogeneous stages: leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a
-    circular mesh). Heterogeneous stages: a :class:`StageParams` on a mesh (laid out the same
-    way), a list of per-stage pytrees without one (each virtual device calls its own stages).
-    """
-    if pipe.homogeneous:
-        if pipe.mesh is None:
-            return stage_major(pipe, tree)
-        return device_major(pipe, tree) if pipe.repeats > 1 else tree
-    if tree is None:
-        tree = [None] * pipe.num_stages
-    if pipe.mesh is None:
-        return stage_major(pipe, tree).unpack() if isinstance(tree, StageParams) else list(tree)
-    tree = tree if isinstance(tree, StageParams) else pack_params(tree, splits)
-    return device_major(pipe, tree) if pipe.repeats > 1 else tree
 
 
 def full_specs(pipe, params, splits):
@@ -141,12 +121,7 @@ def tie(pipe, params):
     """
     if not pipe.tied or params is None:
         return params
-    if isinstance(params, StageParams):
-        view = _Packed(pipe, params)
-    elif pipe.homogeneous:
-        view = _Stacked(pipe, params)
-    else:
-        view = _PerStage(pipe, params)
+    view = pipe.kind.tie_view(pipe, params)
     deltas = []
     for g, group in enumerate(pipe.tied):
         copies = [view.read(s, path, f"tied[{g}][{i}]") for i, (s, path) in enumerate(group)]

@@ -293,26 +293,9 @@ def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs
     S, n, v_rep = pipe.num_stages, pipe.num_devices, pipe.repeats  # device d: stages d, d + n, ...
     axis, data = pipe.axis_name, pipe.data_axis_name
     # the engine's stage objects: the containers of messages, stashes and stats
-    if pipe.homogeneous:
-        variants, index = _homogeneous_variants(pipe, bnd)
-        prows_in = runner
-        stages = engine.Homogeneous(cfg, bnd, stats_layouts, n, local=False)
-    else:
-        stages = engine.Heterogeneous(cfg, bnd, stats_layouts, runner.layouts, None, n, True)
-        variants = [
-            Variant(
-                pipe.stages[t],
-                t == 0,
-                t == S - 1,
-                lambda prow, t=t: stages.pbox.unpack(prow, runner.layouts[t]),
-                bnd[t],
-                bnd[t + 1],
-                t,
-            )
-            for t in range(S)
-        ]
-        index = np.arange(S)
-        prows_in = runner.buffers
+    stages, variants, index, prows_in = pipe.kind.mesh_training(
+        pipe, cfg, bnd, stats_layouts, runner, Variant
+    )
     axes = (axis,) if data is None else (axis, data)  # the shard_map's manual axes
     outer = _MeshSlots(grad, table, stages, variants, index, axes)
     spec = PartitionSpec(axis) if v_rep == 1 else PartitionSpec(None, axis)
@@ -359,20 +342,10 @@ def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs
         rep if data is None else PartitionSpec(None, data),  # stats (S, m, ...)
     )
     loss, grads, counts, stats = devices.spmd(body, prows_in, spec, operands, out_specs)
-    if not pipe.homogeneous:
-        grads = type(runner).tree_unflatten(runner.tree_flatten()[1], grads)
+    grads = pipe.kind.grads_like(runner, grads)
     # per stage, as the forward call returns them
     stats = stages.stage_rows(stats) if records(pipe) else None
     return loss, grads, counts, stats
-
-
-def _homogeneous_variants(pipe, bnd):
-    """One stage function, so one branch per role: (first, last) pairs that occur."""
-    S, fn = pipe.num_stages, pipe.stages[0]
-    roles = sorted({(t == 0, t == S - 1) for t in range(S)}, reverse=True)
-    variants = [Variant(fn, first, last, lambda p: p, bnd[0], bnd[0]) for first, last in roles]
-    index = np.array([roles.index((t == 0, t == S - 1)) for t in range(S)])
-    return variants, index
 
 
 # --- without a mesh: one device, the micro-batches one after the other ---------------------------
@@ -384,7 +357,7 @@ class _LocalSlots(_Slots):
 
     def __init__(self, grad, xs, variants, prows):
         self.grad, self.xs, self.variants, self.prows = grad, xs, variants, prows
-        self.S, self.homogeneous = len(variants), grad.pipe.homogeneous
+        self.S, self.kind = len(variants), grad.pipe.kind
         self.loss0 = jnp.zeros((2,), grad.loss_dtype(variants[-1]))
 
     def step(self, d, rows_p, state, x_in, prev, row, static_stage=None, fresh=None):
@@ -415,10 +388,7 @@ class _LocalSlots(_Slots):
             return self.grad.pull(v, p, kept, g, *self.grad.inputs(i, d), True, not v.first)
 
         g, dp = _computation(i, b_slot, self.prows, kept, dev.bin)
-        if self.homogeneous:
-            acc = jax.tree.map(lambda a, t: a.at[d].add(t.astype(a.dtype)), dev.grad, dp)
-        else:
-            acc = [_add(a, dp) if t == d else a for t, a in enumerate(dev.grad)]
+        acc = self.kind.add_row(dev.grad, d, dp)
         loss = dev.loss if dloss is None else dev.loss + dloss.astype(dev.loss.dtype)
         return dev._replace(grad=acc, loss=loss), g
 
@@ -435,7 +405,7 @@ class _LocalSlots(_Slots):
         mesh program's dynamic row and ``_add_row``, XLA kept copies of the stacked arrays (temp
         25.1 -> 73.9 KiB for 4 stacked stages on CPU: a dynamic index into an array that is also
         updated makes XLA copy it)."""
-        return jax.tree.map(lambda a: a[s], params) if self.homogeneous else params[s]
+        return self.kind.row(params, s)
 
 
 def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
@@ -451,12 +421,12 @@ def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
     data. Keys, loss terms and the order of the sums over micro-batches are the mesh program's.
     """
     pipe, cfg, S, m = grad.pipe, grad.cfg, grad.pipe.num_stages, table.num_micro
-    prows = runner if pipe.homogeneous else list(runner)  # stacked (S, ...), or one per stage
+    prows = pipe.kind.local_rows(runner)  # stacked (S, ...), or one per stage
     variants = [
         Variant(pipe.stages[s], s == 0, s == S - 1, lambda p: p, bnd[s], bnd[s + 1], s) for s in range(S)
     ]
     slots = _LocalSlots(grad, xs, variants, prows)
-    layouts = [stats_layouts] * S if pipe.homogeneous else stats_layouts
+    layouts = pipe.kind.stage_layouts(stats_layouts, S)
     stages = engine.Heterogeneous(cfg, bnd, layouts, None, None, S, switch=False)
     devices = engine.LocalDevices(cfg, stacked=False)
     ctx = engine._Ctx(S, S, 1, m, stages)
@@ -464,10 +434,7 @@ def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
     dev, stats = devices.run(ctx, table, ckpt.training_phases(table), inputs, slots)
     # every stage runs F and B (with W) once per micro-batch
     counts = jnp.asarray(np.tile(np.array([m, m, 0], np.int32), (S, 1)))
-    if pipe.homogeneous and records(pipe):
-        stats = jax.tree.map(lambda *a: jnp.stack(a), *stats)
-    elif not records(pipe):
-        stats = None
+    stats = pipe.kind.stack_records(stats) if records(pipe) else None
     return dev.loss, dev.grad, counts, stats
 
 

@@ -118,11 +118,7 @@ class StageGrad:
         ``context=``, if any; a stateful stage also reads its state and the row mask)."""
         key, rows, s = k
         kwargs = {} if rows is None else {"context": rows}
-        state = None
-        if self.cfg.stateful and not self.pipe.homogeneous:  # a heterogeneous stage (static): its own entry
-            state = self.state[v.stage]
-        elif self.cfg.stateful:  # homogeneous: row `s` of the stacked state
-            state = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, s, keepdims=False), self.state)
+        state = self.pipe.kind.stage_state(self.state, v.stage, s) if self.cfg.stateful else None
         return aux_outputs.call(v.fn, self.cfg.stateful, self.cfg.aux, p, x, key, state, mask, kwargs)
 
     def _extra(self, stats, mask):

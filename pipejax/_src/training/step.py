@@ -29,7 +29,6 @@ from jax import lax
 from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
 from pipejax._src.engine import boundaries as bnd
 from pipejax._src.params import forms as stage_forms
-from pipejax._src.params.placement import StageParams
 from pipejax._src.training import slots, stage_grad
 from pipejax._src.training.loss import check_float_params, mean_loss, per_example
 
@@ -76,9 +75,9 @@ def value_and_grad(
         def loss_aux(p):  # the aux loss from the records of every (stage, micro-batch)
             y, stats, aux, mask = pipe.forward(p, x, key, state, context)
             loss = mean_loss(loss_fn, y, targets)
-            extra = aux_outputs.total(aux_loss, aux, mask, batch, pipe.homogeneous)
+            extra = aux_outputs.total(aux_loss, aux, mask, batch, pipe.kind)
             loss = loss if extra is None else loss + extra.astype(loss.dtype)
-            return loss, (stats, aux_outputs.reduce(pipe.aux, aux, mask, batch, pipe.homogeneous))
+            return loss, (stats, aux_outputs.reduce(pipe.aux, aux, mask, batch, pipe.kind))
 
         (loss, (stats, aux)), grads = jax.value_and_grad(loss_aux, has_aux=True)(params)
         return (pipe.returned(loss, stats, aux), grads)
@@ -147,14 +146,10 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     # tied copies: the same values; the gradients come back summed over each group (the transpose
     # of the tie), and a tangent of one copy reaches every copy (jvp of this step: HVPs)
     params, untie = jax.vjp(lambda p: stage_forms.tie(pipe, p), params)
-    runner, to_user = jax.vjp(lambda p: stage_forms.runner_form(pipe, p, splits), params)
+    runner, to_user = jax.vjp(lambda p: pipe.kind.runner_form(pipe, p, splits), params)
     param_specs = None if pipe.mesh is None else stage_forms.full_specs(pipe, runner, splits)
-    state_r = stage_forms.runner_form(pipe, state) if pipe.stateful else None
-    if pipe.homogeneous:
-        boundaries, stats_layouts = bnd.homogeneous(pipe, runner, state_r, xs, key_struct, cs)
-        xs = boundaries[0].cast(xs)
-    else:
-        boundaries, stats_layouts = bnd.heterogeneous(pipe, runner, state_r, xs, key_struct, cs)
+    state_r = pipe.kind.runner_form(pipe, state) if pipe.stateful else None
+    boundaries, stats_layouts, xs = pipe.kind.boundaries(pipe, runner, state_r, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((plan.micro_size, *a.shape[1:]), a.dtype, weak_type=a.weak_type),
@@ -183,7 +178,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     )
     grad.aux_loss, grad.aux_scale = aux_loss, aux_scale
     if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
-        grad.state = compat.replicate(_per_stage_state(pipe, state))
+        grad.state = compat.replicate(pipe.kind.slot_state(pipe, state))
     totals, grads, counts, stats = slots.run(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
     loss = totals[0]
     if weights is not None:  # sums of losses and gradients over the batch's total weight
@@ -196,9 +191,9 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
         grads = to_user(compat.replicate(grads))[0]
     if pipe.tied:  # each copy's gradient: the sum over its group (typed as the copies, for the vjp)
         grads = untie(jax.tree.map(_typed_as, grads, params))[0]
-    stats, aux = aux_outputs.split(stats, pipe.stateful, pipe.aux is not None, pipe.homogeneous)
+    stats, aux = aux_outputs.split(stats, pipe.stateful, pipe.aux is not None, pipe.kind)
     if aux is not None:
-        aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.homogeneous)
+        aux = aux_outputs.reduce(pipe.aux, aux, call.mask, plan.batch, pipe.kind)
     return loss, grads, counts, stats, aux
 
 
@@ -243,19 +238,6 @@ def _typed_as(g, p):
     if not any(getattr(jax.typeof(p).sharding, "spec", ())):
         return compat.replicate(g)
     return compat.like(g, p)
-
-
-def _per_stage_state(pipe, state):
-    """A stateful pipeline's ``state`` as the slots read it: stacked stage-major ``(S, ...)``
-    (homogeneous), or a list with one pytree per stage."""
-
-    if pipe.homogeneous:
-        return stage_forms.stage_major(pipe, state)
-    if state is None:
-        return [None] * pipe.num_stages
-    if isinstance(state, StageParams):
-        return stage_forms.stage_major(pipe, state).unpack()
-    return list(state)
 
 
 def _same_form(a, b) -> bool:
