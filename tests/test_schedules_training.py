@@ -571,3 +571,31 @@ def test_per_example_keys():
     ref = pj.pipeline(list(stages), **kw).value_and_grad(xent)(params, x, labels, jax.random.key(1))
     pipe = pj.pipeline(list(stages), schedule="zb-h1", checkpoint="never", **kw)
     models.assert_trees_close(pipe.value_and_grad(xent)(params, x, labels, jax.random.key(1)), ref, **TOL)
+
+
+def test_pipeline_schedule_is_the_table_the_schedule_runs():
+    """`Pipeline.schedule(batch)` gives a training schedule's own table (what value_and_grad
+    runs), and the forward call's table with `training=False`; GPipe has no training table."""
+    f = lambda p, x: x * p
+    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        apply = pj.pipeline([f] * 4, chunks=4, schedule=name, repeats=repeats)
+        table = apply.schedule(8)
+        assert isinstance(table, pj.TrainingSchedule) and table.name == name
+        assert _same(table, sched.training(name, 4, 4, repeats))
+        forward = apply.schedule(8, training=False)
+        assert isinstance(forward, pj.Schedule)
+        assert _same(forward, sched.circular(4 // repeats, 4, repeats))
+    gpipe = pj.pipeline([f] * 4, chunks=4)
+    assert _same(gpipe.schedule(8), sched.gpipe(4, 4))
+    assert _same(gpipe.schedule(8, training=False), sched.gpipe(4, 4))
+    with pytest.raises(ValueError, match=r"`training=True` asks for the training table"):
+        gpipe.schedule(8, training=True)
+    with pytest.raises(TypeError, match=r"`training` must be None, True or False"):
+        gpipe.schedule(8, training="yes")
+
+
+def _same(a, b) -> bool:
+    """Two tables of the same type with equal fields (arrays compared whole)."""
+    return type(a) is type(b) and all(
+        (x is None and y is None) or np.array_equal(x, y) for x, y in zip(a, b, strict=True)
+    )

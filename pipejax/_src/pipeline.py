@@ -543,14 +543,36 @@ class Pipeline:
         options.check_params_shape(params, self.plan)
         return self.kind.stage_params(self.plan, params, s)
 
-    def schedule(self, batch: int) -> sched.Schedule:
-        """The schedule a batch of ``batch`` examples runs with (per data shard, with a data axis).
+    def schedule(self, batch: int, training: bool | None = None) -> sched.Schedule | sched.TrainingSchedule:
+        """The table a batch of ``batch`` examples runs with on the pipeline's stage devices (per
+        data shard, with a data axis), one column per device (see
+        :mod:`pipejax._src.schedules.tables`); without a mesh, the table it would run on one.
 
-        Its table has one column per device of the stage axis (see :mod:`pipejax._src.schedules.tables`).
+        ``training``: ``None`` (the default) gives the schedule's own table: for a schedule that
+        holds the backward slots (``'1f1b'``, ``'zb-h1'``, ``'interleaved-1f1b'``) the training
+        table :meth:`value_and_grad` runs (a :class:`~pipejax.TrainingSchedule`), for GPipe and
+        the circular schedule the forward table. ``False`` gives the forward call's table
+        (GPipe's, or the circular one, for every schedule).
+
+        Raises:
+          ValueError: if ``training=True`` for a schedule without a training table (GPipe and
+            the circular schedule differentiate their forward table).
         """
-        return sched.circular(
-            self.num_devices, self.plan.micro_per_shard(microbatch.plan(batch, self.chunks)), self.repeats
-        )
+        plan = self.plan
+        if training is None:
+            training = plan.owns_backward
+        elif training is not False and training is not True:
+            raise TypeError(f"`training` must be None, True or False, but got {training!r}.")
+        elif training and not plan.owns_backward:
+            raise ValueError(
+                f"`training=True` asks for the training table, but schedule {plan.schedule_name!r} "
+                "has none: autodiff runs its forward table backwards. Use `training=None` (or "
+                "False) for its table, or a schedule with a training table ('1f1b', 'zb-h1', "
+                "'interleaved-1f1b')."
+            )
+        cut = microbatch.plan(batch, self.chunks)
+        call = plan_mod.Cut(cut, plan.micro_per_shard(cut), None, None, None, None, None)
+        return plan.table(call, training, on_mesh=True)
 
     # -- input placement (eager calls) ------------------------------------------------------
 

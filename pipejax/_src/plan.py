@@ -102,7 +102,7 @@ class Plan:
         so the training step runs them, or autodiff runs the forward loop backwards."""
         return self.schedule_name in sched.TRAINING_KINDS
 
-    def table(self, call: Cut, training: bool = False):
+    def table(self, call: Cut, training: bool = False, *, on_mesh: bool = False):
         """The table a call runs on its ``call.num_micro`` micro-batches (per data shard): the one
         place a table is chosen, and where a table refuses a micro-batch count it cannot run.
 
@@ -113,9 +113,10 @@ class Plan:
         stages :func:`~pipejax._src.schedules.tables.one_device`), or for a training step each
         micro-batch's F slots and then its B slots
         (:func:`~pipejax._src.schedules.tables.sequential_training`, gradient accumulation).
+        ``on_mesh``: the mesh's table even without a mesh (:meth:`Pipeline.schedule`).
         """
         num_micro = call.num_micro
-        if self.mesh is None:
+        if self.mesh is None and not on_mesh:
             if training:
                 return sched.sequential_training(self.num_stages, num_micro)
             return self.kind.local_table(self.num_stages, num_micro)
