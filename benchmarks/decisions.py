@@ -41,7 +41,7 @@ DECISIONS = {
     "mesh or `mesh=None`": (r"\bmesh is (not )?None\b", ("plan.py",)),
     "forward or training table": (
         r"(\bslots is (not )?None\b|isinstance\([^)]*TrainingSchedule|TRAINING_KINDS|\bowns_backward\b)",
-        ("plan.py", "schedules/tables.py"),
+        ("plan.py", "schedules/tables.py", "schedules/kinds.py"),
     ),
     "`(v, n, ...)` or `(S, ...)` parameter layout": (
         r"(is_device_major|repeats > 1 and [\w.]*num_devices > 1|\bdevice_major\()",

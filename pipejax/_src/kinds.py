@@ -59,11 +59,7 @@ class HomogeneousKind:
                 f"has homogeneous stages; pass `{name}` stacked on a leading stage axis."
             )
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-        major = forms.is_device_major(pipe, params)
-        lead = (pipe.repeats, pipe.num_devices) if major else (n,)
-        placed = ""
-        if pipe.repeats > 1 and pipe.num_devices > 1:
-            placed = f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
+        lead, placed = forms.stage_lead(pipe, params), forms.placed_layouts(pipe)
         for path, leaf in leaves:
             shape = jnp.shape(leaf)
             if tuple(shape[: len(lead)]) != lead:
@@ -75,8 +71,11 @@ class HomogeneousKind:
                 )
 
     def splits(self, pipe, params, specs):
-        """``param_specs`` (one pytree prefix for every stage) as per-leaf splits."""
-        lead = 2 if forms.is_device_major(pipe, params) else 1
+        """``param_specs`` (one pytree prefix for every stage) as per-leaf splits; ``None``
+        without them."""
+        if specs is None:
+            return None
+        lead = len(forms.stage_lead(pipe, params))
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[lead:], jnp.result_type(a)), params)
         splits = placement.leaf_splits(specs, one, pipe.mesh, pipe.axis_name, "param_specs")
         pipe.check_data_splits([splits])
@@ -86,18 +85,16 @@ class HomogeneousKind:
         """Leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a circular mesh)."""
         if pipe.mesh is None:
             return forms.stage_major(pipe, tree)
-        return forms.device_major(pipe, tree) if pipe.repeats > 1 else tree
+        return forms.mesh_layout(pipe, tree)
 
     def pack(self, params, splits):
         """``params`` as ``place`` puts them on the devices (stacked already)."""
         return params
 
     def stage_params(self, pipe, params, s: int):
-        if forms.is_device_major(pipe, params):
-            n = pipe.num_devices
-            return jax.tree.map(lambda a: compat.replicate(a)[s // n, s % n], params)
+        at = forms.stage_at(pipe, params, s)
         # (an index across an Explicit stage axis is refused: the stage, replicated)
-        return jax.tree.map(lambda a: compat.replicate(a)[s], params)
+        return jax.tree.map(lambda a: compat.replicate(a)[at], params)
 
     def tie_view(self, pipe, params):
         return forms._Stacked(pipe, params)
@@ -213,7 +210,13 @@ class HeterogeneousKind:
 
     def splits(self, pipe, params, specs):
         """``param_specs`` (one pytree prefix per stage) as per-stage, per-leaf splits; a
-        StageParams must have been packed with the same."""
+        StageParams must have been packed with the same. Without ``param_specs`` (on a mesh), the
+        splits a placed StageParams was packed with, or ``None``."""
+        if specs is None:
+            if not isinstance(params, StageParams):
+                return None
+            given = [lay.leaf_splits() for lay in params.layouts]
+            return given if any(any(leaf) for leaf in given) else None
         if (
             isinstance(specs, (str, bytes))
             or not isinstance(specs, Sequence)
@@ -250,7 +253,7 @@ class HeterogeneousKind:
         if pipe.mesh is None:
             return forms.stage_major(pipe, tree).unpack() if packed else list(tree)
         tree = tree if packed else placement.pack(tree, splits)
-        return forms.device_major(pipe, tree) if pipe.repeats > 1 else tree
+        return forms.mesh_layout(pipe, tree)
 
     def pack(self, params, splits):
         """``params`` packed as ``place`` puts them on the devices."""
@@ -280,8 +283,18 @@ class HeterogeneousKind:
 
     def boundaries(self, pipe, params, state, xs, key_struct, cs):
         """``(boundaries, stats layouts, xs)``: each stage's input and output types."""
-        boundaries, stats = bnd.heterogeneous(pipe, params, state, xs, key_struct, cs)
+        p_structs, st_structs = self.stage_structs(pipe, params), self.stage_structs(pipe, state)
+        boundaries, stats = bnd.heterogeneous(pipe, p_structs, st_structs, xs, key_struct, cs)
         return boundaries, stats, xs
+
+    def stage_structs(self, pipe, tree):
+        """Each stage's types of ``params`` or ``state`` (a list or a StageParams; ``None``: no
+        state, ``[None] * S``)."""
+        if isinstance(tree, StageParams):
+            return tree.unpacked_structs()
+        if tree is None:
+            return [None] * pipe.num_stages
+        return [bnd.struct(t) for t in tree]
 
     def forward_stages(self, pipe, cfg, params, state, boundaries, stats, local):
         """``(engine stage object, params, state)`` of a forward call: on a mesh the packed

@@ -309,7 +309,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         micro = out.structs()
     a, r, o = max(acts), max(residuals), _nbytes(micro)
     held = max(sum(stage_params[d::n]) for d in range(n))  # device d: stages d, d + n, ...
-    if name in sched.TRAINING_KINDS:
+    if pipe.plan.schedule.owns_backward:
         k = sched.training(name, n, m).stash_slots()
         slot = a if pipe.checkpoint == "always" else r + o
         stash = k * slot + (n * a if name == "zb-h1" else 0)
@@ -326,7 +326,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         split = n > 1 and not compat.is_explicit(pipe.mesh, pipe.axis_name)
         outputs = (-(-m // n) if split else m) * o
         loop = 2 * (m - n + 1) * a if v > 1 and m > n > 1 else 0
-    work = freed + (4 if name in sched.TRAINING_KINDS else 2) * a
+    work = freed + pipe.plan.schedule.activation_buffers * a
     # a tick's parameter cotangent reuses the space of the residuals its backward has freed,
     # unless it is larger than they are
     grad = max(stage_params) if max(stage_params) > freed else 0

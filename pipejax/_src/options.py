@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import checks, compat
 from pipejax._src.params import placement
-from pipejax._src.schedules import tables as sched
+from pipejax._src.schedules.kinds import SCHEDULES
 
 PyTree = Any
 
@@ -60,13 +60,13 @@ def check_chunks(chunks) -> int:
 
 def check_schedule(schedule, repeats, num_stages) -> int:
     """Validates the schedule name and ``repeats``; returns ``repeats`` as an int."""
-    kinds = ", ".join(repr(k) for k in sched.KINDS + sched.TRAINING_KINDS)
+    kinds = ", ".join(repr(k) for k in SCHEDULES)
     if not isinstance(schedule, str):
         raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
-    if schedule not in sched.KINDS + sched.TRAINING_KINDS:
+    if schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
     repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
-    if schedule not in ("circular", "interleaved-1f1b") and repeats != 1:
+    if not SCHEDULES[schedule].takes_repeats and repeats != 1:
         raise ValueError(
             f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
             f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
@@ -82,21 +82,14 @@ def check_schedule(schedule, repeats, num_stages) -> int:
 
 
 def check_checkpoint(checkpoint, schedule: str):
-    """The checkpoint mode, ``None`` resolved to the schedule's default: ``"except_last"`` for the
-    forward schedules, ``"always"`` for those that own the backward pass."""
+    """The checkpoint mode, ``None`` resolved to the schedule's default (``"except_last"`` for the
+    forward schedules, ``"always"`` for those that own the backward pass), and checked against
+    the schedule's rule (:mod:`pipejax._src.schedules.kinds`)."""
+    kind = SCHEDULES[schedule]
     if checkpoint is None:
-        return "always" if schedule in sched.TRAINING_KINDS else "except_last"
+        return kind.default_checkpoint
     ckpt.check_mode(checkpoint)
-    if checkpoint == "except_last" and schedule in sched.TRAINING_KINDS:
-        raise ValueError(
-            f"`checkpoint='except_last'` means GPipe's drain phase (the last micro-batch on every "
-            f"stage) keeps its activations, but `schedule={schedule!r}` runs no drain phase: every "
-            "stage's backward slots follow its forward slots all along. Choose what its forward "
-            "slots keep for the backward ones: `'always'` (the stage input; the default for this "
-            "schedule), `'never'` (every residual), or a `jax.checkpoint` policy such as "
-            "`jax.checkpoint_policies.dots_saveable` (what it saves)."
-        )
-    return checkpoint
+    return kind.check_checkpoint(checkpoint)
 
 
 def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:

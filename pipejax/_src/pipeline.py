@@ -336,8 +336,7 @@ class Pipeline:
             aux=aux,
         )
         self._jitted = jax.jit(self._apply)
-        if self.plan.owns_backward:
-            self._jitted = _not_differentiable(self._jitted, schedule)
+        self._jitted = self.plan.schedule.guard_forward(self._jitted)
 
     def __repr__(self) -> str:
         kind = self.kind.name
@@ -515,8 +514,7 @@ class Pipeline:
         params = self.kind.pack(params, splits)
         if self.mesh is None:
             return params
-        if self.repeats > 1 and self.num_devices > 1:
-            params = stage_forms.device_major(self.plan, params)
+        params = stage_forms.placed(self.plan, params)
         specs = stage_forms.leaf_specs(self.plan, params, splits)
 
         def put(a, spec):
@@ -560,16 +558,9 @@ class Pipeline:
         """
         plan = self.plan
         if training is None:
-            training = plan.owns_backward
+            training = plan.schedule.owns_backward
         elif training is not False and training is not True:
             raise TypeError(f"`training` must be None, True or False, but got {training!r}.")
-        elif training and not plan.owns_backward:
-            raise ValueError(
-                f"`training=True` asks for the training table, but schedule {plan.schedule_name!r} "
-                "has none: autodiff runs its forward table backwards. Use `training=None` (or "
-                "False) for its table, or a schedule with a training table ('1f1b', 'zb-h1', "
-                "'interleaved-1f1b')."
-            )
         cut = microbatch.plan(batch, self.chunks)
         call = plan_mod.Cut(cut, plan.micro_per_shard(cut), None, None, None, None, None)
         return plan.table(call, training, on_mesh=True)
@@ -584,30 +575,3 @@ class Pipeline:
         if plan.aux is not None:
             aux = aux_outputs.reduce(plan.aux, aux, mask, microbatch.batch_size(x), plan.kind)
         return plan.returned(y, stats, aux)
-
-
-
-def _not_differentiable(forward, schedule: str):
-    """``forward``, refusing autodiff: the backward of a schedule that owns it is
-    :meth:`Pipeline.value_and_grad`; differentiating the forward call would silently run
-    GPipe's backward instead."""
-
-    @jax.custom_jvp
-    def call(*args):
-        return forward(*args)
-
-    @call.defjvp
-    def refuse(primals, tangents):
-        raise TypeError(
-            f"This pipeline was built with `schedule={schedule!r}`, whose backward pass is run "
-            "by `Pipeline.value_and_grad(loss_fn)` only; differentiating its forward call "
-            "(`jax.grad`, `jax.vjp`, `jax.jvp`, `nnx.value_and_grad`, ...) would run GPipe's "
-            "backward instead, so it is refused. Train with `pipe.value_and_grad(loss_fn)(params, "
-            "x, targets, key)` (the Flax adapters: `module.value_and_grad(loss_fn)`), or build "
-            "the pipeline with `schedule='gpipe'` (or `'circular'`) to differentiate its forward "
-            "call with any JAX transformation. Its forward call alone (inference) runs as usual."
-        )
-
-    return call
-
-

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from pipejax._src import aux_outputs, checks, compat, engine, kinds, microbatch, options
 from pipejax._src.params import forms as stage_forms
-from pipejax._src.params.placement import StageParams
+from pipejax._src.schedules import kinds as schedule_kinds
 from pipejax._src.schedules import tables as sched
 from pipejax._src.training import loss
 
@@ -97,10 +97,11 @@ class Plan:
         return kinds.of(self.homogeneous)
 
     @property
-    def owns_backward(self) -> bool:
-        """Whether the schedule's table holds the backward slots (1F1B, ZB-H1, interleaved 1F1B),
-        so the training step runs them, or autodiff runs the forward loop backwards."""
-        return self.schedule_name in sched.TRAINING_KINDS
+    def schedule(self) -> schedule_kinds.Kind:
+        """The schedule (:mod:`pipejax._src.schedules.kinds`): its tables, its checkpoint rule,
+        and whether it runs the backward pass itself (``schedule.owns_backward``: 1F1B, ZB-H1,
+        interleaved 1F1B) or autodiff runs the forward loop backwards."""
+        return schedule_kinds.SCHEDULES[self.schedule_name]
 
     def table(self, call: Cut, training: bool = False, *, on_mesh: bool = False):
         """The table a call runs on its ``call.num_micro`` micro-batches (per data shard): the one
@@ -123,7 +124,7 @@ class Plan:
         if training:
             if self.schedule_name == "interleaved-1f1b":
                 _check_interleaved(self, call.plan, num_micro)
-            return sched.training(self.schedule_name, self.num_stages, num_micro, self.repeats)
+            return self.schedule.training_table(self.num_stages, num_micro, self.repeats)
         return sched.circular(self.num_devices, num_micro, self.repeats)
 
     def stage_lead(self) -> tuple[Any, ...]:
@@ -137,12 +138,7 @@ class Plan:
     def splits(self, params):
         """``param_specs`` checked against ``params``: per leaf (homogeneous) or per stage and leaf
         (heterogeneous), the splits over the non-stage axes; ``None`` without ``param_specs``."""
-        if params is None:
-            return None
-        if self.param_specs is None:  # a placed StageParams carries the splits it was placed with
-            if isinstance(params, StageParams) and self.mesh is not None:
-                given = [lay.leaf_splits() for lay in params.layouts]
-                return given if any(any(leaf) for leaf in given) else None
+        if params is None or (self.param_specs is None and self.mesh is None):
             return None
         return self.kind.splits(self, params, self.param_specs)
 
@@ -232,9 +228,7 @@ class Plan:
         def per_stage(tree):
             if not self.kind.stacks(tree):
                 return put(tree, PartitionSpec())
-            if stage_forms.is_device_major(self, tree):
-                return put(tree, PartitionSpec(None, self.axis_name))
-            return put(tree, PartitionSpec(self.axis_name))
+            return put(tree, PartitionSpec(*stage_forms.stage_spec(self, tree)))
 
         return per_stage(params), put(x, PartitionSpec()), put(key, PartitionSpec()), per_stage(state)
 

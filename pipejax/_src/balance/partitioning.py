@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from pipejax._src import checks
 from pipejax._src.keys import layer_key
+from pipejax._src.params import placement
 from pipejax._src.params.placement import StageParams
 
 PyTree = Any
@@ -71,8 +72,7 @@ class Partition(NamedTuple):
           TypeError, ValueError: unless there is one entry per stage, each with one entry per
             layer of that stage.
         """
-        if isinstance(stage_params, StageParams):
-            stage_params = stage_params.unpack()
+        stage_params = placement.per_stage(stage_params)
         if isinstance(stage_params, (str, bytes)) or not isinstance(stage_params, Sequence):
             raise TypeError(
                 f"`stage_params` must be a sequence with one entry per stage ({self.num_stages}), "

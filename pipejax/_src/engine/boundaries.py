@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from pipejax._src import aux_outputs, checks
 from pipejax._src.containers import Layout, is_weak
-from pipejax._src.params.placement import StageParams
 
 PyTree = Any
 
@@ -132,21 +131,10 @@ def stage_error(err: Exception, s: int, in_struct) -> Exception:
     return err
 
 
-def per_stage_structs(tree, n):
-    """The per-stage types of a heterogeneous ``params``/``state`` (list or StageParams)."""
-    if isinstance(tree, StageParams):
-        return [layout.structs() for layout in tree.layouts]
-    if tree is None:
-        return [None] * n
-    return [struct(t) for t in tree]
-
-
-def heterogeneous(pipe, params, state, xs, key_struct, cs=None) -> tuple[list[Layout], list[Layout]]:
+def heterogeneous(pipe, p_structs, st_structs, xs, key_struct, cs=None) -> tuple[list[Layout], list[Layout]]:
     """Layouts of the values entering stage 0, 1, ..., and leaving the last stage; and of each
-    stage's stats."""
+    stage's stats. ``p_structs``, ``st_structs``: each stage's parameter and state types."""
     in_struct = micro_struct(xs)
-    p_structs = per_stage_structs(params, pipe.num_stages)
-    st_structs = per_stage_structs(state, pipe.num_stages)
     mask_struct = row_mask_struct(xs, pipe)
     layouts, stats = [Layout.of(in_struct)], []
     for s in range(pipe.num_stages):

@@ -68,6 +68,48 @@ def stage_major(pipe, tree):
     return reshape_stacked(tree, (pipe.num_stages,), 2)
 
 
+def stage_lead(pipe, tree) -> tuple[int, ...]:
+    """The leading stage axes of stacked ``tree``: ``(repeats, n)`` device-major, else ``(S,)``."""
+    return (pipe.repeats, pipe.num_devices) if is_device_major(pipe, tree) else (pipe.num_stages,)
+
+
+def stage_at(pipe, tree, s: int) -> tuple[int, ...]:
+    """The index of stage ``s`` on the leading stage axes of stacked ``tree``."""
+    lead = stage_lead(pipe, tree)
+    return divmod(s, lead[1]) if len(lead) == 2 else (s,)
+
+
+def stage_spec(pipe, tree) -> tuple[Any, ...]:
+    """``PartitionSpec`` entries of the leading stage axes of stacked ``tree`` over the stage axis
+    (the stages of a device-major tree are its axis 1)."""
+    return (None,) * (len(stage_lead(pipe, tree)) - 1) + (pipe.axis_name,)
+
+
+def placed_layouts(pipe) -> str:
+    """The layouts stacked stages may take, for messages: ``(S, ...)``, and ``(v, n, ...)`` as
+    ``place`` lays them out on a circular mesh."""
+    if places_device_major(pipe):
+        return f" (or {pipe.repeats}, {pipe.num_devices} as `place` lays them out)"
+    return ""
+
+
+def placed(pipe, tree):
+    """Stacked stages as ``place`` lays them out: device-major on a circular mesh of ``n > 1``
+    devices (device ``d`` stores column ``d``), stage-major otherwise."""
+    return device_major(pipe, tree) if places_device_major(pipe) else tree
+
+
+def mesh_layout(pipe, tree):
+    """Stacked stages as the engine reads them on a mesh: ``(v, n, ...)`` with several stages
+    per device, ``(S, ...)`` with one."""
+    return device_major(pipe, tree) if pipe.repeats > 1 else tree
+
+
+def places_device_major(pipe) -> bool:
+    """Whether ``place`` lays stacked stages out device-major: several stages on each of n > 1 devices."""
+    return pipe.repeats > 1 and pipe.num_devices > 1
+
+
 def full_specs(pipe, params, splits):
     """The ``PartitionSpec`` of every leaf the engine reads of ``params`` (runner form, on a mesh),
     stage axis included; ``None`` without ``param_specs``."""
@@ -202,7 +244,7 @@ class _Stacked:
 
     def __init__(self, pipe, params):
         self.params = params
-        self.lead = (pipe.repeats, pipe.num_devices) if is_device_major(pipe, params) else (pipe.num_stages,)
+        self.lead = stage_lead(pipe, params)
         self.one = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[len(self.lead) :], a.dtype), params
         )

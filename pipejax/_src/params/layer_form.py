@@ -319,7 +319,7 @@ def _to_layers(pipe, params, name):
     if not pipe.homogeneous:
         return _unstage(pipe, params, name)
     options.check_params_shape(params, pipe, name)  # the stage axis, as a call checks it
-    lead = 2 if stage_forms.is_device_major(pipe, params) else 1
+    lead = len(stage_forms.stage_lead(pipe, params))
     _check_layer_axis(params, lead)
     if pipe.mesh is None:
         return jax.tree.map(lambda a: jnp.reshape(a, (-1, *jnp.shape(a)[lead + 1 :])), params)

@@ -22,6 +22,12 @@ from pipejax._src import compat
 from pipejax._src.containers import Container, Layout
 
 
+def per_stage(tree):
+    """Heterogeneous stage parameters as a per-stage list: a StageParams unpacked, another form
+    as it is."""
+    return tree.unpack() if isinstance(tree, StageParams) else tree
+
+
 @jax.tree_util.register_pytree_node_class
 class StageParams:
     """Heterogeneous stage parameters, packed and stacked on a leading stage axis.

@@ -156,7 +156,7 @@ def _pack_on_devices(pipe, stages):
             out_shardings=shardings,
         )
         rows.append(pack(stage))
-    circular = pipe.repeats > 1 and pipe.num_devices > 1
+    circular = stage_forms.places_device_major(pipe)
     lead_shape = (pipe.repeats, pipe.num_devices) if circular else (pipe.num_stages,)
     specs = container.slot_specs(pipe.plan.stage_lead())
     buffers = []

@@ -50,7 +50,7 @@ def value_and_grad(
             f"`loss_fn` must be a callable `loss_fn(outputs, targets) -> losses` giving one loss per "
             f"example, but got {type(loss_fn).__name__} {loss_fn!r}."
         )
-    owns_backward = pipe.owns_backward
+    owns_backward = pipe.schedule.owns_backward
 
     def traced(params, x, targets, key, context, state):
         if owns_backward:

@@ -1,0 +1,119 @@
+"""The schedules as objects: each one owns its tables, its checkpoint default and rule, and
+whether it runs the backward pass itself.
+
+:data:`SCHEDULES` maps a schedule's name to its object. The plan holds it
+(:attr:`pipejax._src.plan.Plan.schedule`); the rest of the library asks it and never compares
+schedule names. Two families:
+
+- :class:`ForwardSchedule` (GPipe, circular): a forward table only; autodiff runs it backwards,
+  so any JAX transformation differentiates the forward call.
+- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B): a training table whose F, B and W
+  slots :meth:`pipejax.Pipeline.value_and_grad` runs; the forward call (inference) runs the
+  forward table, and differentiating it is refused (:meth:`BackwardSchedule.guard_forward`).
+
+Adding a schedule means adding its table to :mod:`pipejax._src.schedules.tables` and its object
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pipejax._src.schedules import tables
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardSchedule:
+    """A schedule of forward slots only; autodiff runs its table backwards."""
+
+    name: str
+    takes_repeats: bool  # several stages per device (the circular schedule)
+
+    owns_backward = False
+    default_checkpoint = "except_last"
+    activation_buffers = 2  # a tick's live activations in a step: input and output (memory model)
+
+    def check_checkpoint(self, checkpoint):
+        """Every checkpoint mode and policy applies."""
+        return checkpoint
+
+    def training_table(self, num_stages, num_micro, repeats):
+        """No training table: autodiff differentiates the forward table."""
+        raise ValueError(
+            f"`training=True` asks for the training table, but schedule {self.name!r} has none: "
+            "autodiff runs its forward table backwards. Use `training=None` (or False) for its "
+            "table, or a schedule with a training table ('1f1b', 'zb-h1', 'interleaved-1f1b')."
+        )
+
+    def guard_forward(self, forward):
+        """The forward call as it is: any JAX transformation differentiates it."""
+        return forward
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSchedule:
+    """A schedule whose training table holds the backward (B) and weight-gradient (W) slots."""
+
+    name: str
+    takes_repeats: bool  # several stages per device (interleaved 1F1B)
+
+    owns_backward = True
+    default_checkpoint = "always"
+    activation_buffers = 4  # F's input and output, B's cotangents in and out (memory model)
+
+    def check_checkpoint(self, checkpoint):
+        """``"except_last"`` is GPipe's drain phase, which these schedules do not have."""
+        if checkpoint == "except_last":
+            raise ValueError(
+                f"`checkpoint='except_last'` means GPipe's drain phase (the last micro-batch on every "
+                f"stage) keeps its activations, but `schedule={self.name!r}` runs no drain phase: "
+                "every stage's backward slots follow its forward slots all along. Choose what its "
+                "forward slots keep for the backward ones: `'always'` (the stage input; the default "
+                "for this schedule), `'never'` (every residual), or a `jax.checkpoint` policy such "
+                "as `jax.checkpoint_policies.dots_saveable` (what it saves)."
+            )
+        return checkpoint
+
+    def training_table(self, num_stages, num_micro, repeats):
+        """The table of F, B (and W) slots on the mesh's stage axis."""
+        return tables.training(self.name, num_stages, num_micro, repeats)
+
+    def guard_forward(self, forward):
+        """``forward``, refusing autodiff: the backward of this schedule is
+        :meth:`pipejax.Pipeline.value_and_grad`; differentiating the forward call would silently
+        run GPipe's backward instead."""
+        name = self.name
+
+        @jax.custom_jvp
+        def call(*args):
+            return forward(*args)
+
+        @call.defjvp
+        def refuse(primals, tangents):
+            raise TypeError(
+                f"This pipeline was built with `schedule={name!r}`, whose backward pass is run "
+                "by `Pipeline.value_and_grad(loss_fn)` only; differentiating its forward call "
+                "(`jax.grad`, `jax.vjp`, `jax.jvp`, `nnx.value_and_grad`, ...) would run GPipe's "
+                "backward instead, so it is refused. Train with `pipe.value_and_grad(loss_fn)(params, "
+                "x, targets, key)` (the Flax adapters: `module.value_and_grad(loss_fn)`), or build "
+                "the pipeline with `schedule='gpipe'` (or `'circular'`) to differentiate its forward "
+                "call with any JAX transformation. Its forward call alone (inference) runs as usual."
+            )
+
+        return call
+
+
+Kind = ForwardSchedule | BackwardSchedule
+
+SCHEDULES: dict[str, Kind] = {
+    s.name: s
+    for s in (
+        ForwardSchedule("gpipe", takes_repeats=False),
+        ForwardSchedule("circular", takes_repeats=True),
+        BackwardSchedule("1f1b", takes_repeats=False),
+        BackwardSchedule("zb-h1", takes_repeats=False),
+        BackwardSchedule("interleaved-1f1b", takes_repeats=True),
+    )
+}
