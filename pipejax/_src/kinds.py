@@ -8,7 +8,7 @@ The plan holds its kind (:attr:`pipejax._src.plan.Plan.kind`), chosen once by :f
 rest of the library asks the kind and never which kind it is. A kind owns:
 
 - the forms of ``params`` and ``state``: their checks (:meth:`check_params`), ``param_specs``'
-  splits (:meth:`splits`), the engine's runner form (:meth:`runner_form`), one stage's
+  splits (:meth:`splits`), the engine's form (:meth:`local_form`, :meth:`mesh_form`), one stage's
   parameters (:meth:`stage_params`), placement (:meth:`pack`) and the tied-weight view
   (:meth:`tie_view`);
 - boundary inference (:meth:`boundaries`) and the engine's stage object of a forward call
@@ -81,11 +81,17 @@ class HomogeneousKind:
         pipe.check_data_splits([splits])
         return splits
 
-    def runner_form(self, pipe, tree, splits=None):
-        """Leaves stacked on the stage axis, ``(S, ...)`` (``(v, n, ...)`` on a circular mesh)."""
-        if pipe.mesh is None:
-            return forms.stage_major(pipe, tree)
+    def local_form(self, pipe, tree):
+        """The engine's form on one device: leaves stacked stage-major, ``(S, ...)``."""
+        return forms.stage_major(pipe, tree)
+
+    def mesh_form(self, pipe, tree, splits=None):
+        """The engine's form on a mesh: ``(S, ...)``, or ``(v, n, ...)`` on a circular mesh."""
         return forms.mesh_layout(pipe, tree)
+
+    def map_placed(self, fn, params, specs):
+        """``fn(leaf, spec)`` over placed ``params`` and their specs."""
+        return jax.tree.map(fn, params, specs)
 
     def pack(self, params, splits):
         """``params`` as ``place`` puts them on the devices (stacked already)."""
@@ -244,16 +250,24 @@ class HeterogeneousKind:
             )
         return splits
 
-    def runner_form(self, pipe, tree, splits=None):
-        """A StageParams on a mesh (laid out as stacked stages are), a list of per-stage pytrees
-        without one (each virtual device calls its own stage)."""
+    def local_form(self, pipe, tree):
+        """The engine's form on one device: a list of per-stage pytrees (each virtual device
+        calls its own stage)."""
+        if tree is None:
+            return [None] * pipe.num_stages
+        return forms.stage_major(pipe, tree).unpack() if isinstance(tree, StageParams) else list(tree)
+
+    def mesh_form(self, pipe, tree, splits=None):
+        """The engine's form on a mesh: a StageParams, laid out as stacked stages are."""
         if tree is None:
             tree = [None] * pipe.num_stages
-        packed = isinstance(tree, StageParams)
-        if pipe.mesh is None:
-            return forms.stage_major(pipe, tree).unpack() if packed else list(tree)
-        tree = tree if packed else placement.pack(tree, splits)
+        tree = tree if isinstance(tree, StageParams) else placement.pack(tree, splits)
         return forms.mesh_layout(pipe, tree)
+
+    def map_placed(self, fn, params, specs):
+        """``fn(buffer, spec)`` over a placed StageParams' buffers and their specs."""
+        buffers = tuple(fn(b, sp) for b, sp in zip(params.buffers, specs, strict=True))
+        return StageParams(buffers, params.container, params.layouts)
 
     def pack(self, params, splits):
         """``params`` packed as ``place`` puts them on the devices."""

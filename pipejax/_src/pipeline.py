@@ -53,12 +53,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from pipejax._src import aux_outputs, checks, compat, microbatch, options
+from pipejax._src import aux_outputs, checks, microbatch, options
 from pipejax._src import plan as plan_mod
-from pipejax._src.params import forms as stage_forms
-from pipejax._src.params.placement import StageParams, stage_index
+from pipejax._src.params.placement import stage_index
 from pipejax._src.schedules import tables as sched
 from pipejax._src.training import step as train
 
@@ -340,9 +339,7 @@ class Pipeline:
 
     def __repr__(self) -> str:
         kind = self.kind.name
-        where = "no mesh" if self.mesh is None else f"mesh axis {self.axis_name!r}"
-        if self.data_axis_name is not None:
-            where += f", data axis {self.data_axis_name!r}"
+        where = self.plan.describe_devices()
         how = "" if self.schedule_name == "gpipe" else f", schedule={self.schedule_name!r}"
         how += f", repeats={self.repeats}" if self.repeats > 1 else ""
         return (
@@ -393,21 +390,7 @@ class Pipeline:
         options.check_not_abstract(params)
         options.check_not_abstract(state, "state")
         plan.check_batch(x, context)
-        if (
-            self.mesh is not None
-            and compat.is_explicit(self.mesh, self.axis_name)
-            and not compat.mesh_context_set()
-            and compat.eager_autodiff((params, x, state, context))
-        ):
-            raise ValueError(
-                "The pipeline is being differentiated outside `jax.jit` on a mesh with Explicit "
-                f"axes ({dict(self.mesh.shape)}), and no mesh context is set. JAX needs one for "
-                "eager autodiff of arrays typed with an Explicit mesh (its own error would be "
-                "'Length of device assignment 1 is not equal to the size of the mesh'). Jit the "
-                "function you differentiate (`jax.jit(jax.grad(loss))`), or run it inside "
-                "`with jax.set_mesh(mesh):`, or build the mesh with Auto axes "
-                "(`jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))`)."
-            )
+        plan.check_eager_autodiff((params, x, state, context))
         if state is not None:
             if not self.stateful:
                 raise TypeError(
@@ -510,26 +493,7 @@ class Pipeline:
         (``apply(placed_params, x, state=apply.place(state))``).
         """
         options.check_params_shape(params, self.plan)
-        splits = self.plan.splits(params)
-        params = self.kind.pack(params, splits)
-        if self.mesh is None:
-            return params
-        params = stage_forms.placed(self.plan, params)
-        specs = stage_forms.leaf_specs(self.plan, params, splits)
-
-        def put(a, spec):
-            sharding = NamedSharding(self.mesh, spec)
-            if isinstance(a, jax.core.Tracer) and not compat.is_explicit(self.mesh, self.axis_name):
-                # inside `jit` on Auto axes (a Flax `init`, a restore target) `device_put` does
-                # not constrain the result: it came out replicated, the first training step
-                # returned another layout, and the second step compiled again
-                return jax.lax.with_sharding_constraint(a, sharding)
-            return jax.device_put(a, sharding)
-
-        if isinstance(params, StageParams):
-            buffers = tuple(put(b, sp) for b, sp in zip(params.buffers, specs, strict=True))
-            return StageParams(buffers, params.container, params.layouts)
-        return jax.tree.map(put, params, specs)
+        return self.plan.place(params)
 
     def stage_params(self, params: Any, s: int) -> PyTree:
         """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms.

@@ -127,6 +127,70 @@ class Plan:
             return self.schedule.training_table(self.num_stages, num_micro, self.repeats)
         return sched.circular(self.num_devices, num_micro, self.repeats)
 
+    def describe_devices(self) -> str:
+        """Where the stages run, for ``repr``: ``no mesh``, or the mesh's stage (and data) axis."""
+        if self.mesh is None:
+            return "no mesh"
+        where = f"mesh axis {self.axis_name!r}"
+        return where + (f", data axis {self.data_axis_name!r}" if self.data_axis_name is not None else "")
+
+    def check_eager_autodiff(self, inputs) -> None:
+        """Refuses eager autodiff of a pipeline on an Explicit mesh without a mesh context (JAX's
+        own error would not say what to do)."""
+        if (
+            self.mesh is not None
+            and compat.is_explicit(self.mesh, self.axis_name)
+            and not compat.mesh_context_set()
+            and compat.eager_autodiff(inputs)
+        ):
+            raise ValueError(
+                "The pipeline is being differentiated outside `jax.jit` on a mesh with Explicit "
+                f"axes ({dict(self.mesh.shape)}), and no mesh context is set. JAX needs one for "
+                "eager autodiff of arrays typed with an Explicit mesh (its own error would be "
+                "'Length of device assignment 1 is not equal to the size of the mesh'). Jit the "
+                "function you differentiate (`jax.jit(jax.grad(loss))`), or run it inside "
+                "`with jax.set_mesh(mesh):`, or build the mesh with Auto axes "
+                "(`jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))`)."
+            )
+
+    def place(self, params):
+        """``params`` (checked) as :meth:`pipejax.Pipeline.place` lays them out: packed
+        (heterogeneous), and on a mesh in the placed layout with every leaf on its devices."""
+        splits = self.splits(params)
+        params = self.kind.pack(params, splits)
+        if self.mesh is None:
+            return params
+        params = stage_forms.placed(self, params)
+        specs = stage_forms.leaf_specs(self, params, splits)
+
+        def put(a, spec):
+            sharding = NamedSharding(self.mesh, spec)
+            if isinstance(a, jax.core.Tracer) and not compat.is_explicit(self.mesh, self.axis_name):
+                # inside `jit` on Auto axes (a Flax `init`, a restore target) `device_put` does
+                # not constrain the result: it came out replicated, the first training step
+                # returned another layout, and the second step compiled again
+                return jax.lax.with_sharding_constraint(a, sharding)
+            return jax.device_put(a, sharding)
+
+        return self.kind.map_placed(put, params, specs)
+
+    def runner_form(self, tree, splits=None):
+        """``params``/``state`` in the one form the engine reads, converted once at the entry by
+        the stage kind: on a mesh the placed layout, on one device the stages one by one."""
+        if self.mesh is None:
+            return self.kind.local_form(self, tree)
+        return self.kind.mesh_form(self, tree, splits)
+
+    def engine_specs(self, params, splits):
+        """The ``PartitionSpec`` of every leaf the engine reads of runner-form ``params`` (on a
+        mesh with ``param_specs``), or ``None``."""
+        return None if self.mesh is None else stage_forms.full_specs(self, params, splits)
+
+    def runner_stage_axes(self) -> int:
+        """The leading stage axes of stacked runner-form leaves: 2 (``(v, n, ...)``) on a mesh
+        with several stages per device, 1 (``(S, ...)``) otherwise."""
+        return 2 if self.mesh is not None and self.repeats > 1 else 1
+
     def stage_lead(self) -> tuple[Any, ...]:
         """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
         for ``(S, ...)``; ``(None, axis)`` for the circular ``(repeats, n, ...)`` layout; ``(None,
@@ -275,8 +339,8 @@ class Plan:
         schedule = self.table(call)
         splits = self.splits(params)
         params = stage_forms.tie(self, params)  # tied copies: one weight to autodiff, same values
-        params, state = self.kind.runner_form(self, params, splits), self.kind.runner_form(self, state)
-        param_specs = None if self.mesh is None else stage_forms.full_specs(self, params, splits)
+        params, state = self.runner_form(params, splits), self.runner_form(state)
+        param_specs = self.engine_specs(params, splits)
         cfg = engine.Config(
             self.stages,
             self.stateful,

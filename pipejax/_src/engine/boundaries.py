@@ -149,7 +149,7 @@ def heterogeneous(pipe, p_structs, st_structs, xs, key_struct, cs=None) -> tuple
 
 def homogeneous(pipe, params, state, xs, key_struct, cs=None) -> tuple[list[Layout], Layout]:
     in_struct = micro_struct(xs)
-    lead = 2 if pipe.mesh is not None and pipe.repeats > 1 else 1  # (v, n, ...) on a circular mesh
+    lead = pipe.runner_stage_axes()  # (v, n, ...) on a circular mesh
 
     def unstacked(tree):  # one stage's slice of a stacked pytree
         return jax.tree.map(lambda a: shape_struct(a, jnp.shape(a)[lead:]), tree)

@@ -2,10 +2,10 @@
 
 Users pass stage parameters as a list of per-stage pytrees, a packed :class:`StageParams`, or
 (homogeneous stages) pytrees stacked on a stage axis, stage-major ``(S, ...)`` or, as ``place``
-lays them out for the circular schedule, device-major ``(v, n, ...)``. The stage kind
-(:meth:`pipejax._src.kinds.HomogeneousKind.runner_form`) converts any of them into the one form
-the engine reads, at the entry points only, with the layouts here; :func:`leaf_specs` gives each
-placed leaf its ``PartitionSpec``.
+lays them out for the circular schedule, device-major ``(v, n, ...)``. The plan
+(:meth:`pipejax._src.plan.Plan.runner_form`, through the stage kind) converts any of them into
+the one form the engine reads, at the entry points only, with the layouts here;
+:func:`leaf_specs` gives each placed leaf its ``PartitionSpec``.
 """
 
 from __future__ import annotations

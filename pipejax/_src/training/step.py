@@ -146,9 +146,9 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     # tied copies: the same values; the gradients come back summed over each group (the transpose
     # of the tie), and a tangent of one copy reaches every copy (jvp of this step: HVPs)
     params, untie = jax.vjp(lambda p: stage_forms.tie(pipe, p), params)
-    runner, to_user = jax.vjp(lambda p: pipe.kind.runner_form(pipe, p, splits), params)
-    param_specs = None if pipe.mesh is None else stage_forms.full_specs(pipe, runner, splits)
-    state_r = pipe.kind.runner_form(pipe, state) if pipe.stateful else None
+    runner, to_user = jax.vjp(lambda p: pipe.runner_form(p, splits), params)
+    param_specs = pipe.engine_specs(runner, splits)
+    state_r = pipe.runner_form(state) if pipe.stateful else None
     boundaries, stats_layouts, xs = pipe.kind.boundaries(pipe, runner, state_r, xs, key_struct, cs)
     y_struct = boundaries[-1].structs()
     ys_struct = jax.tree.map(
