@@ -8,14 +8,15 @@ import sys
 
 import pytest
 
-from tests.conftest import PATIENT_COLLECTIVES
+from tests.conftest import PATIENT_COLLECTIVES, without_compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_quick(script: str, *args: str) -> str:
     """Runs ``benchmarks/<script> --quick *args`` in a fresh process; returns its stdout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # (no compilation cache: the scripts time their compiles and read XLA's compile log)
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT)))
     env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # each script sets its own device count
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args],

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pipejax as pj
+from tests.conftest import without_compilation_cache
 
 ocp = pytest.importorskip("orbax.checkpoint")  # the optional extra pipejax[checkpoint]
 optax = pytest.importorskip("optax")
@@ -451,7 +452,7 @@ def test_a_balance_for_homogeneous_stages_must_share_the_layers_equally():
 def test_two_processes_move_their_own_shards(tmp_path):
     """2 processes x 2 CPU devices: 4 stages saved, restored into 2 stages x 2-way tensor
     parallel; each process writes and reads its own shards (tests/layers_worker.py)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT)))  # (several processes)
     argv = [sys.executable, "-m", "pipejax.launch", "--processes", "2", "--devices-per-process", "2"]
     argv += ["--timeout", "240", str(ROOT / "tests" / "layers_worker.py"), str(tmp_path / "ckpt")]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False, cwd=ROOT)

@@ -11,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import without_compilation_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_lanczos_on_a_pipelined_model_does_not_reshard_its_basis():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="0")
+    # (no compilation cache: a program loaded from it is not partitioned again, and logs nothing)
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="0"))
     env.pop("XLA_FLAGS", None)
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "hessian_sharding_worker.py")],

@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 
 from pipejax import launch
-from tests.conftest import PATIENT_COLLECTIVES
+from tests.conftest import PATIENT_COLLECTIVES, without_compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_pipeline_across_two_processes():
     """4 stages on 2 processes x 2 CPU devices: outputs and gradients equal the composition."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT)))  # (several processes)
     argv = [sys.executable, "-m", "pipejax.launch", "--processes", "2", "--devices-per-process", "2"]
     argv += ["--timeout", "240", str(ROOT / "tests" / "multihost_worker.py")]
     # The launcher's own --timeout stops the workers; this one guards against a hung launcher.
@@ -49,7 +49,7 @@ def test_pipeline_across_two_processes():
 def test_3d_mesh_pipeline_on_two_processes_equals_one():
     """examples/pipeline_3d_mesh.py: a (data, stage, model) = 2 x 2 x 2 mesh with tensor-parallel
     stages, on 2 processes x 4 CPU devices and in 1 process of 8: the same loss and gradients."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT)))  # (several processes)
     script = str(ROOT / "examples" / "pipeline_3d_mesh.py")
     argv = [sys.executable, "-m", "pipejax.launch", "--processes", "2", "--devices-per-process", "4"]
     argv += ["--timeout", "240", script, "--sharding", "tensor"]
@@ -84,7 +84,7 @@ def test_docs_script_trains_the_same_on_two_processes_as_on_one(tmp_path):
     source = "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multihost.md").read_text(), re.S))
     path = tmp_path / "train.py"
     path.write_text(source)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = without_compilation_cache(dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"))
     env["XLA_FLAGS"] = PATIENT_COLLECTIVES  # the script sets its own device count
     run = lambda argv: subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
     launched = run(
