@@ -41,7 +41,6 @@ class HomogeneousKind:
     """One stage function; parameters, state and records stacked on a leading stage axis."""
 
     name = "homogeneous"
-    stacked = True  # leaves carry the stage axis (the engine's one-device loop reads it so)
     micro_axis = 1  # the micro-batch axis of a record: (S, m, ...)
 
     # -- parameter forms --------------------------------------------------------------------
@@ -104,10 +103,6 @@ class HomogeneousKind:
 
     def tie_view(self, pipe, params):
         return forms._Stacked(pipe, params)
-
-    def slot_state(self, pipe, state):
-        """The state as a training step's slots read it: stacked stage-major ``(S, ...)``."""
-        return forms.stage_major(pipe, state)
 
     def stage_state(self, state, stage, s):
         """The state of stage ``s`` (traced): row ``s`` of the stacked state."""
@@ -179,7 +174,6 @@ class HeterogeneousKind:
     """A stage function, parameter pytree and activation type per stage."""
 
     name = "heterogeneous"
-    stacked = False
     micro_axis = 0  # the micro-batch axis of a stage's record: (m, ...)
 
     # -- parameter forms --------------------------------------------------------------------
@@ -280,14 +274,6 @@ class HeterogeneousKind:
         return (
             forms._Packed(pipe, params) if isinstance(params, StageParams) else forms._PerStage(pipe, params)
         )
-
-    def slot_state(self, pipe, state):
-        """The state as a training step's slots read it: a list with one pytree per stage."""
-        if state is None:
-            return [None] * pipe.num_stages
-        if isinstance(state, StageParams):
-            return forms.stage_major(pipe, state).unpack()
-        return list(state)
 
     def stage_state(self, state, stage, s):
         """The state of stage ``stage`` (static): its own entry."""

@@ -122,8 +122,7 @@ class Plan:
                 return sched.sequential_training(self.num_stages, num_micro)
             return self.kind.local_table(self.num_stages, num_micro)
         if training:
-            if self.schedule_name == "interleaved-1f1b":
-                _check_interleaved(self, call.plan, num_micro)
+            self.schedule.check_num_micro(self, call.plan, num_micro)
             return self.schedule.training_table(self.num_stages, num_micro, self.repeats)
         return sched.circular(self.num_devices, num_micro, self.repeats)
 
@@ -380,32 +379,6 @@ class Cut(NamedTuple):
     cs: Any  # context cut alike, or None
     ts: Any  # targets cut alike (training steps), or None
     key_struct: Any  # the type of the key a stage receives, or None without a key
-
-
-def _check_interleaved(pipe: Plan, plan: microbatch.Plan, num_micro: int) -> None:
-    """Interleaved 1F1B sends micro-batches round the ring in groups of ``n``: their number per
-    data shard must be a multiple of ``n``."""
-    if num_micro % pipe.num_devices == 0:
-        return
-    n, p = pipe.num_devices, pipe.data_size
-    per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
-    # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
-    fits = [
-        c
-        for c in range(1, plan.batch + 1)
-        if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
-    ]
-    fix = "a batch of at least that many examples"
-    if fits:  # nearest first
-        best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
-        also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
-        fix = f"e.g. `chunks={best}`{also} for this batch"
-    raise ValueError(
-        f"`schedule='interleaved-1f1b'` sends micro-batches round the {n} devices in groups of "
-        f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
-        f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
-        f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
-    )
 
 
 def _mesh_text(mesh) -> str:

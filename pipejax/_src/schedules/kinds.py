@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 
+from pipejax._src import microbatch
 from pipejax._src.schedules import tables
 
 
@@ -38,6 +39,9 @@ class ForwardSchedule:
     def check_checkpoint(self, checkpoint):
         """Every checkpoint mode and policy applies."""
         return checkpoint
+
+    def check_num_micro(self, pipe, plan, num_micro) -> None:
+        """Any number of micro-batches runs."""
 
     def training_table(self, num_stages, num_micro, repeats):
         """No training table: autodiff differentiates the forward table."""
@@ -58,6 +62,7 @@ class BackwardSchedule:
 
     name: str
     takes_repeats: bool  # several stages per device (interleaved 1F1B)
+    groups_of_n: bool = False  # micro-batches go round the ring in groups of n (interleaved 1F1B)
 
     owns_backward = True
     default_checkpoint = "always"
@@ -75,6 +80,32 @@ class BackwardSchedule:
                 "as `jax.checkpoint_policies.dots_saveable` (what it saves)."
             )
         return checkpoint
+
+    def check_num_micro(self, pipe, plan, num_micro) -> None:
+        """A schedule that sends micro-batches round the ring in groups of ``n`` needs their
+        number per data shard to be a multiple of ``n``; the message names the ``chunks`` that
+        fit this batch."""
+        if not self.groups_of_n or num_micro % pipe.num_devices == 0:
+            return
+        n, p = pipe.num_devices, pipe.data_size
+        per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
+        # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
+        fits = [
+            c
+            for c in range(1, plan.batch + 1)
+            if c % (n * p) == 0 and microbatch.plan(plan.batch, c).num_micro == c
+        ]
+        fix = "a batch of at least that many examples"
+        if fits:  # nearest first
+            best, *others = sorted(fits, key=lambda c: (abs(c - pipe.chunks), c))
+            also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
+            fix = f"e.g. `chunks={best}`{also} for this batch"
+        raise ValueError(
+            f"`schedule={self.name!r}` sends micro-batches round the {n} devices in groups of "
+            f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+            f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
+            f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
+        )
 
     def training_table(self, num_stages, num_micro, repeats):
         """The table of F, B (and W) slots on the mesh's stage axis."""
@@ -114,6 +145,6 @@ SCHEDULES: dict[str, Kind] = {
         ForwardSchedule("circular", takes_repeats=True),
         BackwardSchedule("1f1b", takes_repeats=False),
         BackwardSchedule("zb-h1", takes_repeats=False),
-        BackwardSchedule("interleaved-1f1b", takes_repeats=True),
+        BackwardSchedule("interleaved-1f1b", takes_repeats=True, groups_of_n=True),
     )
 }

@@ -177,8 +177,8 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
         pipe, cfg, loss_fn, plan, table.num_micro, ts, mask, key, cs, weights is not None
     )
     grad.aux_loss, grad.aux_scale = aux_loss, aux_scale
-    if pipe.stateful:  # every stage's state, whole (stage-major; a list of pytrees for stages that differ)
-        grad.state = compat.replicate(pipe.kind.slot_state(pipe, state))
+    if pipe.stateful:  # every stage's state, whole, in the one-device form (stage-major, or a list per stage)
+        grad.state = compat.replicate(pipe.kind.local_form(pipe, state))
     totals, grads, counts, stats = slots.run(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
     loss = totals[0]
     if weights is not None:  # sums of losses and gradients over the batch's total weight
