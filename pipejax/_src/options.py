@@ -93,9 +93,6 @@ def check_checkpoint(checkpoint, schedule: str):
 
 
 def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
-    checks.axis_name(axis_name)
-    if mesh is None:
-        return
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh or None, but got {type(mesh).__name__}. Make one "
@@ -120,6 +117,24 @@ def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
         )
 
 
+def check_no_mesh(data_axis_name, param_specs, axis_name) -> int:
+    """Without a mesh: neither a data axis nor ``param_specs``, which name mesh axes; the data
+    axis size, 1."""
+    if data_axis_name is not None:
+        checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
+        raise ValueError(
+            f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
+            f"Pass e.g. `mesh=jax.make_mesh((2, n), ({data_axis_name!r}, {axis_name!r}))`, or drop "
+            "`data_axis_name`."
+        )
+    if param_specs is not None:
+        raise ValueError(
+            "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
+            "None. Give a mesh with the axes the specs name, or drop `param_specs`."
+        )
+    return 1
+
+
 def check_not_manual(mesh, name, arg) -> None:
     if compat.is_manual(mesh, name):
         shape = tuple(mesh.shape.values())
@@ -137,12 +152,6 @@ def check_data_axis(data_axis_name, mesh, axis_name) -> int:
     if data_axis_name is None:
         return 1
     checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
-    if mesh is None:
-        raise ValueError(
-            f"`data_axis_name={data_axis_name!r}` needs a mesh with that axis, but `mesh` is None. "
-            f"Pass e.g. `mesh=jax.make_mesh((2, n), ({data_axis_name!r}, {axis_name!r}))`, or drop "
-            "`data_axis_name`."
-        )
     if data_axis_name == axis_name:
         raise ValueError(
             f"`data_axis_name` and `axis_name` are both {axis_name!r}; the data axis must be another "

@@ -18,13 +18,17 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax._src import aux_outputs, checks, compat, engine, kinds, microbatch, options
 from pipejax._src.params import forms as stage_forms
+from pipejax._src.params import shard_moves
 from pipejax._src.schedules import kinds as schedule_kinds
 from pipejax._src.schedules import tables as sched
-from pipejax._src.training import loss
+from pipejax._src.training import loss, slots
+
+_REPLICATED = PartitionSpec()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,15 +81,14 @@ class Plan:
         num_devices = num_stages // repeats
         chunks = options.check_chunks(chunks)
         checkpoint = options.check_checkpoint(checkpoint, schedule)
-        options.check_mesh(mesh, axis_name, num_devices, repeats)
-        data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
+        checks.axis_name(axis_name)
+        if mesh is None:
+            data_size = options.check_no_mesh(data_axis_name, param_specs, axis_name)
+        else:
+            options.check_mesh(mesh, axis_name, num_devices, repeats)
+            data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
         per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
         stateful = checks.check_bool(stateful, "stateful")
-        if param_specs is not None and mesh is None:
-            raise ValueError(
-                "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
-                "None. Give a mesh with the axes the specs name, or drop `param_specs`."
-            )
         return cls(
             stages, homogeneous, num_stages, schedule, repeats, num_devices, chunks, checkpoint, mesh,
             axis_name, data_axis_name, data_size, per_example_keys, stateful, param_specs, tied, aux,
@@ -189,6 +192,84 @@ class Plan:
         """The leading stage axes of stacked runner-form leaves: 2 (``(v, n, ...)``) on a mesh
         with several stages per device, 1 (``(S, ...)``) otherwise."""
         return 2 if self.mesh is not None and self.repeats > 1 else 1
+
+    def sharding(self, spec=_REPLICATED):
+        """Where a leaf laid out as ``spec`` goes: ``spec`` on the mesh, or the first device."""
+        return SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else NamedSharding(self.mesh, spec)
+
+    def put(self, tree, spec=_REPLICATED):
+        """``tree`` laid out as ``spec`` on the mesh (replicated: ``P()``); as it is on one device."""
+        return tree if self.mesh is None else jax.device_put(tree, self.sharding(spec))
+
+    def structs(self, tree, specs=None):
+        """``tree``'s leaves as ``jax.ShapeDtypeStruct`` where the plan puts them: on the mesh as
+        ``specs()`` says (a ``PartitionSpec`` per leaf; ``None``: replicated), or on the first
+        device."""
+        specs = jax.tree.map(lambda _: _REPLICATED, tree) if specs is None or self.mesh is None else specs()
+        return jax.tree.map(lambda a, spec: _struct(a, self.sharding(spec)), tree, specs)
+
+    def buffer_spec(self, ndim: int = 2) -> PartitionSpec:
+        """A placed buffer's ``PartitionSpec``: ``P(stage, None)`` (``P(None, stage, None)``
+        circular), ``P()`` on one device."""
+        if self.mesh is None:
+            return PartitionSpec()
+        if self.repeats > 1 and ndim == 3:
+            return PartitionSpec(None, self.axis_name, None)
+        return PartitionSpec(self.axis_name, *([None] * (ndim - 1)))
+
+    @property
+    def inner_axes(self) -> frozenset[str]:
+        """The mesh axes a stage's leaves may be split over: all but the stage axis (none on one
+        device)."""
+        return frozenset() if self.mesh is None else frozenset(self.mesh.axis_names) - {self.axis_name}
+
+    def relayout(self, tree, shape, specs, lead: int = 1):
+        """Stacked leaves moved between the stage form and the layer form
+        (:mod:`~pipejax._src.params.layer_form`), each reshaped to ``shape(a)``. On a mesh from
+        the first of the ``PartitionSpec`` trees ``specs()`` gives to the second: each device
+        reshapes its own shard, or, with ``lead = 2`` stage axes (the circular layout's stages are
+        not contiguous per device), XLA moves them."""
+        if self.mesh is None:
+            return jax.tree.map(lambda a: jnp.reshape(a, shape(a)), tree)
+
+        def one(a, source, target):
+            target = NamedSharding(self.mesh, target)
+            if lead == 2:
+                return shard_moves.moved(jnp.asarray(a), shape(a), target)
+            a = shard_moves.put(a, NamedSharding(self.mesh, source))
+            return shard_moves.reshard_local(a, shape(a), target)
+
+        return jax.tree.map(one, tree, *specs())
+
+    def unstage(self, params):
+        """A ``StageParams``' per-stage pytrees: unpacked on each stage's own devices when it is
+        placed on the mesh, else as it is."""
+        if self.mesh is None or not all(
+            isinstance(b, jax.Array) and b.sharding.device_set == set(self.mesh.devices.flat)
+            for b in params.buffers
+        ):
+            return params.unpack()
+        return shard_moves.unpack_on_devices(self, params)
+
+    def restage(self, stages):
+        """Per-stage lists of layers as ``place`` lays them out: on a mesh a ``StageParams``
+        packed on each stage's own devices; unchanged on one device."""
+        return stages if self.mesh is None else shard_moves.pack_on_devices(self, stages)
+
+    def layer_shardings(self, stages):
+        """Per stage, its layers' shardings: its stage's devices (split as ``param_specs`` says),
+        or the first device."""
+        if self.mesh is None:
+            return [jax.tree.map(lambda _: self.sharding(), stage) for stage in stages]
+        layouts = shard_moves.stage_layouts(self, stages)
+        return [shard_moves.layer_shardings(self, s, lay) for s, lay in enumerate(layouts)]
+
+    def train(self, grad, table, boundaries, xs, runner, stats_layouts, param_specs):
+        """One training step's slots (:mod:`~pipejax._src.training.slots`): on the mesh's tick
+        loop, or the stages in turn on one device."""
+        if self.mesh is None:
+            return slots.on_one_device(grad, table, boundaries, xs, runner, stats_layouts)
+        return slots.on_mesh(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
 
     def stage_lead(self) -> tuple[Any, ...]:
         """The ``PartitionSpec`` entries of placed stage parameters' leading axes: ``(axis,)``
@@ -379,6 +460,10 @@ class Cut(NamedTuple):
     cs: Any  # context cut alike, or None
     ts: Any  # targets cut alike (training steps), or None
     key_struct: Any  # the type of the key a stage receives, or None without a key
+
+
+def _struct(a, sharding):
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding)
 
 
 def _mesh_text(mesh) -> str:

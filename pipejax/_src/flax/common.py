@@ -53,7 +53,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax._src import checks
 from pipejax._src.balance import partition
@@ -181,19 +180,7 @@ class Stack:
         placed so, because a jitted train step returns it replicated over the mesh: created on
         one device, it would make the second step compile again.
         """
-        mesh = self.placer.mesh
-        if mesh is None:
-            return tree
-        return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
-
-    def spec(self, ndim: int = 2) -> PartitionSpec:
-        """The partition spec of a placed buffer: ``P(stage, None)`` (``P(None, stage, None)`` circular)."""
-        pipe = self.placer
-        if pipe.mesh is None:
-            return PartitionSpec()
-        if pipe.repeats > 1 and ndim == 3:
-            return PartitionSpec(None, pipe.axis_name, None)
-        return PartitionSpec(pipe.axis_name, *([None] * (ndim - 1)))
+        return self.placer.plan.put(tree)
 
     def pipeline(
         self,

@@ -494,7 +494,7 @@ class LinenPipeline(nn.Module):
         placed_state = stack.place(state) if jax.tree.leaves(state) else None
         # the layers' own sharding metadata (nn.with_partitioning / with_logical_partitioning and
         # the logical axis rules in effect) says how each parameter is split inside its stage
-        specs = flax_sharding.layer_specs(params, stack.placer.mesh, stack.placer.axis_name)
+        specs = flax_sharding.layer_specs(params, stack.placer.plan)
         return stack.place(params, specs), placed_state, h
 
 

@@ -128,8 +128,9 @@ def stack_box(stack: common.Stack, packed: StageParams) -> StagePartitioned:
     their common prefix, the stage axis, and the buffers' own shardings say the rest.
     """
     ndim = packed.buffers[0].ndim if packed.buffers else 2
-    names = tuple(stack.spec(ndim)) + (None,) * (ndim - len(stack.spec(ndim)))
-    if packed.container.splits is not None and stack.placer.mesh is not None:
+    spec = stack.placer.plan.buffer_spec(ndim)
+    names = tuple(spec) + (None,) * (ndim - len(spec))
+    if packed.container.splits is not None:  # (only on a mesh: `param_specs` need one)
         lead = stack.placer.plan.stage_lead()
         specs = {tuple(sp) for sp in packed.container.slot_specs(lead)}
         names = next(iter(specs)) if len(specs) == 1 else lead

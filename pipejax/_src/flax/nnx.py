@@ -231,11 +231,7 @@ class NNXPipeline(nnx.Module):
         self.layer_state = nnx.data(stack.replicated(rest))
         # the layers' own sharding metadata (nnx.with_partitioning, resolved by nnx's rules) says
         # how each parameter is split inside its stage
-        specs = None
-        if stack.placer.mesh is not None:
-            specs = flax_sharding.split_specs(
-                [nnx.get_partition_spec(p) for p in params], stack.placer.mesh, stack.placer.axis_name
-            )
+        specs = flax_sharding.split_specs([nnx.get_partition_spec(p) for p in params], stack.placer.plan)
         placed = stack.place(params, specs)
         self.packed = nnx.List([nnx.Param(b, **_sharding(stack, b)) for b in placed.buffers])
         self.container, self.layouts = placed.container, placed.layouts

@@ -36,7 +36,7 @@ def _sharding(stack: common.Stack, buffer: jax.Array) -> dict[str, Any]:
     mesh = stack.placer.mesh
     if mesh is None:
         return {}
-    spec = tuple(stack.spec(buffer.ndim))
+    spec = tuple(stack.placer.plan.buffer_spec(buffer.ndim))
     placed = getattr(buffer, "sharding", None)  # as `place` laid it out (split inside its stage too)
     if isinstance(placed, NamedSharding) and placed.mesh == mesh:
         spec = tuple(placed.spec) + (None,) * (buffer.ndim - len(placed.spec))

@@ -107,6 +107,13 @@ def restore_target(tree: PyTree, mesh: Mesh) -> PyTree:
             "`mesh` of restore_target must be a jax.sharding.Mesh (the mesh to restore onto, e.g. "
             f"`jax.make_mesh((4,), ('stage',))`), but got {type(mesh).__name__} {mesh!r}."
         )
+    struct = lambda a, spec: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
+    return jax.tree.map(struct, tree, restore_specs(tree, mesh))
+
+
+def restore_specs(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Each leaf's own ``PartitionSpec`` (``P()`` when it has none), checked against ``mesh``'s
+    axes."""
 
     def one(path, a):
         sharding = getattr(a, "sharding", None)
@@ -121,18 +128,19 @@ def restore_target(tree: PyTree, mesh: Mesh) -> PyTree:
                 "(the same `mesh=`), or restore on the saved mesh and re-cut the stages "
                 "(`to_sequential` / `from_sequential`)."
             )
-        return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=NamedSharding(mesh, spec))
+        return spec
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def layer_specs(boxed: Sequence[PyTree], mesh: Mesh | None, axis_name: str) -> list[PyTree] | None:
+def layer_specs(boxed: Sequence[PyTree], plan: Any) -> list[PyTree] | None:
     """Per layer, the ``PartitionSpec`` of each parameter leaf over the mesh's non-stage axes,
     from Linen's sharding metadata: ``nn.with_partitioning`` boxes name mesh axes,
     ``nn.with_logical_partitioning`` boxes logical axes that the rules in effect
     (``nn.logical_axis_rules(...)``, or the box's own ``rules``) map to mesh axes. ``None`` when
-    no leaf is sharded over an axis of ``mesh`` other than ``axis_name`` (or without a mesh)."""
-    if mesh is None:
+    no leaf is sharded over a mesh axis other than the stage axis (``plan.inner_axes``; none
+    without a mesh)."""
+    if not plan.inner_axes:
         return None
     from flax import linen as nn
 
@@ -144,14 +152,15 @@ def layer_specs(boxed: Sequence[PyTree], mesh: Mesh | None, axis_name: str) -> l
         return None
 
     is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-    return split_specs([jax.tree.map(spec_of, layer, is_leaf=is_box) for layer in boxed], mesh, axis_name)
+    return split_specs([jax.tree.map(spec_of, layer, is_leaf=is_box) for layer in boxed], plan)
 
 
-def split_specs(specs: Sequence[PyTree], mesh: Mesh, axis_name: str) -> list[PyTree] | None:
+def split_specs(specs: Sequence[PyTree], plan: Any) -> list[PyTree] | None:
     """``specs`` (per layer, a ``PartitionSpec`` or ``None`` per parameter leaf) restricted to the
-    axes of ``mesh`` other than the stage axis ``axis_name``, or ``None`` when nothing is left to
-    split. Names that are not mesh axes (logical axes no rule mapped) split nothing."""
-    keep = set(mesh.axis_names) - {axis_name}
+    mesh axes other than the stage axis (``plan.inner_axes``), or ``None`` when nothing is left to
+    split (always without a mesh). Names that are not mesh axes (logical axes no rule mapped)
+    split nothing."""
+    keep = plan.inner_axes
 
     def restrict(spec):
         if not isinstance(spec, PartitionSpec):

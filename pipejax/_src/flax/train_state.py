@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec, SingleDeviceSharding
+from jax.sharding import PartitionSpec
 
 from pipejax._src.flax import common
 from pipejax._src.flax import sharding as flax_sharding
@@ -105,12 +105,8 @@ def layers_target(pipe: Any, like: PyTree) -> PyTree:
     Raises:
       ValueError: ``like`` holds no stage entry of ``pipe``.
     """
-    mesh = _stack(pipe).placer.mesh
-
-    def other(a):
-        if mesh is not None:
-            return flax_sharding.restore_target(a, mesh)
-        return jax.ShapeDtypeStruct(jnp.shape(a), a.dtype, sharding=SingleDeviceSharding(jax.devices()[0]))
+    plan = _stack(pipe).placer.plan
+    other = lambda a: plan.structs(a, lambda: flax_sharding.restore_specs(a, plan.mesh))
 
     if _is_nnx(pipe):
 
@@ -239,7 +235,7 @@ def _placer(pipe: Any, layouts: Sequence[Any]):
     """The pipeline that lays the module's stages out: its placement pipeline, with the splits
     its stages carry (the layers' own sharding metadata) as ``param_specs``."""
     stack = _stack(pipe)
-    if stack.placer.mesh is None or not any(any(lay.leaf_splits()) for lay in layouts):
+    if not any(any(lay.leaf_splits()) for lay in layouts):  # (splits need a mesh)
         return stack.placer
     specs = []
     for lay in layouts:

@@ -30,6 +30,7 @@ context holds), and, on a mesh, take concrete arrays, not values traced by ``jax
 from __future__ import annotations
 
 import contextlib
+import math
 import reprlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,21 +38,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import PartitionSpec
 
 from pipejax._src import checks, compat, options
 from pipejax._src.balance import _check_balance
 from pipejax._src.params import forms as stage_forms
 from pipejax._src.params.placement import StageParams
-from pipejax._src.params.shard_moves import (
-    _layer_shardings,
-    _layouts,
-    _moved,
-    _pack_on_devices,
-    _put,
-    _reshard_local,
-    _unpack_on_devices,
-)
 from pipejax._src.pipeline import Pipeline
 
 PyTree = Any
@@ -186,14 +178,8 @@ def layers_target(
       P('stage',)
     """
     _check_pipe(pipe, tree, "layers_target")
-    other = _replicated(pipe)
-    return _map(
-        tree,
-        params,
-        lambda p, name: _target(pipe, p, balance, name),
-        "layers_target",
-        other=lambda a: _struct(a, other),
-    )
+    target = lambda p, name: _target(pipe, p, balance, name)
+    return _map(tree, params, target, "layers_target", other=pipe.plan.structs)
 
 
 def _map(tree, params, convert, where, other=lambda a: a):
@@ -304,12 +290,6 @@ def _shown(value):
     return reprlib.repr(value)
 
 
-def _replicated(pipe):
-    if pipe.mesh is None:
-        return SingleDeviceSharding(jax.devices()[0])
-    return NamedSharding(pipe.mesh, PartitionSpec())
-
-
 def _struct(a, sharding):
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding)
 
@@ -321,66 +301,25 @@ def _to_layers(pipe, params, name):
     options.check_params_shape(params, pipe, name)  # the stage axis, as a call checks it
     lead = len(stage_forms.stage_lead(pipe, params))
     _check_layer_axis(params, lead)
-    if pipe.mesh is None:
-        return jax.tree.map(lambda a: jnp.reshape(a, (-1, *jnp.shape(a)[lead + 1 :])), params)
-    stage_specs, layer_specs = _specs(pipe, params, lead)
-
-    def one(a, stage_spec, layer_spec):
-        shape = (-1, *a.shape[lead + 1 :])
-        if lead == 2:  # stages r n + d on device d: not contiguous in layer order
-            return _moved(a, shape, NamedSharding(pipe.mesh, layer_spec))
-        a = _put(a, NamedSharding(pipe.mesh, stage_spec))
-        return _reshard_local(
-            a, (a.shape[0] * a.shape[1], *a.shape[2:]), NamedSharding(pipe.mesh, layer_spec)
-        )
-
-    return jax.tree.map(one, params, stage_specs, layer_specs)
+    shape = lambda a: (math.prod(jnp.shape(a)[: lead + 1]), *jnp.shape(a)[lead + 1 :])
+    return pipe.plan.relayout(params, shape, lambda: _specs(pipe, params, lead), lead)
 
 
 def _from_layers(pipe, layers, balance, name):
     _check_leaves(layers, name, "from_layers", pipe)
     if not pipe.homogeneous:
         return _restage(pipe, layers, balance, name)
-    per_stage = _per_stage(pipe, layers, balance)
-    if pipe.mesh is None:
-        return jax.tree.map(lambda a: jnp.reshape(a, (pipe.num_stages, per_stage, *jnp.shape(a)[1:])), layers)
-    lead = _lead(pipe)
-    stage_specs, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
-
-    def one(a, stage_spec, layer_spec):
-        a = jnp.asarray(a)
-        if lead == 2:
-            shape = (pipe.repeats, pipe.num_devices, per_stage, *a.shape[1:])
-            return _moved(a, shape, NamedSharding(pipe.mesh, stage_spec))
-        a = _put(a, NamedSharding(pipe.mesh, layer_spec))
-        return _reshard_local(
-            a, (pipe.num_stages, per_stage, *a.shape[1:]), NamedSharding(pipe.mesh, stage_spec)
-        )
-
-    return jax.tree.map(one, layers, stage_specs, layer_specs)
+    shape, staged, lead = _staged(pipe, layers, balance)
+    specs = lambda: _specs(pipe, staged, lead)[::-1]  # from the layer form to the stage form
+    return pipe.plan.relayout(layers, shape, specs, lead)
 
 
 def _target(pipe, layers, balance, name):
     _check_leaves(layers, name, "layers_target", pipe)
     if not pipe.homogeneous:
         return _hetero_target(pipe, layers, balance, name)
-    per_stage = _per_stage(pipe, layers, balance)
-    if pipe.mesh is None:
-        return jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layers)
-    lead = _lead(pipe)
-    _, layer_specs = _specs(pipe, _staged_structs(pipe, layers, per_stage, lead), lead)
-    return jax.tree.map(lambda a, spec: _struct(a, NamedSharding(pipe.mesh, spec)), layers, layer_specs)
-
-
-def _lead(pipe):
-    """How many leading stage axes ``place`` gives stacked stages on ``pipe``'s mesh."""
-    if pipe.repeats > 1 and pipe.num_devices == 1:
-        raise NotImplementedError(
-            f"The pipeline runs {pipe.repeats} circular repeats on a stage axis of one device; "
-            "moving its parameters to and from the layer form is not supported. Run it without a "
-            "mesh (`mesh=None`), or on a stage axis of several devices."
-        )
-    return 2 if pipe.repeats > 1 else 1
+    _, staged, lead = _staged(pipe, layers, balance)
+    return pipe.plan.structs(layers, lambda: _specs(pipe, staged, lead)[1])
 
 
 def _check_layer_axis(params, lead):
@@ -446,12 +385,20 @@ def _per_stage(pipe, layers, balance=None):
     return per_stage
 
 
-def _staged_structs(pipe, layers, per_stage, lead):
+def _staged(pipe, layers, balance):
+    """The stage form of homogeneous ``layers``: each leaf's shape there, the leaves' structs,
+    and how many leading stage axes ``place`` gives them."""
+    per_stage = _per_stage(pipe, layers, balance)
+    lead = pipe.plan.runner_stage_axes()
+    if lead == 2 and pipe.num_devices == 1:
+        raise NotImplementedError(
+            f"The pipeline runs {pipe.repeats} circular repeats on a stage axis of one device; "
+            "moving its parameters to and from the layer form is not supported. Run it without a "
+            "mesh (`mesh=None`), or on a stage axis of several devices."
+        )
     stage_lead = (pipe.repeats, pipe.num_devices) if lead == 2 else (pipe.num_stages,)
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((*stage_lead, per_stage, *jnp.shape(a)[1:]), jnp.result_type(a)),
-        layers,
-    )
+    shape = lambda a: (*stage_lead, per_stage, *jnp.shape(a)[1:])
+    return shape, jax.tree.map(lambda a: jax.ShapeDtypeStruct(shape(a), jnp.result_type(a)), layers), lead
 
 
 def _specs(pipe, staged, lead):
@@ -510,44 +457,25 @@ def _check_stage_layers(stage, s):
 
 def _unstage(pipe, params, name):
     lists = _stage_lists(pipe, params, name)
-    if lists is not None:
-        return [layer for s, stage in enumerate(lists) for layer in _check_stage_layers(stage, s)]
-    if pipe.mesh is None or not _on_mesh(params, pipe.mesh):  # not placed on the mesh: as it is
-        stages = params.unpack()
-    else:
-        stages = _unpack_on_devices(pipe, params)
+    stages = lists if lists is not None else pipe.plan.unstage(params)
     return [layer for s, stage in enumerate(stages) for layer in _check_stage_layers(stage, s)]
 
 
-def _on_mesh(params, mesh):
-    return all(
-        isinstance(b, jax.Array) and b.sharding.device_set == set(mesh.devices.flat) for b in params.buffers
-    )
+def _stages(pipe, layers, balance, name, where):
+    """The list of layers cut into ``balance``'s per-stage lists (checked)."""
+    layers = list(_check_layer_list(layers, name, where))
+    offsets = np.cumsum((0, *_check_balance_for(pipe, balance, len(layers)))).tolist()
+    return [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(offsets) - 1)]
 
 
 def _restage(pipe, layers, balance, name):
-    layers = list(_check_layer_list(layers, name, "from_layers"))
-    sizes = _check_balance_for(pipe, balance, len(layers))
-    offsets = np.cumsum((0, *sizes)).tolist()
-    stages = [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(sizes))]
-    if pipe.mesh is None:
-        return stages
-    return _pack_on_devices(pipe, stages)
+    return pipe.plan.restage(_stages(pipe, layers, balance, name, "from_layers"))
 
 
 def _hetero_target(pipe, layers, balance, name):
-    layers = list(_check_layer_list(layers, name, "layers_target"))
-    sizes = _check_balance_for(pipe, balance, len(layers))
-    if pipe.mesh is None:
-        return [jax.tree.map(lambda a: _struct(a, _replicated(pipe)), layer) for layer in layers]
-    offsets = np.cumsum((0, *sizes)).tolist()
-    stages = [list(layers[offsets[s] : offsets[s + 1]]) for s in range(len(sizes))]
-    layouts = _layouts(pipe, stages)
-    out = []
-    for s, (stage, layout) in enumerate(zip(stages, layouts, strict=True)):
-        shardings = _layer_shardings(pipe, s, layout)
-        out.extend(jax.tree.map(_struct, stage, shardings))
-    return out
+    stages = _stages(pipe, layers, balance, name, "layers_target")
+    shardings = pipe.plan.layer_shardings(stages)
+    return [lay for st, sh in zip(stages, shardings, strict=True) for lay in jax.tree.map(_struct, st, sh)]
 
 
 def _check_layer_list(layers, name, where):

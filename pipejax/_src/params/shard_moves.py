@@ -15,7 +15,7 @@ from pipejax._src.params import forms as stage_forms
 from pipejax._src.params.placement import StageParams
 
 
-def _put(a, sharding):
+def put(a, sharding):
     """``a`` on ``sharding`` (already there: unchanged, nothing moves)."""
     a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
     if a.sharding.is_equivalent_to(sharding, a.ndim):
@@ -23,7 +23,7 @@ def _put(a, sharding):
     return jax.device_put(a, sharding)
 
 
-def _reshard_local(a, shape, sharding):
+def reshard_local(a, shape, sharding):
     """``a`` reshaped to ``shape``, each device reshaping its own shard (no communication).
 
     ``sharding`` must give every device the shard that its shard of ``a`` reshapes to: true
@@ -36,7 +36,7 @@ def _reshard_local(a, shape, sharding):
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
-def _moved(a, shape, sharding):
+def moved(a, shape, sharding):
     """``a`` reshaped to ``shape`` on ``sharding`` by XLA (device to device, on a mesh with Auto
     axes: Explicit axes refuse reshapes of sharded dimensions)."""
     auto = compat.auto_mesh(sharding.mesh)
@@ -49,11 +49,11 @@ def _moved(a, shape, sharding):
     return jax.device_put(out, sharding)
 
 
-def _layouts(pipe, stages):
+def stage_layouts(pipe, stages):
     structs = [
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), st) for st in stages
     ]
-    splits = pipe.plan.splits(structs)
+    splits = pipe.splits(structs)
     layouts = tuple(Layout.of(st) for st in structs)
     if splits is not None:
         layouts = tuple(
@@ -75,7 +75,7 @@ def _coords(pipe, s):
     return (s % n, s // n) if pipe.repeats > 1 and n > 1 else (s, None)
 
 
-def _layer_shardings(pipe, s, layout):
+def layer_shardings(pipe, s, layout):
     d, _ = _coords(pipe, s)
     mesh = _stage_mesh(pipe.mesh, pipe.axis_name, d)
     specs = [
@@ -99,14 +99,14 @@ def _stage_row(shard, d: int, r: int | None):
     return data[d - start : d - start + 1]
 
 
-def _unpack_on_devices(pipe, params: StageParams):
+def unpack_on_devices(pipe, params: StageParams):
     """Every stage's parameter pytree, unpacked on that stage's devices from their own shards."""
     major = any(params.device_major())
     stages = []
     for s, layout in enumerate(params.layouts):
         d, r = _coords(pipe, s)
         sub = _stage_mesh(pipe.mesh, pipe.axis_name, d)
-        shardings = _layer_shardings(pipe, s, layout)
+        shardings = layer_shardings(pipe, s, layout)
         structs = jax.tree.map(
             lambda st, sh: jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=sh), layout.structs(), shardings
         )
@@ -136,10 +136,10 @@ def _unpack_on_devices(pipe, params: StageParams):
     return stages
 
 
-def _pack_on_devices(pipe, stages):
+def pack_on_devices(pipe, stages):
     """The :class:`StageParams` ``pipe.place(stages)`` gives, packed stage by stage on each
     stage's own devices and assembled from those shards."""
-    layouts = _layouts(pipe, stages)
+    layouts = stage_layouts(pipe, stages)
     container = Container.for_layouts(layouts)
     lead = (pipe.axis_name,)
     rows = []  # per stage: its buffers' rows, (1, ...) on its devices
@@ -150,7 +150,7 @@ def _pack_on_devices(pipe, stages):
         if not _local(sub.devices.flat):
             rows.append(None)
             continue
-        stage = jax.tree.map(lambda a, sh: _put(a, sh), stage, _layer_shardings(pipe, s, layout))
+        stage = jax.tree.map(lambda a, sh: put(a, sh), stage, layer_shardings(pipe, s, layout))
         pack = jax.jit(
             lambda p, layout=layout: tuple(b[None] for b in container.pack(p, layout)),
             out_shardings=shardings,
@@ -158,7 +158,7 @@ def _pack_on_devices(pipe, stages):
         rows.append(pack(stage))
     circular = stage_forms.places_device_major(pipe)
     lead_shape = (pipe.repeats, pipe.num_devices) if circular else (pipe.num_stages,)
-    specs = container.slot_specs(pipe.plan.stage_lead())
+    specs = container.slot_specs(pipe.stage_lead())
     buffers = []
     for k, (shape, spec) in enumerate(zip(container.slot_shapes(lead_shape), specs, strict=True)):
         sharding = NamedSharding(pipe.mesh, spec)

@@ -26,7 +26,7 @@ the loop is one scan with no remat wrapper (:func:`pipejax._src.checkpoint.train
 
 Without a mesh there is one device and no bubble to fill: every training schedule is gradient
 accumulation over the micro-batches, the table :func:`~pipejax._src.schedules.tables.sequential_training`
-(:func:`_on_one_device`), with the same keys, loss terms and checkpoint modes, and one
+(:func:`on_one_device`), with the same keys, loss terms and checkpoint modes, and one
 micro-batch's activations kept at a time.
 
 Memory: a device keeps what B and W need of at most ``stash_slots`` micro-batches (``2 n - 1``),
@@ -48,15 +48,6 @@ from pipejax._src import checkpoint as ckpt
 from pipejax._src import compat, engine
 from pipejax._src.containers import Container, Layout
 from pipejax._src.training.stage_grad import StageGrad, Variant
-
-
-def run(grad: StageGrad, table, boundaries, xs, runner, stats_layouts=None, param_specs=None):
-    """One training step on ``table``: ``(the (loss, weight) sums, grads, counts, stats)``, on the
-    pipeline's mesh (:func:`_on_mesh`) or without one (:func:`_on_one_device`); ``runner`` holds
-    the stage parameters in the engine's form, ``xs`` the micro-batches of ``x``."""
-    if grad.pipe.mesh is None:
-        return _on_one_device(grad, table, boundaries, xs, runner, stats_layouts)
-    return _on_mesh(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
 
 
 class _Slots:
@@ -166,7 +157,7 @@ class _MeshSlots(_Slots):
         elsewhere (:func:`engine.dispatch`).
 
         Every branch returns its values varying along the manual axes, so all branches have one
-        type. Everything a slot reads is cast before the loop (see :func:`_on_mesh`), so the
+        type. Everything a slot reads is cast before the loop (see :func:`on_mesh`), so the
         only values cast here are constants (zeros; the cotangent of an integer leaf): no cast
         of a differentiated value sits in a branch, whose transpose (a psum) only some devices
         would reach."""
@@ -286,7 +277,7 @@ class _MeshSlots(_Slots):
         return new, dx
 
 
-def _on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs):
+def on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs):
     """On a mesh: the table runs in the engine's one tick loop (:meth:`engine.MeshDevices.loop`),
     with the F, B and W slots of :class:`_MeshSlots`."""
     pipe, cfg, m = grad.pipe, grad.cfg, table.num_micro
@@ -408,7 +399,7 @@ class _LocalSlots(_Slots):
         return self.kind.row(params, s)
 
 
-def _on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
+def on_one_device(grad: StageGrad, table, bnd, xs, runner, stats_layouts):
     """Without a mesh one device runs every stage, and no schedule has a bubble to fill: every
     training table runs as :func:`~pipejax._src.schedules.tables.sequential_training`, gradient
     accumulation in the engine's loop for one device (:class:`engine.LocalDevices`), one

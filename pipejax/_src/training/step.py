@@ -29,7 +29,7 @@ from jax import lax
 from pipejax._src import aux_outputs, checks, compat, engine, microbatch, options
 from pipejax._src.engine import boundaries as bnd
 from pipejax._src.params import forms as stage_forms
-from pipejax._src.training import slots, stage_grad
+from pipejax._src.training import stage_grad
 from pipejax._src.training.loss import check_float_params, mean_loss, per_example
 
 PyTree = Any
@@ -114,7 +114,7 @@ def slot_counts(pipe, loss_fn, params, x, targets, key=None) -> np.ndarray:
     """int[n, 3]: the F, B and W slots each device executed, counted inside the program (a
     working branch adds one, an idle branch zero); ``int[p, n, 3]`` with a data axis of size
     ``p``; without a mesh ``int[S, 3]``, one F and one B slot per stage and micro-batch (the
-    gradient accumulation of :func:`slots._on_one_device`). For tests and benchmarks."""
+    gradient accumulation of :func:`slots.on_one_device`). For tests and benchmarks."""
     pipe = pipe.plan  # a Pipeline
     _check_params(pipe, params)
     pipe.check_batch(x, None, targets)
@@ -179,7 +179,7 @@ def _run(pipe, loss_fn, params, x, targets, key, context=None, state=None, aux_l
     grad.aux_loss, grad.aux_scale = aux_loss, aux_scale
     if pipe.stateful:  # every stage's state, whole, in the one-device form (stage-major, or a list per stage)
         grad.state = compat.replicate(pipe.kind.local_form(pipe, state))
-    totals, grads, counts, stats = slots.run(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
+    totals, grads, counts, stats = pipe.train(grad, table, boundaries, xs, runner, stats_layouts, param_specs)
     loss = totals[0]
     if weights is not None:  # sums of losses and gradients over the batch's total weight
         loss = loss / totals[1]
