@@ -48,7 +48,10 @@ def run_quick(script: str, *args: str) -> str:
             "maxtext_style.py",
             ("Numerical check", "Memory: compiled temp bytes", "ratio gpipe / MaxText-style", "Compile time"),
         ),
-        ("gpu.py", ("One device:", "composed (jax.value_and_grad)", "1f1b always")),  # any backend
+        (
+            "gpu.py",  # any backend
+            ("One device:", "composed (jax.value_and_grad)", "scan (no remat)", "1f1b always", "their scan"),
+        ),
         ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all of them")),
         ("decisions.py", ("Decision sites", "private members", "Import circles", "Files over 600 lines")),
     ],
