@@ -117,9 +117,8 @@ def check_mesh(mesh, axis_name, num_devices, repeats=1) -> None:
         )
 
 
-def check_no_mesh(data_axis_name, param_specs, axis_name) -> int:
-    """Without a mesh: neither a data axis nor ``param_specs``, which name mesh axes; the data
-    axis size, 1."""
+def check_no_mesh(data_axis_name, param_specs, axis_name) -> None:
+    """Without a mesh: neither a data axis nor ``param_specs``, which name mesh axes."""
     if data_axis_name is not None:
         checks.axis_name(data_axis_name, "data_axis_name", or_none=True)
         raise ValueError(
@@ -132,7 +131,6 @@ def check_no_mesh(data_axis_name, param_specs, axis_name) -> int:
             "`param_specs` shards parameters over mesh axes inside their stage, but `mesh` is "
             "None. Give a mesh with the axes the specs name, or drop `param_specs`."
         )
-    return 1
 
 
 def check_not_manual(mesh, name, arg) -> None:

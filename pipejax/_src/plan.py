@@ -83,7 +83,8 @@ class Plan:
         checkpoint = options.check_checkpoint(checkpoint, schedule)
         checks.axis_name(axis_name)
         if mesh is None:
-            data_size = options.check_no_mesh(data_axis_name, param_specs, axis_name)
+            options.check_no_mesh(data_axis_name, param_specs, axis_name)
+            data_size = 1
         else:
             options.check_mesh(mesh, axis_name, num_devices, repeats)
             data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
@@ -256,13 +257,19 @@ class Plan:
         packed on each stage's own devices; unchanged on one device."""
         return stages if self.mesh is None else shard_moves.pack_on_devices(self, stages)
 
-    def layer_shardings(self, stages):
-        """Per stage, its layers' shardings: its stage's devices (split as ``param_specs`` says),
-        or the first device."""
+    def layer_structs(self, stages):
+        """Per-stage lists of layers as one list of ``jax.ShapeDtypeStruct`` per layer, where
+        ``place`` puts them: on its stage's devices (split as ``param_specs`` says), or on the
+        first device."""
         if self.mesh is None:
-            return [jax.tree.map(lambda _: self.sharding(), stage) for stage in stages]
+            return [self.structs(layer) for stage in stages for layer in stage]
         layouts = shard_moves.stage_layouts(self, stages)
-        return [shard_moves.layer_shardings(self, s, lay) for s, lay in enumerate(layouts)]
+        shardings = [shard_moves.layer_shardings(self, s, lay) for s, lay in enumerate(layouts)]
+        return [
+            layer
+            for stage, sh in zip(stages, shardings, strict=True)
+            for layer in jax.tree.map(_struct, stage, sh)
+        ]
 
     def train(self, grad, table, boundaries, xs, runner, stats_layouts, param_specs):
         """One training step's slots (:mod:`~pipejax._src.training.slots`): on the mesh's tick

@@ -290,10 +290,6 @@ def _shown(value):
     return reprlib.repr(value)
 
 
-def _struct(a, sharding):
-    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding)
-
-
 def _to_layers(pipe, params, name):
     _check_leaves(params, name, "to_layers", pipe)
     if not pipe.homogeneous:
@@ -473,9 +469,7 @@ def _restage(pipe, layers, balance, name):
 
 
 def _hetero_target(pipe, layers, balance, name):
-    stages = _stages(pipe, layers, balance, name, "layers_target")
-    shardings = pipe.plan.layer_shardings(stages)
-    return [lay for st, sh in zip(stages, shardings, strict=True) for lay in jax.tree.map(_struct, st, sh)]
+    return pipe.plan.layer_structs(_stages(pipe, layers, balance, name, "layers_target"))
 
 
 def _check_layer_list(layers, name, where):
