@@ -22,7 +22,7 @@ Sections (markdown tables):
    same recomputation). Noisy on a shared machine: medians of interleaved rounds.
 4. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
    CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
-   (:meth:`TrainingSchedule.step_time`, lockstep: a tick lasts as long as its busiest device).
+   (:meth:`pipejax.Schedule.step_time`, lockstep: a tick lasts as long as its busiest device).
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ from pipejax._src.pipeline import StageFn as StageFn
 from pipejax._src.pipeline import StatefulStageFn as StatefulStageFn
 from pipejax._src.pipeline import pipeline as pipeline
 from pipejax._src.random import dropout as dropout
-from pipejax._src.schedules.tables import Schedule as Schedule
-from pipejax._src.schedules.tables import TrainingSchedule as TrainingSchedule
+from pipejax._src.schedules.table import Action as ScheduleAction
+from pipejax._src.schedules.table import Schedule as Schedule
+from pipejax._src.schedules.table import from_actions as schedule_from_actions
+from pipejax._src.schedules.tables import TrainingSchedule as TrainingSchedule  # = Schedule; not in __all__
 from pipejax._src.schedules.tables import circular as circular_schedule
 from pipejax._src.schedules.tables import circular_bubble_fraction as circular_bubble_fraction
 from pipejax._src.schedules.tables import gpipe as gpipe_schedule
@@ -67,10 +69,10 @@ __all__ = [
     "Pipeline",
     "Residual",
     "Schedule",
+    "ScheduleAction",
     "StageFn",
     "StageParams",
     "StatefulStageFn",
-    "TrainingSchedule",
     "balance",
     "balance_costs",
     "batch_norm",
@@ -96,6 +98,7 @@ __all__ = [
     "one_f_one_b_schedule",
     "partition",
     "pipeline",
+    "schedule_from_actions",
     "sequential_schedule",
     "split_microbatches",
     "stage_key",

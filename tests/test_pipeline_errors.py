@@ -456,7 +456,7 @@ def test_a_pipeline_runs_eagerly_inside_another_mesh_context():
 
 
 def test_table_helpers_check_their_flags_and_stage_params_its_params():
-    with pytest.raises(TypeError, match=r"`per_stage` of TrainingSchedule.in_flight must be True or False"):
+    with pytest.raises(TypeError, match=r"`per_stage` of Schedule.in_flight must be True or False"):
         pj.one_f_one_b_schedule(2, 4).in_flight(per_stage="yes")
     pipe = pj.pipeline([affine, affine])
     with pytest.raises(TypeError, match=r"`params` must be a sequence"):

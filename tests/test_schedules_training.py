@@ -79,7 +79,7 @@ def test_table_is_valid(name, n, m):
 def test_interleaved_table_is_valid(n, m, v):
     s = pj.interleaved_one_f_one_b_schedule(n, m, v)
     S = n * v
-    fs, bs = s.stages()
+    fs, bs = s.stages("F"), s.stages("B")
     F, B = _ticks(s.forward, fs), _ticks(s.backward, bs)
     every = {(j, i) for j in range(S) for i in range(m)}
     assert set(F) == set(B) == every
@@ -120,7 +120,7 @@ def test_stash_is_flat_in_m():
 
 def _naive_in_flight(s, per_stage=False):
     last = s.backward if s.weight is None else s.weight
-    fs, bs = s.stages()
+    fs, bs = s.stages("F"), s.stages("B")
     n, t = s.num_devices, np.arange(s.num_ticks)
     count = np.zeros((s.num_ticks, n * s.repeats), np.int64)
     first, done = {}, {}
@@ -189,18 +189,6 @@ def test_table_helpers_scale_to_long_tables():
     interleaved = sched.interleaved_one_f_one_b(4, 20_000, 2)  # 160,000 (stage, micro) pairs
     assert interleaved.stash_slots() == 8  # min(m, 2 n), flat in m
     assert interleaved.slots()["F"].tolist() == [2 * 20_000] * 4
-
-
-def test_a_table_with_an_f_but_no_b_is_refused():
-    s = sched.one_f_one_b(2, 3)
-    broken = s._replace(backward=np.where(s.backward == 1, -1, s.backward))
-    msg = r"'1f1b' table runs the F slot of stage 0 on micro-batch 1 but never its B \(or W\) slot"
-    with pytest.raises(ValueError, match=msg):
-        broken.stash_slots()
-    stray = s._replace(forward_stage=s.stages()[0] + 2, backward_stage=s.stages()[1])
-    msg = r"names stages 2 \.\. 3 for its F slots, but 2 devices with `repeats=1` hold the stages 0 \.\. 1\."
-    with pytest.raises(ValueError, match=msg):
-        stray.in_flight()
 
 
 # --- the program: against GPipe's jax.value_and_grad -------------------------------------------------
@@ -580,22 +568,15 @@ def test_pipeline_schedule_is_the_table_the_schedule_runs():
     for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
         apply = pj.pipeline([f] * 4, chunks=4, schedule=name, repeats=repeats)
         table = apply.schedule(8)
-        assert isinstance(table, pj.TrainingSchedule) and table.name == name
-        assert _same(table, sched.training(name, 4, 4, repeats))
+        assert table.trains and table.name == name
+        assert table == sched.training(name, 4, 4, repeats)
         forward = apply.schedule(8, training=False)
-        assert isinstance(forward, pj.Schedule)
-        assert _same(forward, sched.circular(4 // repeats, 4, repeats))
+        assert not forward.trains
+        assert forward == sched.circular(4 // repeats, 4, repeats) != table
     gpipe = pj.pipeline([f] * 4, chunks=4)
-    assert _same(gpipe.schedule(8), sched.gpipe(4, 4))
-    assert _same(gpipe.schedule(8, training=False), sched.gpipe(4, 4))
+    assert gpipe.schedule(8) == sched.gpipe(4, 4)
+    assert gpipe.schedule(8, training=False) == sched.gpipe(4, 4)
     with pytest.raises(ValueError, match=r"`training=True` asks for the training table"):
         gpipe.schedule(8, training=True)
     with pytest.raises(TypeError, match=r"`training` must be None, True or False"):
         gpipe.schedule(8, training="yes")
-
-
-def _same(a, b) -> bool:
-    """Two tables of the same type with equal fields (arrays compared whole)."""
-    return type(a) is type(b) and all(
-        (x is None and y is None) or np.array_equal(x, y) for x, y in zip(a, b, strict=True)
-    )

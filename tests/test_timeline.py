@@ -21,10 +21,9 @@ TABLES = {
 
 def working_slots(table) -> list[tuple[str, int, int, int]]:
     """(kind, tick, device, micro-batch) of every slot that works, read from the table itself."""
-    if isinstance(table, pj.Schedule):
-        parts = {"F": table.table}
-    else:
-        parts = {"F": table.forward, "B": table.backward}
+    parts = {"F": table.table}
+    if table.trains:
+        parts["B"] = table.backward
         if table.weight is not None:
             parts["W"] = table.weight
     return sorted(
@@ -145,21 +144,21 @@ def test_inputs_held_scales_to_long_tables():
         (
             {"ax": "left"},
             TypeError,
-            r"`ax` of TrainingSchedule.plot must be a matplotlib Axes .* but got str 'left'",
+            r"`ax` of Schedule.plot must be a matplotlib Axes .* but got str 'left'",
         ),
         (
             {"ax": [1, 2]},
             TypeError,
-            r"`ax` of TrainingSchedule.plot .* got list \[1, 2\]\. Pass e\.g\. `fig, ax = plt",
+            r"`ax` of Schedule.plot .* got list \[1, 2\]\. Pass e\.g\. `fig, ax = plt",
         ),
-        ({"title": 3}, TypeError, r"`title` of TrainingSchedule.plot must be a string, or None .* got int 3"),
+        ({"title": 3}, TypeError, r"`title` of Schedule.plot must be a string, or None .* got int 3"),
         (
             {"labels": "yes"},
             TypeError,
-            r"`labels` of TrainingSchedule.plot must be True, False, or None .* got str",
+            r"`labels` of Schedule.plot must be True, False, or None .* got str",
         ),
-        ({"labels": 1}, TypeError, r"`labels` of TrainingSchedule.plot .* but got int 1"),
-        ({"notes": ["a"]}, TypeError, r"`notes` of TrainingSchedule.plot must be a dict from device to text"),
+        ({"labels": 1}, TypeError, r"`labels` of Schedule.plot .* but got int 1"),
+        ({"notes": ["a"]}, TypeError, r"`notes` of Schedule.plot must be a dict from device to text"),
         ({"notes": {4: "x"}}, ValueError, r"note for device 4, but the table has the devices 0 \.\. 3; key"),
         ({"notes": {-1: "x"}}, ValueError, r"note for device -1, but the table has the devices 0 \.\. 3"),
         ({"notes": {"0": "x"}}, ValueError, r"note for device '0', but the table has the devices 0 \.\. 3"),

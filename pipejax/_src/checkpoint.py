@@ -29,7 +29,7 @@ import numpy as np
 
 from pipejax._src import checks
 from pipejax._src.containers import Layout
-from pipejax._src.schedules.tables import Schedule
+from pipejax._src.schedules.table import Schedule
 
 MODES = ("always", "except_last", "never")
 
@@ -255,7 +255,7 @@ def sequential_phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
 
 
 def training_phases(schedule) -> list[Phase]:
-    """The phase of a training table (:class:`~pipejax._src.schedules.tables.TrainingSchedule`): one scan
+    """The phase of a training table (:class:`~pipejax._src.schedules.table.Schedule` with B slots): one scan
     over every tick, its slots unwrapped. Its program owns the backward pass (the slots save and
     recompute as the checkpoint mode says, :mod:`pipejax._src.training.stage_grad`), so nothing differentiates
     the loop and no slot is guarded by the phase."""

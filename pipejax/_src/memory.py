@@ -213,7 +213,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
 
     and ``P``, the parameter bytes of one stage (``P_d``: of the stages one device holds). With
     ``n`` devices, ``m`` micro-batches, ``T`` ticks (``v m + n - 1`` for ``v`` repeats) and ``K`` stash slots
-    (:meth:`~pipejax._src.schedules.tables.TrainingSchedule.stash_slots`):
+    (:meth:`~pipejax._src.schedules.table.Schedule.stash_slots`):
 
     ========  ============  =================  ===============  =======  ==============
     schedule  mode          stash              work             outputs  loop, params

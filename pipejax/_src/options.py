@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from pipejax._src import checkpoint as ckpt
 from pipejax._src import checks, compat
 from pipejax._src.params import placement
-from pipejax._src.schedules.kinds import SCHEDULES
+from pipejax._src.schedules.kinds import SCHEDULES, table_schedule
 
 PyTree = Any
 
@@ -58,15 +58,23 @@ def check_chunks(chunks) -> int:
     return checks.count(chunks, "chunks", what="the number of micro-batches per mini-batch")
 
 
-def check_schedule(schedule, repeats, num_stages) -> int:
-    """Validates the schedule name and ``repeats``; returns ``repeats`` as an int."""
+def check_schedule(schedule, repeats, num_stages):
+    """Validates the schedule (a name, or a user's table builder) and ``repeats``; returns
+    ``(the schedule object, repeats as an int)``."""
     kinds = ", ".join(repr(k) for k in SCHEDULES)
-    if not isinstance(schedule, str):
-        raise TypeError(f"`schedule` must be one of {kinds}, but got {type(schedule).__name__} {schedule!r}.")
-    if schedule not in SCHEDULES:
+    if callable(schedule) and not isinstance(schedule, str):
+        kind = table_schedule(schedule)
+    elif not isinstance(schedule, str):
+        raise TypeError(
+            f"`schedule` must be one of {kinds}, or a function `(num_devices, num_micro) -> "
+            f"pj.Schedule` (a table you write), but got {type(schedule).__name__} {schedule!r}."
+        )
+    elif schedule not in SCHEDULES:
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
+    else:
+        kind = SCHEDULES[schedule]
     repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
-    if not SCHEDULES[schedule].takes_repeats and repeats != 1:
+    if not kind.takes_repeats and repeats != 1:
         raise ValueError(
             f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
             f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
@@ -78,14 +86,13 @@ def check_schedule(schedule, repeats, num_stages) -> int:
             f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
             "change `repeats`."
         )
-    return repeats
+    return kind, repeats
 
 
-def check_checkpoint(checkpoint, schedule: str):
+def check_checkpoint(checkpoint, kind):
     """The checkpoint mode, ``None`` resolved to the schedule's default (``"except_last"`` for the
     forward schedules, ``"always"`` for those that own the backward pass), and checked against
-    the schedule's rule (:mod:`pipejax._src.schedules.kinds`)."""
-    kind = SCHEDULES[schedule]
+    the rule of the schedule ``kind`` (:mod:`pipejax._src.schedules.kinds`)."""
     if checkpoint is None:
         return kind.default_checkpoint
     ckpt.check_mode(checkpoint)

@@ -97,7 +97,7 @@ def pipeline(
     axis_name: str = "stage",
     per_example_keys: bool = False,
     stateful: bool = False,
-    schedule: str = "gpipe",
+    schedule: str | Callable[[int, int], Any] = "gpipe",
     repeats: int = 1,
     data_axis_name: str | None = None,
     param_specs: Any = None,
@@ -177,7 +177,9 @@ def pipeline(
       schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
         or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"`` or
         ``"interleaved-1f1b"`` (with ``repeats``), which :meth:`Pipeline.value_and_grad` runs (the
-        forward call alone runs the GPipe or circular table).
+        forward call alone runs the GPipe or circular table); or a function ``(num_devices,
+        num_micro) -> pj.Schedule`` that returns a training table you wrote
+        (:func:`pipejax.schedule_from_actions`; docs/pipeline_tables.md), run as those are.
       repeats: with ``schedule="circular"`` or ``"interleaved-1f1b"``, the number ``v >= 1`` of
         stages each device holds; ``num_stages`` must be a multiple of it. ``1`` for GPipe.
       data_axis_name: the name of a second mesh axis to split the micro-batches over (data x
@@ -311,7 +313,7 @@ class Pipeline:
         axis_name: str,
         per_example_keys: bool = False,
         stateful: bool = False,
-        schedule: str = "gpipe",
+        schedule: Any = "gpipe",
         repeats: int = 1,
         data_axis_name: str | None = None,
         param_specs: Any = None,
@@ -505,14 +507,14 @@ class Pipeline:
         options.check_params_shape(params, self.plan)
         return self.kind.stage_params(self.plan, params, s)
 
-    def schedule(self, batch: int, training: bool | None = None) -> sched.Schedule | sched.TrainingSchedule:
+    def schedule(self, batch: int, training: bool | None = None) -> sched.Schedule:
         """The table a batch of ``batch`` examples runs with on the pipeline's stage devices (per
         data shard, with a data axis), one column per device (see
         :mod:`pipejax._src.schedules.tables`); without a mesh, the table it would run on one.
 
         ``training``: ``None`` (the default) gives the schedule's own table: for a schedule that
         holds the backward slots (``'1f1b'``, ``'zb-h1'``, ``'interleaved-1f1b'``) the training
-        table :meth:`value_and_grad` runs (a :class:`~pipejax.TrainingSchedule`), for GPipe and
+        table :meth:`value_and_grad` runs (a :class:`~pipejax.Schedule` with B slots), for GPipe and
         the circular schedule the forward table. ``False`` gives the forward call's table
         (GPipe's, or the circular one, for every schedule).
 

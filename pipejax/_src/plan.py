@@ -38,7 +38,7 @@ class Plan:
     stages: tuple[Callable[..., Any], ...]
     homogeneous: bool  # one stage function stacked on a stage axis, or one function per stage
     num_stages: int
-    schedule_name: str
+    schedule: schedule_kinds.Kind  # its tables, its checkpoint rule, whether it owns the backward
     repeats: int  # stages per device
     num_devices: int  # devices along the stage axis
     chunks: int
@@ -77,7 +77,7 @@ class Plan:
         aux = aux_outputs.check_mode(aux)
         tied = options.check_tied(tied, len(stages))
         num_stages = len(stages)
-        repeats = options.check_schedule(schedule, repeats, num_stages)
+        schedule, repeats = options.check_schedule(schedule, repeats, num_stages)
         num_devices = num_stages // repeats
         chunks = options.check_chunks(chunks)
         checkpoint = options.check_checkpoint(checkpoint, schedule)
@@ -101,11 +101,9 @@ class Plan:
         return kinds.of(self.homogeneous)
 
     @property
-    def schedule(self) -> schedule_kinds.Kind:
-        """The schedule (:mod:`pipejax._src.schedules.kinds`): its tables, its checkpoint rule,
-        and whether it runs the backward pass itself (``schedule.owns_backward``: 1F1B, ZB-H1,
-        interleaved 1F1B) or autodiff runs the forward loop backwards."""
-        return schedule_kinds.SCHEDULES[self.schedule_name]
+    def schedule_name(self) -> str:
+        """The schedule's name (a user's table builder: its function's name)."""
+        return self.schedule.name
 
     def table(self, call: Cut, training: bool = False, *, on_mesh: bool = False):
         """The table a call runs on its ``call.num_micro`` micro-batches (per data shard): the one

@@ -24,7 +24,7 @@ was not written for, so no ``nan`` reaches a gradient: heterogeneous stages skip
 switch branch), and a homogeneous stage computes on a micro-batch of ``x`` (its function is
 stage 0's) and the result goes nowhere but to other bubbles (see :class:`Homogeneous`).
 
-A training table (1F1B, ZB-H1, interleaved 1F1B: :class:`~pipejax._src.schedules.tables.TrainingSchedule`)
+A training table (1F1B, ZB-H1, interleaved 1F1B: :class:`~pipejax._src.schedules.table.Schedule` with B slots)
 runs in the same loop, on a mesh (:meth:`MeshDevices.loop`) and without one
 (:meth:`LocalDevices.run`, the table :func:`~pipejax._src.schedules.tables.sequential_training`): its F
 slot is the tick's stage computation (the training program's, :class:`Slots`), and its B and W

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipejax._src.engine.config import Config, Inputs
 from pipejax._src.engine.tick import ForwardSlots, _Ctx
-from pipejax._src.schedules.tables import Schedule
+from pipejax._src.schedules.table import Schedule
 
 
 def run(cfg: Config, devices, stages, schedule: Schedule, inputs: Inputs):

@@ -24,7 +24,7 @@ from pipejax._src.engine.collectives import (
 from pipejax._src.engine.config import Config, Inputs, read, take
 from pipejax._src.engine.table_rows import loop_delay, split_row
 from pipejax._src.engine.tick import Carry, _Ctx, _scan, recomputed
-from pipejax._src.schedules.tables import Schedule
+from pipejax._src.schedules.table import Schedule
 
 
 class MeshDevices:

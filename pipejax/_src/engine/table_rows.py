@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax._src.schedules import tables as sched
-from pipejax._src.schedules.tables import Schedule
+from pipejax._src.schedules.table import Schedule
 
 
 def rows(schedule):
     """The scan's per-tick input: one table ``int32[T, 2 D + 1]``, each row the tick's micro-batch
     and stage of every device and the tick itself (split by :func:`split_row`); a training table
-    (:class:`~pipejax._src.schedules.tables.TrainingSchedule`) has its F slots there and, after them,
+    (one with B slots) has its F slots there and, after them,
     the micro-batches of its B and W slots and the stages of its B slots (:func:`back_row`):
     ``int32[T, 5 D + 1]``.
 
@@ -24,10 +23,9 @@ def rows(schedule):
     stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
     backward pass."""
     tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
-    if isinstance(schedule, sched.TrainingSchedule):
-        fs, bs = schedule.stages()
+    if schedule.trains:
         w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
-        return table(schedule.forward, fs, tick, schedule.backward, w, bs)
+        return table(schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B"))
     return table(schedule.table, schedule.stages(), tick)
 
 
@@ -59,7 +57,8 @@ def loop_delay(schedule: Schedule) -> int:
     value: 2,658.7 KiB against 2,322.9 KiB per device at m = 32 on
     ``benchmarks/maxtext_style.py``.) No buffer at all when the delay is 0.
 
-    >>> [loop_delay(sched.circular(4, m, 2)) for m in (2, 4, 8, 16)]
+    >>> from pipejax._src.schedules import tables
+    >>> [loop_delay(tables.circular(4, m, 2)) for m in (2, 4, 8, 16)]
     [0, 0, 4, 12]
     """
     micro, stage = schedule.table, schedule.stages()

@@ -12,17 +12,20 @@ schedule names. Two families:
   forward table, and differentiating it is refused (:meth:`BackwardSchedule.guard_forward`).
 
 Adding a schedule means adding its table to :mod:`pipejax._src.schedules.tables` and its object
-here.
+here. A user's schedule is a table builder (``schedule=`` a callable), run as
+:class:`TableSchedule`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from pipejax._src import microbatch
-from pipejax._src.schedules import tables
+from pipejax._src.schedules import table, tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,40 @@ class BackwardSchedule:
             )
 
         return call
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSchedule(BackwardSchedule):
+    """A schedule a user writes: ``build(num_devices, num_micro)`` returns its training table (a
+    :class:`~pipejax._src.schedules.table.Schedule` with B slots, e.g. from
+    :func:`~pipejax._src.schedules.table.from_actions`), checked as every built-in table is. It
+    runs as the built-in training schedules do: a table equal to 1F1B's gives 1F1B's programs."""
+
+    build: Callable[[int, int], Any] = None
+    takes_repeats: bool = True  # the table says which chunk each slot runs
+
+    def training_table(self, num_stages, num_micro, repeats):
+        n = num_stages // repeats
+        t = self.build(n, num_micro)
+        want = f"a training table for {n} devices, `num_micro={num_micro}` and `repeats={repeats}`"
+        if not isinstance(t, table.Schedule) or not t.trains:
+            raise TypeError(
+                f"`schedule={self.name!r}` must return {want} (a `pj.Schedule` with B slots, e.g. from "
+                f"`pj.schedule_from_actions`), but `{self.name}({n}, {num_micro})` returned "
+                f"{type(t).__name__} {t!r:.120}."
+            )
+        got = (t.num_devices, t.num_micro, t.repeats)
+        if got != (n, num_micro, repeats):
+            raise ValueError(
+                f"`schedule={self.name!r}` must return {want}, but `{self.name}({n}, {num_micro})` "
+                f"returned one for {got[0]} devices, `num_micro={got[1]}` and `repeats={got[2]}`."
+            )
+        return t
+
+
+def table_schedule(build) -> TableSchedule:
+    """The schedule object of a user's table builder ``build(num_devices, num_micro)``."""
+    return TableSchedule(getattr(build, "__name__", type(build).__name__), build=build)
 
 
 Kind = ForwardSchedule | BackwardSchedule

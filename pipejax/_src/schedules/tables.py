@@ -27,65 +27,17 @@ With ``v = 1`` the circular table is GPipe's.
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import numpy as np
 
 from pipejax._src import checks
-from pipejax._src.schedules import timeline  # presentation: reads the tables, imports none of this
+from pipejax._src.schedules.table import Schedule, _costs
 
 KINDS = ("gpipe", "circular")
 
 
-class Schedule(NamedTuple):
-    """A static pipeline schedule."""
-
-    table: np.ndarray  # int32[ticks, num_devices]: micro-batch index, or -1 for a bubble
-    num_micro: int  # m
-    fill_ticks: int  # ticks before the last micro-batch enters stage 0 (the "fill" phase)
-    stage_table: np.ndarray | None = None  # int32[ticks, num_devices]: the stage each device runs
-    repeats: int = 1  # v: stages per device; each micro-batch goes round the devices v times
-
-    @property
-    def num_ticks(self) -> int:
-        return self.table.shape[0]
-
-    @property
-    def num_devices(self) -> int:
-        """``D``: the devices along the stage axis (GPipe: the number of stages)."""
-        return self.table.shape[1]
-
-    @property
-    def num_stages(self) -> int:
-        """``S = repeats * num_devices``: the stages of the model."""
-        return self.repeats * self.num_devices
-
-    def stages(self) -> np.ndarray:
-        """int32[ticks, num_devices]: the stage each device runs at each tick (see the module)."""
-        if self.stage_table is not None:
-            return self.stage_table
-        return np.broadcast_to(np.arange(self.num_devices, dtype=np.int32), self.table.shape)
-
-    def work_per_stage(self) -> np.ndarray:
-        """int[num_stages]: ticks on which each stage has a micro-batch to process."""
-        work = self.table >= 0
-        return np.bincount(self.stages()[work], minlength=self.num_stages)
-
-    def work_per_device(self) -> np.ndarray:
-        """int[num_devices]: ticks on which each device has a micro-batch to process."""
-        return (self.table >= 0).sum(axis=0)
-
-    def bubble_fraction(self) -> float:
-        """Idle device-ticks over all device-ticks."""
-        return float((self.table < 0).mean())
-
-    def slot_fields(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """``{kind: (micro-batch table, stage table)}`` for each slot kind of a tick, in the order
-        a device runs them: ``"F"`` only."""
-        return {"F": (self.table, self.stages())}
-
-    render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
+def _forward(name: str, micro: np.ndarray, stage: np.ndarray, num_micro: int, repeats: int = 1, hop: int = 1):
+    """A forward table (F slots only) through the one constructor and its check."""
+    return Schedule(name, {"F": micro}, {"F": stage}, num_micro, repeats, hop)
 
 
 def _counts(**values) -> list[int]:
@@ -97,23 +49,6 @@ def _counts(**values) -> list[int]:
         "repeats": "the stages each device holds",
     }
     return [checks.count(v, name, what=what.get(name, "")) for name, v in values.items()]
-
-
-def _costs(**values) -> list[float]:
-    """Slot costs: finite numbers >= 0, not all zero."""
-    out = []
-    for name, v in values.items():
-        if isinstance(v, (bool, str, bytes)) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise TypeError(
-                f"`{name}` must be a number >= 0 (a slot's cost), but got {type(v).__name__} {v!r}."
-            )
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"`{name}` must be a finite number >= 0 (a slot's cost), but got {v!r}.")
-        out.append(float(v))
-    if not any(out):
-        names = ", ".join(f"`{n}`" for n in values)
-        raise ValueError(f"The slot costs {names} are all 0; give at least one a positive cost.")
-    return out
 
 
 def gpipe(num_stages: int, num_micro: int) -> Schedule:
@@ -147,7 +82,7 @@ def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
     working = (k >= 0) & (k < v * slots) & (i < m)
     table = np.where(working, i, -1).astype(np.int32)
     stage_table = (r * n + devices).astype(np.int32)  # before: first stage; after: last stage
-    return Schedule(table=table, num_micro=m, fill_ticks=m - 1, stage_table=stage_table, repeats=v)
+    return _forward("gpipe" if v == 1 else "circular", table, stage_table, m, v)
 
 
 def sequential(num_stages: int, num_micro: int) -> Schedule:
@@ -161,11 +96,11 @@ def sequential(num_stages: int, num_micro: int) -> Schedule:
     ([[0, 1], [0, 1], [0, 1]], [[0, 0], [1, 1], [2, 2]], 0.0)
     """
     num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
-    table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], (num_micro, num_stages))
-    return Schedule(table=np.array(table), num_micro=num_micro, fill_ticks=0)
+    table, stage = _in_turn(num_stages, num_micro)
+    return _forward("sequential", table, stage, num_micro, hop=0)
 
 
-def sequential_training(num_stages: int, num_micro: int) -> TrainingSchedule:
+def sequential_training(num_stages: int, num_micro: int) -> Schedule:
     """The training table of one device (``mesh=None``): at tick ``t`` the F slots of every stage
     on micro-batch ``t``, then its B slots, the columns handing activations on (and cotangents
     back) within the tick: gradient accumulation, one micro-batch's worth kept at a time.
@@ -175,8 +110,15 @@ def sequential_training(num_stages: int, num_micro: int) -> TrainingSchedule:
     ([[0, 1, 2], [0, 1, 2]], 1)
     """
     num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
-    table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], (num_micro, num_stages))
-    return TrainingSchedule("sequential", np.array(table), np.array(table), None, num_micro)
+    table, stage = _in_turn(num_stages, num_micro)
+    return Schedule("sequential", {"F": table, "B": table}, {"F": stage, "B": stage}, num_micro, hop=0)
+
+
+def _in_turn(num_stages: int, num_micro: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tables of :func:`sequential`: micro-batch ``t`` on every column (stage) at tick ``t``."""
+    shape = (num_micro, num_stages)
+    table = np.broadcast_to(np.arange(num_micro, dtype=np.int32)[:, None], shape)
+    return table, np.broadcast_to(np.arange(num_stages, dtype=np.int32), shape)
 
 
 def one_device(num_stages: int, num_micro: int) -> Schedule:
@@ -190,13 +132,7 @@ def one_device(num_stages: int, num_micro: int) -> Schedule:
     """
     num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
     micro, stage = np.divmod(np.arange(num_micro * num_stages, dtype=np.int32), num_stages)
-    return Schedule(
-        table=micro[:, None],
-        num_micro=num_micro,
-        fill_ticks=(num_micro - 1) * num_stages,
-        stage_table=stage[:, None],
-        repeats=num_stages,
-    )
+    return _forward("one-device", micro[:, None], stage[:, None], num_micro, num_stages)
 
 
 def gpipe_bubble_fraction(num_stages: int, num_micro: int) -> float:
@@ -256,146 +192,10 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b")
 
 
-class TrainingSchedule(NamedTuple):
-    """A static table of forward (F), backward (B) and weight-gradient (W) slots.
-
-    ``forward[t, d] = i`` when device ``d`` runs the forward of its stage on micro-batch ``i`` at
-    tick ``t`` (``-1``: none); ``backward`` and ``weight`` likewise. ``weight`` is ``None`` when B
-    computes the parameter cotangent too. Device ``d`` runs stage ``d``, or with ``repeats = v >
-    1`` ("interleaved-1f1b") the stage ``forward_stage[t, d]`` / ``backward_stage[t, d]``, one of
-    its stages ``d, d + n, ..., d + (v - 1) n``.
-    """
-
-    name: str
-    forward: np.ndarray  # int32[ticks, n]
-    backward: np.ndarray  # int32[ticks, n]
-    weight: np.ndarray | None  # int32[ticks, n] or None
-    num_micro: int
-    forward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
-    backward_stage: np.ndarray | None = None  # int32[ticks, n]; None: stage d on device d
-    repeats: int = 1  # v: stages per device
-
-    def stages(self) -> tuple[np.ndarray, np.ndarray]:
-        """int32[ticks, n] twice: the stage of each F slot and of each B (and W) slot."""
-        if self.forward_stage is not None:
-            return self.forward_stage, self.backward_stage
-        d = np.broadcast_to(np.arange(self.num_devices, dtype=np.int32), self.forward.shape)
-        return d, d
-
-    @property
-    def num_ticks(self) -> int:
-        return self.forward.shape[0]
-
-    @property
-    def num_devices(self) -> int:
-        return self.forward.shape[1]
-
-    def slots(self) -> dict[str, np.ndarray]:
-        """int[n] per kind ("F", "B", and "W" for "zb-h1"): the slots each device runs."""
-        out = {"F": (self.forward >= 0).sum(0), "B": (self.backward >= 0).sum(0)}
-        if self.weight is not None:
-            out["W"] = (self.weight >= 0).sum(0)
-        return out
-
-    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int[k] three times: the stage, first tick and last tick of each of the ``k`` stage
-        inputs the table keeps, one per (stage, micro-batch) with an F slot: held from the tick of
-        its F to the tick of its last use (its B, or its W for "zb-h1"), both included.
-
-        Linear in the table's size: a (stage, micro-batch) pair is one integer key, and the
-        ticks of its F and of its last use are found by indexing with the keys, not by a scan of
-        the table per pair.
-        """
-        last = self.backward if self.weight is None else self.weight
-        fs, bs = self.stages()
-        f_tick, f_dev = np.nonzero(self.forward >= 0)  # row-major: ticks ascending
-        l_tick, l_dev = np.nonzero(last >= 0)
-        f_micro, l_micro = self.forward[f_tick, f_dev], last[l_tick, l_dev]
-        f_stage, l_stage = fs[f_tick, f_dev], bs[l_tick, l_dev]
-        num_stages = self.num_devices * self.repeats
-        for slot, stages in (("F", f_stage), ("B or W", l_stage)):
-            if len(stages) and not 0 <= stages.min() <= stages.max() < num_stages:
-                raise ValueError(
-                    f"The {self.name!r} table names stages {stages.min()} .. {stages.max()} for its "
-                    f"{slot} slots, but {self.num_devices} devices with `repeats={self.repeats}` hold "
-                    f"the stages 0 .. {num_stages - 1}. Build tables with the schedule constructors "
-                    "(e.g. `pj.interleaved_one_f_one_b_schedule`)."
-                )
-        width = int(max(f_micro.max(initial=-1), l_micro.max(initial=-1))) + 1
-        f_key = f_stage.astype(np.int64) * width + f_micro
-        l_key = l_stage.astype(np.int64) * width + l_micro
-        first = np.full(num_stages * width, -1, np.int64)  # as many keys as a constructor's F slots
-        done = first.copy()
-        np.maximum.at(first, f_key, f_tick)  # a key's last F (and last use) counts
-        np.maximum.at(done, l_key, l_tick)
-        has_f = first >= 0
-        missing = np.flatnonzero(has_f & (done < 0))
-        if len(missing):
-            j, i = divmod(int(missing[0]), width)
-            raise ValueError(
-                f"The {self.name!r} table runs the F slot of stage {j} on micro-batch {i} but never "
-                "its B (or W) slot; every F slot needs one. Build tables with the schedule "
-                "constructors (e.g. `pj.one_f_one_b_schedule`)."
-            )
-        return np.flatnonzero(has_f) // width, first[has_f], done[has_f]
-
-    def in_flight(self, per_stage: bool = False) -> np.ndarray:
-        """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
-        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``).
-        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``).
-
-        Linear in the size of the result: each held input adds 1 at its first tick and -1 after
-        its last one in a table of differences, whose running sum down the ticks is the count.
-        """
-        per_stage = checks.check_bool(per_stage, "per_stage", "TrainingSchedule.in_flight")
-        stage, first, done = self._held()
-        cols = self.num_devices * self.repeats if per_stage else self.num_devices
-        col = stage if per_stage else stage % self.num_devices  # stage r n + d lives on device d
-        live = done >= first  # an input used before its F (no valid table has one) is never held
-        size = (self.num_ticks + 1) * cols
-        diff = np.bincount(first[live] * cols + col[live], minlength=size) - np.bincount(
-            (done[live] + 1) * cols + col[live], minlength=size
-        )
-        return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
-
-    def stash_slots(self) -> int:
-        """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
-        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``).
-
-        Linear in the table's size, as :meth:`in_flight` is.
-        """
-        return max(1, int(self.in_flight(per_stage=True).max(initial=0)))
-
-    def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
-        """The lockstep time of the table: every tick lasts as long as its busiest device, which
-        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (for "1f1b" pass the
-        whole backward as ``b``)."""
-        f, b, w = _costs(f=f, b=b, w=w)
-        cost = f * (self.forward >= 0) + b * (self.backward >= 0)
-        if self.weight is not None:
-            cost = cost + w * (self.weight >= 0)
-        return float(cost.max(axis=1).sum())
-
-    def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
-        """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
-        f, b, w = _costs(f=f, b=b, w=w)
-        slots = self.slots()
-        busy = slots["F"][0] * f + slots["B"][0] * b + (slots["W"][0] * w if "W" in slots else 0.0)
-        return float(1.0 - busy / self.step_time(f, b, w))
-
-    def slot_fields(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """``{kind: (micro-batch table, stage table)}`` for each slot kind of a tick, in the order
-        a device runs them: F, B, and W when the table has W slots (W runs the stage of its B)."""
-        fs, bs = self.stages()
-        fields = {"F": (self.forward, fs), "B": (self.backward, bs)}
-        if self.weight is not None:
-            fields["W"] = (self.weight, bs)
-        return fields
-
-    render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
+TrainingSchedule = Schedule  # the one table type; the name of the training tables' type before it
 
 
-def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
+def one_f_one_b(num_stages: int, num_micro: int) -> Schedule:
     """The lockstep 1F1B table: F(s, i) at tick ``i + s``, B(s, i) at tick ``i + 2 (n - 1) - s``.
 
     Examples:
@@ -410,7 +210,7 @@ def one_f_one_b(num_stages: int, num_micro: int) -> TrainingSchedule:
     return _training_table("1f1b", num_stages, num_micro)
 
 
-def zb_h1(num_stages: int, num_micro: int) -> TrainingSchedule:
+def zb_h1(num_stages: int, num_micro: int) -> Schedule:
     """The lockstep ZB-H1 table: F and B as :func:`one_f_one_b` (B the input cotangent only),
     W(s, i) at tick ``i + 2 (n - 1)``.
 
@@ -424,7 +224,7 @@ def zb_h1(num_stages: int, num_micro: int) -> TrainingSchedule:
     return _training_table("zb-h1", num_stages, num_micro)
 
 
-def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> TrainingSchedule:
+def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> Schedule:
     """Interleaved 1F1B (Megatron's virtual stages) in lockstep: ``S = v n`` stages on ``n``.
 
     Device ``d`` holds stages ``d, d + n, ..., d + (v - 1) n``. Micro-batches go in groups of
@@ -464,10 +264,10 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> T
         assert np.bincount((t * n + d).ravel(), minlength=ticks * n).max() <= 1
     forward[tf, d], fstage[tf, d] = k, j
     backward[tb, d], bstage[tb, d] = k, j
-    return TrainingSchedule("interleaved-1f1b", forward, backward, None, m, fstage, bstage, v)
+    return Schedule("interleaved-1f1b", {"F": forward, "B": backward}, {"F": fstage, "B": bstage}, m, v)
 
 
-def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> TrainingSchedule:
+def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> Schedule:
     """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`) for ``num_stages`` stages
     (``num_stages / repeats`` devices for "interleaved-1f1b")."""
     if name not in TRAINING_KINDS:
@@ -489,7 +289,7 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> Tr
     return _training_table(name, num_stages, num_micro)
 
 
-def _training_table(name, n, m) -> TrainingSchedule:
+def _training_table(name, n, m) -> Schedule:
     assert name in ("1f1b", "zb-h1"), name
     n, m = _counts(num_stages=n, num_micro=m)
     ticks = m + 2 * (n - 1)
@@ -500,9 +300,11 @@ def _training_table(name, n, m) -> TrainingSchedule:
         i = t - offset
         return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
 
-    forward, backward = slot(s), slot(2 * (n - 1) - s)
-    weight = slot(np.broadcast_to(2 * (n - 1), (1, n))) if name == "zb-h1" else None
-    return TrainingSchedule(name, forward, backward, weight, m)
+    micro = {"F": slot(s), "B": slot(2 * (n - 1) - s)}
+    if name == "zb-h1":
+        micro["W"] = slot(np.broadcast_to(2 * (n - 1), (1, n)))
+    stage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n))
+    return Schedule(name, micro, dict.fromkeys(micro, stage), m)
 
 
 def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w: float) -> float:

@@ -2,7 +2,7 @@
 
 People read a pipeline schedule faster as a picture than as a table. Any table works, since every
 schedule is one (:mod:`pipejax._src.schedules.tables`): a forward table (:class:`Schedule`: GPipe,
-circular) has one slot per tick, F; a training table (:class:`TrainingSchedule`: 1F1B, ZB-H1,
+circular) has one slot per tick, F; a training table (B slots too: 1F1B, ZB-H1,
 interleaved 1F1B) runs its F, B (and W) slots of a tick side by side, in lockstep. A cell names
 the slot's kind and micro-batch (``F3``: the forward of micro-batch 3), its colour is the
 micro-batch's, and an empty cell is a bubble.

@@ -9,7 +9,7 @@ mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_M
 * **F** (micro-batch ``i``, ``step``): the engine's tick delivers the device's input
   -- micro-batch ``i`` of ``x`` on stage 0, the activation the previous device sent otherwise --
   and the stage runs on it, keeping what B and W need in a ring buffer of
-  :meth:`~pipejax._src.schedules.tables.TrainingSchedule.stash_slots` slots (slot ``i`` mod the size);
+  :meth:`~pipejax._src.schedules.table.Schedule.stash_slots` slots (slot ``i`` mod the size);
   the last stage adds its micro-batch's loss terms to the sums.
 * **B** (``back``): the stage's pullback is applied to the cotangent the next device
   sent: "1f1b" gets the parameter and the input cotangents, "zb-h1" the input cotangent only and

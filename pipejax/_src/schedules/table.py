@@ -1,0 +1,493 @@
+"""The one table type of every schedule, :class:`Schedule`, and the rules a table must keep to run.
+
+A table says, for every tick ``t`` and device ``d`` of the stage axis, which slots the device
+runs: at most one forward slot F, one backward slot B and one weight-gradient slot W, in that
+order within the tick. A slot names a micro-batch (``-1``: idle, a bubble) and a stage. A
+forward table (GPipe, circular) has F slots only, and autodiff runs it backwards; a training
+table (1F1B, ZB-H1, interleaved 1F1B, or one a user writes with :func:`from_actions`) has B
+slots, and W slots when B computes the input cotangent only.
+
+Every table is checked when it is built (:func:`check`): the same rules for the built-in
+constructors (:mod:`pipejax._src.schedules.tables`) and for a user's list of actions, each
+refusal naming the first offending slot. The rules are those of the engine's tick loop:
+
+* **Placement.** Stage ``j`` lives on device ``j mod D`` (device ``d`` holds the stages ``d, d +
+  D, ..., d + (v - 1) D`` of ``v = repeats`` chunks).
+* **Coverage.** Every (stage, micro-batch) has exactly one slot of each kind the table has.
+* **Order.** A B slot runs at or after its F (same tick: after it); a W at or after its B.
+* **Messages.** A stage's output reaches the next stage's device ``hop`` ticks after it was sent
+  (``hop = 1`` on a mesh: one ``ppermute`` per tick; ``0`` for the tables of one device, whose
+  columns hand on within the tick), and is read on that tick: the F of stage ``j + 1`` runs
+  ``hop`` ticks after the F of stage ``j``, and the B of stage ``j`` ``hop`` ticks after the B of
+  stage ``j + 1``. One exception: a forward table's loop-back (from the last device to device 0
+  for the next chunk) may wait in a delay line, the same number of ticks for every micro-batch.
+* **Stashes** (training tables). What F keeps for B and W sits in a ring of ``K`` slots per
+  stage (:meth:`Schedule.stash_slots`), micro-batch ``i`` in slot ``i mod K``, so two
+  micro-batches held at once on a stage must differ mod ``K``; W reads the cotangent B received
+  from a ring of ``D`` slots (slot ``i mod D``), likewise. W slots need ``repeats = 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from pipejax._src import checks
+from pipejax._src.schedules import timeline  # presentation: reads the tables, imports none of this
+
+SLOT_KINDS = ("F", "B", "W")
+
+
+class Action(NamedTuple):
+    """One slot of a table written as an action: device ``device`` runs a ``kind`` slot ("F",
+    "B" or "W") of micro-batch ``micro`` at tick ``tick``, on its chunk ``chunk`` (stage ``chunk *
+    num_devices + device``)."""
+
+    device: int
+    tick: int
+    kind: str
+    micro: int
+    chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Schedule:
+    """A static schedule table: which slots each device runs at each tick (see the module).
+
+    ``micro[k]`` and ``stage[k]`` are ``int32[ticks, num_devices]`` for each slot kind ``k`` of
+    the table (``"F"``; ``"F", "B"``; or ``"F", "B", "W"``): the micro-batch of the slot (``-1``
+    when idle) and its stage. On an idle slot the stage names the one the device would run if
+    it computed anyway (an engine that runs a stage on a bubble feeds it the type of value it
+    was written for). Built by the constructors (``pj.gpipe_schedule``, ``pj.one_f_one_b_schedule``,
+    ...) or from a list of actions (:func:`from_actions`); checked when built.
+    """
+
+    name: str
+    micro: Mapping[str, np.ndarray]
+    stage: Mapping[str, np.ndarray]
+    num_micro: int
+    repeats: int = 1  # v: chunks (stages) per device
+    hop: int = 1  # ticks a message takes to the next stage's device (0: one device, in the tick)
+
+    def __post_init__(self):
+        check(self)
+
+    def __repr__(self) -> str:
+        kinds = "".join(self.kinds)
+        return (
+            f"Schedule({self.name!r}, slots {kinds}, {self.num_ticks} ticks x {self.num_devices} "
+            f"devices, num_micro={self.num_micro}, repeats={self.repeats})"
+        )
+
+    def __eq__(self, other) -> bool:
+        """Equal fields, the tables compared whole."""
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        same = (self.name, self.kinds, self.num_micro, self.repeats, self.hop) == (
+            other.name, other.kinds, other.num_micro, other.repeats, other.hop
+        )  # fmt: skip
+        return same and all(
+            np.array_equal(self.micro[k], other.micro[k]) and np.array_equal(self.stage[k], other.stage[k])
+            for k in self.kinds
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.kinds, self.num_micro, self.repeats, self.hop, self.micro["F"].shape))
+
+    def replace(self, **changes) -> Schedule:
+        """A copy with ``changes`` (fields, as :func:`dataclasses.replace`), checked again."""
+        return dataclasses.replace(self, **changes)
+
+    # -- shape ---------------------------------------------------------------------------------
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The slot kinds of a tick, in the order a device runs them."""
+        return tuple(self.micro)
+
+    @property
+    def trains(self) -> bool:
+        """Whether the table holds the backward pass (B slots): a training table."""
+        return "B" in self.micro
+
+    @property
+    def num_ticks(self) -> int:
+        return self.micro["F"].shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        """``D``: the devices along the stage axis (GPipe: the number of stages)."""
+        return self.micro["F"].shape[1]
+
+    @property
+    def num_stages(self) -> int:
+        """``S = repeats * num_devices``: the stages of the model."""
+        return self.repeats * self.num_devices
+
+    @property
+    def fill_ticks(self) -> int:
+        """The tick at which the last micro-batch enters stage 0 (the end of the "fill")."""
+        last = (self.micro["F"] == self.num_micro - 1) & (self.stage["F"] == 0)
+        return int(np.argwhere(last)[0, 0])
+
+    def stages(self, kind: str = "F") -> np.ndarray:
+        """int32[ticks, num_devices]: the stage of each ``kind`` slot."""
+        return self.stage[_kind(self, kind)]
+
+    # the tables by their kinds' names
+    table = property(lambda self: self.micro["F"], doc="int32[ticks, D]: the F slots' micro-batches.")
+    forward = table
+    backward = property(lambda self: self.micro.get("B"), doc="The B slots' micro-batches (or None).")
+    weight = property(lambda self: self.micro.get("W"), doc="The W slots' micro-batches (or None).")
+    stage_table = property(lambda self: self.stage["F"], doc="int32[ticks, D]: the F slots' stages.")
+    forward_stage = stage_table
+    backward_stage = property(lambda self: self.stage.get("B"), doc="The B slots' stages (or None).")
+
+    def slot_fields(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{kind: (micro-batch table, stage table)}`` for each slot kind, in the order a device
+        runs them."""
+        return {k: (self.micro[k], self.stage[k]) for k in self.kinds}
+
+    # -- work and time ---------------------------------------------------------------------------
+
+    def slots(self) -> dict[str, np.ndarray]:
+        """int[num_devices] per kind: the slots each device runs."""
+        return {k: (self.micro[k] >= 0).sum(0) for k in self.kinds}
+
+    def work_per_stage(self, kind: str = "F") -> np.ndarray:
+        """int[num_stages]: the ``kind`` slots of each stage."""
+        work = self.micro[_kind(self, kind)] >= 0
+        return np.bincount(self.stage[kind][work], minlength=self.num_stages)
+
+    def work_per_device(self, kind: str = "F") -> np.ndarray:
+        """int[num_devices]: the ``kind`` slots of each device."""
+        return self.slots()[_kind(self, kind)]
+
+    def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
+        """The lockstep time of the table: every tick lasts as long as its busiest device, which
+        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (a table without W
+        slots: pass the whole backward as ``b``). A tick on which no device works (the circular
+        table's last ticks with fewer micro-batches than devices) lasts an F slot: the loop runs
+        it, and stacked stages compute on bubbles."""
+        costs = dict(zip(SLOT_KINDS, _costs(f=f, b=b, w=w), strict=True))
+        cost = sum(costs[k] * (self.micro[k] >= 0) for k in self.kinds).max(axis=1)
+        return float(np.where(cost > 0, cost, costs["F"]).sum())
+
+    def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
+        """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
+        costs = dict(zip(SLOT_KINDS, _costs(f=f, b=b, w=w), strict=True))
+        busy = sum(costs[k] * n for k, n in self.slots().items()).mean()
+        step = self.step_time(f, b, w)
+        return float((step - busy) / step)
+
+    # -- what a training table keeps -------------------------------------------------------------
+
+    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """int[k] four times: the stage, micro-batch, first tick and last tick of each of the ``k``
+        stage inputs a training table keeps, one per (stage, micro-batch): from the tick of its F
+        to the tick of its last use (its B, or its W), both included. Linear in the table."""
+        if not self.trains:
+            raise ValueError(
+                f"The {self.name!r} table is a forward table: autodiff keeps its inputs (see "
+                "`pj.timeline_inputs_held`), it holds no B slots. Ask a training table."
+            )
+        first = _ticks(self, "F")
+        last = _ticks(self, self.kinds[-1])
+        stage, micro = np.divmod(np.arange(first.size), self.num_micro)
+        return stage, micro, first, last
+
+    def in_flight(self, per_stage: bool = False) -> np.ndarray:
+        """int[ticks, n]: micro-batches whose stage input device ``d`` holds during tick ``t``
+        (its F has run, at or before ``t``; its last use, B or W, runs at or after ``t``).
+        ``per_stage``: int[ticks, n v], the same per stage (stage ``r n + d`` on device ``d``).
+
+        Linear in the size of the result: each held input adds 1 at its first tick and -1 after
+        its last one in a table of differences, whose running sum down the ticks is the count.
+        """
+        per_stage = checks.check_bool(per_stage, "per_stage", "Schedule.in_flight")
+        stage, _, first, done = self._held()
+        cols = self.num_stages if per_stage else self.num_devices
+        col = stage if per_stage else stage % self.num_devices  # stage r n + d lives on device d
+        size = (self.num_ticks + 1) * cols
+        diff = np.bincount(first * cols + col, minlength=size) - np.bincount(
+            (done + 1) * cols + col, minlength=size
+        )
+        return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
+
+    def stash_slots(self) -> int:
+        """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
+        in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
+        return max(1, int(self.in_flight(per_stage=True).max(initial=0)))
+
+    render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
+
+
+def from_actions(
+    actions: Iterable, *, num_devices: int, num_micro: int, repeats: int = 1, name: str = "custom"
+) -> Schedule:
+    """A training table from a list of actions: ``(device, tick, kind, micro, chunk)`` each
+    (:class:`Action`, or a tuple in that order; ``chunk`` may be left out for 0), ``kind`` one of
+    "F", "B" and "W". Device ``d``'s chunk ``c`` is stage ``c * num_devices + d``. Idle slots
+    name the device's chunk 0. The table is checked as every built-in one is (see the module).
+
+    Examples:
+      >>> t = from_actions(
+      ...     [(0, 0, "F", 0), (1, 1, "F", 0), (1, 1, "B", 0), (0, 2, "B", 0)],
+      ...     num_devices=2, num_micro=1)
+      >>> print(t.render())
+      device 0 | F0 .  | .  .  | .  B0 |
+      device 1 | .  .  | F0 B0 | .  .  |
+    """
+    n = checks.count(num_devices, "num_devices", what="the devices along the stage axis")
+    m = checks.count(num_micro, "num_micro", what="the number of micro-batches")
+    v = checks.count(repeats, "repeats", what="the chunks (stages) each device holds")
+    rows = [_action(a, j, n, m, v) for j, a in enumerate(actions)]
+    kinds = [k for k in SLOT_KINDS if any(a.kind == k for a in rows)]
+    if "F" not in kinds or "B" not in kinds:
+        raise ValueError(
+            f"`actions` must hold F and B slots (a training table; W optional), but got the kinds "
+            f"{kinds or 'none'}. GPipe-like forward tables come from `pj.gpipe_schedule` and "
+            "`pj.circular_schedule`; autodiff runs them backwards."
+        )
+    ticks = max(a.tick for a in rows) + 1
+    micro = {k: np.full((ticks, n), -1, np.int32) for k in kinds}
+    stage = {k: np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy() for k in kinds}
+    seen: dict[tuple[int, int, str], int] = {}
+    for j, a in enumerate(rows):
+        cell = (a.tick, a.device, a.kind)
+        if cell in seen:
+            raise ValueError(
+                f"`actions[{j}]` {tuple(a)} gives device {a.device} a second {a.kind} slot at tick "
+                f"{a.tick} (`actions[{seen[cell]}]` {tuple(rows[seen[cell]])} is the first); a device "
+                "runs at most one F, one B and one W slot per tick. Move one to another tick."
+            )
+        seen[cell] = j
+        micro[a.kind][a.tick, a.device] = a.micro
+        stage[a.kind][a.tick, a.device] = a.chunk * n + a.device
+    return Schedule(name, micro, stage, m, v)
+
+
+def _action(a, j: int, n: int, m: int, v: int) -> Action:
+    """Action ``j`` of :func:`from_actions`, checked: each field named with what it takes."""
+    if not isinstance(a, tuple) or len(a) not in (4, 5):
+        raise TypeError(
+            f"`actions[{j}]` must be a tuple (device, tick, kind, micro[, chunk]), e.g. (0, 3, 'F', "
+            f"1), but got {type(a).__name__} {a!r:.80}."
+        )
+    device, tick, kind, micro, *chunk = a
+    if kind not in SLOT_KINDS:
+        raise ValueError(f"`actions[{j}]` {a!r}: the kind must be 'F', 'B' or 'W', but got {kind!r}.")
+    fields = {"device": (device, n, "num_devices"), "micro": (micro, m, "num_micro")}
+    fields["chunk"] = (chunk[0] if chunk else 0, v, "repeats")
+    fields["tick"] = (tick, None, None)
+    out = {}
+    for field, (value, bound, by) in fields.items():
+        i = checks.integer(value)
+        if i is None or i < 0 or (bound is not None and i >= bound):
+            rule = f"an int in 0 .. {bound - 1} (`{by}={bound}`)" if bound else "an int >= 0"
+            raise ValueError(f"`actions[{j}]` {a!r}: the {field} must be {rule}, but got {value!r}.")
+        out[field] = i
+    return Action(out["device"], out["tick"], kind, out["micro"], out["chunk"])
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+def check(s: Schedule) -> None:
+    """Refuses a table the tick loop cannot run, naming the first offending slot (see the module
+    for the rules). Linear in the table's size (plus a sort of its slots)."""
+    _check_fields(s)
+    n, m = s.num_devices, s.num_micro
+    for k in s.kinds:
+        micro, stage = s.micro[k], s.stage[k]
+        bad = (micro < -1) | (micro >= m)
+        _refuse_cell(s, k, bad, f"names a micro-batch outside 0 .. {m - 1} (`num_micro={m}`)")
+        held = (stage >= 0) & (stage < s.num_stages) & (stage % n == np.arange(n))
+        _refuse_cell(
+            s,
+            k,
+            ~held,
+            f"names a stage its device does not hold: device d holds the stages d, d + {n}, ... "
+            f"(`repeats={s.repeats}` of them)",
+        )
+    ticks = {k: _ticks(s, k) for k in s.kinds}  # coverage: exactly one slot per (stage, micro)
+    for before, after in (("F", "B"), ("B", "W")):
+        if after in ticks:
+            _refuse_order(s, before, after, ticks[before], ticks[after])
+    _check_messages(s, ticks)
+    if s.trains:
+        _check_stashes(s, ticks)
+
+
+def _check_fields(s: Schedule) -> None:
+    """The fields' types and shapes; converts the tables to read-only int32 arrays."""
+    if not isinstance(s.name, str):
+        raise TypeError(f"`name` must be a string, but got {type(s.name).__name__} {s.name!r}.")
+    for field in ("num_micro", "repeats"):
+        object.__setattr__(s, field, checks.count(getattr(s, field), field))
+    hop = checks.integer(s.hop)
+    if hop not in (0, 1):
+        raise ValueError(
+            f"`hop` must be 1 (a message takes one tick to the next device) or 0 (the columns of "
+            f"one device, handing on within the tick), but got {s.hop!r}."
+        )
+    if not isinstance(s.micro, Mapping) or not isinstance(s.stage, Mapping):
+        raise TypeError("`micro` and `stage` must be dicts from slot kind ('F', 'B', 'W') to int tables.")
+    kinds = tuple(s.micro)
+    if kinds not in (("F",), ("F", "B"), ("F", "B", "W")) or tuple(s.stage) != kinds:
+        raise ValueError(
+            f"A table's slot kinds must be ('F',), ('F', 'B') or ('F', 'B', 'W'), in that order, "
+            f"the same for `micro` and `stage`, but got {kinds} and {tuple(s.stage)}."
+        )
+    shape = None
+    for field in ("micro", "stage"):
+        tables = {}
+        for k, a in getattr(s, field).items():
+            a = np.asarray(a)
+            if a.ndim != 2 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(
+                    f"`{field}[{k!r}]` must be a non-empty int table [ticks, devices], but got "
+                    f"{a.dtype} of shape {a.shape}."
+                )
+            if shape is not None and a.shape != shape:
+                raise ValueError(f"`{field}[{k!r}]` has shape {a.shape}, but the F table has {shape}.")
+            shape = a.shape
+            a = a.astype(np.int32)
+            a.flags.writeable = False
+            tables[k] = a
+        object.__setattr__(s, field, tables)
+    if "W" in kinds and s.repeats != 1:
+        raise ValueError(
+            f"The {s.name!r} table has W slots and `repeats={s.repeats}`; the loop's W slot runs "
+            "the device's one stage, so W slots need `repeats=1`."
+        )
+
+
+def _ticks(s: Schedule, kind: str) -> np.ndarray:
+    """int[S m]: the tick of the ``kind`` slot of each (stage ``j``, micro-batch ``i``), at
+    ``j m + i``; refuses a pair with no such slot or with two."""
+    micro, stage = s.micro[kind], s.stage[kind]
+    t, d = np.nonzero(micro >= 0)  # row-major: ticks ascending
+    key = stage[t, d].astype(np.int64) * s.num_micro + micro[t, d]
+    size = s.num_stages * s.num_micro
+    count = np.bincount(key, minlength=size)
+    if (count > 1).any():
+        j, i = divmod(int(np.flatnonzero(count > 1)[0]), s.num_micro)
+        at = t[key == j * s.num_micro + i][:2].tolist()
+        raise ValueError(
+            f"The {s.name!r} table runs the {kind} slot of stage {j} on micro-batch {i} twice, at "
+            f"ticks {at[0]} and {at[1]}; each (stage, micro-batch) runs one {kind} slot."
+        )
+    if (count == 0).any():
+        j, i = divmod(int(np.flatnonzero(count == 0)[0]), s.num_micro)
+        raise ValueError(
+            f"The {s.name!r} table has no {kind} slot for stage {j} (device {j % s.num_devices}) on "
+            f"micro-batch {i}; every (stage, micro-batch) needs one of each kind the table has "
+            f"({', '.join(s.kinds)})."
+        )
+    out = np.empty(size, np.int64)
+    out[key] = t
+    return out
+
+
+def _refuse_cell(s: Schedule, kind: str, bad: np.ndarray, rule: str) -> None:
+    if bad.any():
+        t, d = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"The {s.name!r} table's {kind} slot at tick {t} on device {d} (micro-batch "
+            f"{s.micro[kind][t, d]}, stage {s.stage[kind][t, d]}) {rule}."
+        )
+
+
+def _refuse_order(s: Schedule, before: str, after: str, t0: np.ndarray, t1: np.ndarray) -> None:
+    bad = np.flatnonzero(t1 < t0)
+    if len(bad):
+        k = bad[np.argmin(t1[bad])]
+        j, i = divmod(int(k), s.num_micro)
+        raise ValueError(
+            f"The {s.name!r} table runs the {after} slot of stage {j} on micro-batch {i} at tick "
+            f"{t1[k]}, before its {before} slot (tick {t0[k]}); a {after} slot reads what its "
+            f"{before} slot made, so it runs at the same tick (after it) or later."
+        )
+
+
+def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
+    """Each message is read the tick it arrives (see the module); a forward table's loop-back may
+    wait, the same number of ticks for every micro-batch."""
+    S, m, n, hop = s.num_stages, s.num_micro, s.num_devices, s.hop
+    if S == 1:
+        return
+    back = (np.arange(1, S) % n == 0)[:, None]  # stage j + 1 starts the next chunk on device 0
+    for kind, sign in (("F", 1), ("B", -1)):
+        if kind not in ticks:
+            continue
+        t = ticks[kind].reshape(S, m)
+        sent, read = (t[:-1], t[1:]) if sign > 0 else (t[1:], t[:-1])
+        wait = read - sent - hop
+        delay = int(wait[np.broadcast_to(back, wait.shape)][0]) if back.any() and not s.trains else 0
+        bad = np.where(back, wait != delay, wait != 0) if delay else wait != 0
+        if delay < 0 or bad.any():
+            j, i = (int(x) for x in np.argwhere(bad if bad.any() else wait < 0)[0])
+            src, dst = (j, j + 1) if sign > 0 else (j + 1, j)
+            arrive = int(sent[j, i]) + hop
+            late = "a delay line the same for every micro-batch" if not s.trains else "no wait"
+            raise ValueError(
+                f"The {s.name!r} table runs the {kind} slot of stage {dst} on micro-batch {i} at "
+                f"tick {read[j, i]} (device {dst % n}), but the message it reads, from the {kind} "
+                f"slot of stage {src} (tick {sent[j, i]}, device {src % n}), arrives at tick {arrive}: "
+                f"the loop delivers a message {hop} tick{'s' * (hop != 1)} after it is sent and the "
+                f"next slot reads it then ({late} on the loop back to device 0). Run it at tick "
+                f"{arrive}."
+            )
+
+
+def _check_stashes(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
+    """Two micro-batches held at once on a stage use different ring slots (see the module)."""
+    stage, micro, first, last = s._held()
+    K = s.stash_slots()
+    _refuse_overlap(s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)")
+    if "W" in ticks:
+        b = ticks["B"]
+        _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")
+
+
+def _refuse_overlap(s, stage, micro, first, last, size, what) -> None:
+    group = stage.astype(np.int64) * size + micro % size
+    order = np.lexsort((first, group))
+    g, f, lt, i = group[order], first[order], last[order], micro[order]
+    clash = np.flatnonzero((g[1:] == g[:-1]) & (f[1:] <= lt[:-1]))
+    if len(clash):
+        c = clash[np.argmin(f[clash + 1])]
+        j = int(g[c] // size)
+        raise ValueError(
+            f"The {s.name!r} table holds micro-batches {i[c]} and {i[c + 1]} on stage {j} at once "
+            f"(ticks {f[c]} .. {lt[c]} and {f[c + 1]} .. {lt[c + 1]}), but they share a slot of "
+            f"{what}: slot = micro-batch mod {size}. Run each stage's micro-batches in order."
+        )
+
+
+def _kind(s: Schedule, kind: str) -> str:
+    if kind not in s.micro:
+        raise ValueError(f"`kind` must be one of the table's slot kinds {s.kinds}, but got {kind!r}.")
+    return kind
+
+
+def _costs(**values) -> list[float]:
+    """Slot costs: finite numbers >= 0, not all zero."""
+    out = []
+    for name, v in values.items():
+        if isinstance(v, (bool, str, bytes)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"`{name}` must be a number >= 0 (a slot's cost), but got {type(v).__name__} {v!r}."
+            )
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"`{name}` must be a finite number >= 0 (a slot's cost), but got {v!r}.")
+        out.append(float(v))
+    if not any(out):
+        names = ", ".join(f"`{n}`" for n in values)
+        raise ValueError(f"The slot costs {names} are all 0; give at least one a positive cost.")
+    return out
