@@ -28,17 +28,31 @@ With equal stages and free links the simulated bubble is exactly ``(n - 1) / (m 
 (GPipe) and ``(n - 1) / (v m + n - 1)`` (circular, ``m`` a multiple of ``n``); ``Fraction``
 inputs give exact ``Fraction`` results.
 
+Every schedule of pipejax (:func:`ticks`): GPipe, circular, 1F1B, ZB-H1 and interleaved 1F1B,
+from the tables pipejax builds (read through ``slot_fields()``), in lockstep ticks as its SPMD
+loop runs them. A tick lasts as long as its busiest device, which runs its F, B and W slots one
+after another (``f``, ``b``, ``w`` per slot; a table without W runs ``b + w`` in B, and a forward
+table trains as its ticks and then the same ticks reversed with B slots), plus the time of the
+tick's ``ppermute`` s (``bytes / bandwidth + latency`` each). With overlap of sends (a message
+read one tick later) a tick lasts ``max(compute, messages)`` on the table re-timed so that every
+hop takes two ticks (:func:`_retime`); :func:`overlap_wins` gives the message times for which
+that is faster. With free links the lockstep step is the table's ``step_time(f, b, w)``.
+
 References: Huang et al., "GPipe", NeurIPS 2019 (the bubble ``(n - 1) / (m + n - 1)``);
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC 2021 (the interleaved schedule and its bubble).
+Megatron-LM", SC 2021 (the interleaved schedule and its bubble); Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024 (ZB-H1).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 CHECKPOINTS = ("never", "always", "except_last")
 
@@ -292,3 +306,179 @@ def plan_layout(
     )
     sync = ring_all_reduce(param_bytes / (stages * tensor), data, bandwidth, latency)
     return Layout3D(stages, tensor, data, result.makespan + sync, result.makespan, sync, result.bubble)
+
+
+# --- every schedule of pipejax, tick by tick, as its SPMD loop runs it ----------------------------
+
+
+class Ticks(NamedTuple):
+    """A training step of one of pipejax's schedule tables, tick by tick (see :func:`ticks`).
+
+    Every tick lasts as long as its busiest device (which runs its F, B and W slots one after
+    another) and its messages: ``compute[t] + messages[t] * message`` without overlap, or
+    ``max(compute[t], messages[t] * message)`` with it (:meth:`step`).
+    """
+
+    compute: np.ndarray  # float64[T]: the busiest device's slot costs summed, per tick
+    messages: np.ndarray  # int64[T]: the ppermutes each tick runs (one message time each)
+    work: float  # every slot's cost summed: the step of one device that runs every slot
+    num_devices: int  # n: the devices of the stage axis
+    overlap: bool  # whether a tick's sends overlap the next tick's compute
+
+    @property
+    def ideal(self) -> float:
+        """``work / n``: the step with no bubble and free links."""
+        return self.work / self.num_devices
+
+    def step(self, message: float = 0.0) -> float:
+        """The predicted step when one message (one ``ppermute``) takes ``message``."""
+        sends = self.messages * message
+        per_tick = np.maximum(self.compute, sends) if self.overlap else self.compute + sends
+        return float(per_tick.sum())
+
+
+def message_time(nbytes: float, bandwidth: float, latency: float) -> float:
+    """``nbytes / bandwidth + latency``: the time of one message between neighbouring devices."""
+    return nbytes / bandwidth + latency
+
+
+class _Slot(NamedTuple):
+    tick: int
+    order: int  # its place within the tick: the order of ``slot_fields`` (F, then B, then W)
+    kind: str  # "F", "B" or "W"
+    device: int
+    stage: int
+    micro: int
+
+
+def _slots(fields: dict) -> list[_Slot]:
+    """Every non-idle slot of a table's ``slot_fields()``, in the order the devices run them."""
+    out = []
+    for order, (kind, (micro, stage)) in enumerate(fields.items()):
+        for t, d in zip(*np.nonzero(micro >= 0), strict=True):
+            out.append(_Slot(int(t), order, kind, int(d), int(stage[t, d]), int(micro[t, d])))
+    return sorted(out)
+
+
+def _reads(slot: _Slot, num_stages: int) -> list[tuple[str, int, int]]:
+    """The (kind, stage, micro-batch) of the slots whose outputs ``slot`` reads."""
+    kind, s, i = slot.kind, slot.stage, slot.micro
+    if kind == "F":  # the previous stage's activation
+        return [("F", s - 1, i)] if s > 0 else []
+    if kind == "B":  # its own F's stash, and the next stage's cotangent (the last: the loss)
+        return [("F", s, i)] + ([("B", s + 1, i)] if s < num_stages - 1 else [])
+    return [("B", s, i)]  # W: its B's output cotangent
+
+
+def _retime(slots: list[_Slot], num_stages: int) -> list[int]:
+    """The tick of every slot when a message is read one tick later than in the table (overlap).
+
+    Each slot, in the table's order, goes to the earliest tick that is (1) no earlier than its
+    tick in the table, (2) at least 2 ticks after any slot on another device whose output it
+    reads (a hop: sent at the end of one tick, in flight during the next, read in the one
+    after), (3) at least as many ticks after a slot of its own device whose output it reads as
+    in the table (ZB-H1's W keeps its deferral), and (4) after the previous slot of its kind on
+    its device (every device keeps its order, one slot of each kind per tick).
+    """
+    placed: dict[tuple[str, int, int], tuple[_Slot, int]] = {}
+    last: dict[tuple[str, int], int] = {}  # (kind, device) -> its latest retimed tick
+    out = []
+    for x in slots:
+        t = max(x.tick, last.get((x.kind, x.device), -1) + 1)
+        for key in _reads(x, num_stages):
+            y, ty = placed[key]
+            t = max(t, ty + (2 if y.device != x.device else x.tick - y.tick))
+        placed[x.kind, x.stage, x.micro] = (x, t)
+        last[x.kind, x.device] = t
+        out.append(t)
+    return out
+
+
+def _per_stage(cost, num_stages: int, name: str) -> np.ndarray:
+    costs = np.broadcast_to(np.asarray(cost, np.float64), (num_stages,))
+    if costs.ndim != 1 or (costs < 0).any():
+        raise ValueError(f"`{name}` must be one cost >= 0 or {num_stages} (one per stage), got {cost!r}.")
+    return costs
+
+
+def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False) -> Ticks:
+    """A training step of a pipejax schedule table in lockstep ticks, as its SPMD loop runs it.
+
+    Reads only ``schedule.slot_fields()`` (``{kind: (micro-batch table, stage table)}``,
+    ``int[T, n]``, ``-1`` an idle slot), ``num_devices`` and ``repeats`` (``S = n v`` stages).
+
+    Slot costs, per stage (one number, or ``S``): ``f`` for an F slot, ``b`` for a B slot and
+    ``w`` for a W slot; a table without W slots (1F1B, interleaved 1F1B) runs the whole backward
+    ``b + w`` in B. A forward table (GPipe, circular: F slots only) trains by autodiff: its
+    ticks, then the same ticks in reverse with B slots of ``b + w``; its stacked stages compute
+    on bubbles, so a tick on which no device has a slot still lasts the largest F (B on the way
+    back), as :meth:`pipejax.Schedule.step_time` counts it. Recomputation
+    (``checkpoint="always"``) is ``f`` more in ``b``. ``work`` sums the slots, not bubbles.
+
+    Messages: pipejax's loop runs its ``ppermute`` s on every tick, bubble or not (collectives
+    stay outside branches): a forward table's tick sends one (activations one device on; its
+    reversed ticks, cotangents one device back), a training table's tick two (activations on,
+    cotangents back), taken to run one after the other. None on one device. Without overlap a
+    tick computes, then sends, and the next tick waits for the message; XLA may start the send
+    of an F output during the same tick's B and W slots, which this ignores.
+
+    With ``overlap`` a message is read one tick after it arrives in the table, so it travels
+    during the next tick's compute (a tick lasts ``max(compute, messages)``) and the slots are
+    re-timed by :func:`_retime`: every hop costs one more tick where the table has no slack to
+    absorb it. GPipe's forward gets ``n - 1`` more ticks (its backward as many), the circular
+    table as many when ``m >= 2 n`` (its loop-back's wait absorbs the rest), 1F1B and ZB-H1
+    ``2 (n - 1)``; interleaved 1F1B, whose groups of ``n`` micro-batches fill the ring with no
+    slack, waits at every round (a table built for overlap would group ``2 n``).
+
+    A prediction for a device that runs a slot in the time it is given, not a measurement.
+    """
+    fields = schedule.slot_fields()
+    n, num_stages = schedule.num_devices, schedule.num_devices * schedule.repeats
+    f, b, w = (_per_stage(c, num_stages, name) for c, name in ((f, "f"), (b, "b"), (w, "w")))
+    cost = {"F": f, "B": b if "W" in fields else b + w, "W": w}
+    slots = _slots(fields)
+    when = _retime(slots, num_stages) if overlap else [x.tick for x in slots]
+    grid = np.zeros((max([schedule.num_ticks - 1, *when]) + 1, n))
+    empty = np.ones(len(grid), bool)  # ticks on which no device has a slot
+    for x, t in zip(slots, when, strict=True):
+        grid[t, x.device] += cost[x.kind][x.stage]
+        empty[t] = False
+    work = float(grid.sum())
+    compute = grid.max(axis=1)
+    sends = 2
+    if set(fields) == {"F"}:  # a forward table: autodiff runs its ticks backwards, with B slots
+        back = np.zeros_like(grid)
+        for x, t in zip(slots, when, strict=True):
+            back[t, x.device] += b[x.stage] + w[x.stage]
+        work += float(back.sum())
+        # stacked stages compute on bubbles too: a tick where no device works lasts a slot
+        there = np.where(empty, f.max(), compute)
+        compute = np.concatenate([there, np.where(empty, (b + w).max(), back.max(axis=1))[::-1]])
+        sends = 1
+    messages = np.full(len(compute), sends if n > 1 else 0, np.int64)
+    return Ticks(compute, messages, work, n, overlap)
+
+
+def overlap_wins(plain: Ticks, overlapped: Ticks) -> tuple[float, float] | None:
+    """The message times ``(lo, hi)`` for which ``overlapped`` gives the shorter step, or None.
+
+    Exact: ``overlapped.step(x) - plain.step(x)`` is convex and piecewise linear in the message
+    time ``x`` (a sum of ``max(c, k x)`` minus a line), with kinks at ``c / k``, so it is negative
+    on one interval at most, found from its values at the kinks. ``hi`` is ``inf`` when the
+    overlapped step stays shorter however slow the link.
+    """
+    assert not plain.overlap and overlapped.overlap
+    sends = overlapped.messages > 0
+    xs = sorted({0.0, *(overlapped.compute[sends] / overlapped.messages[sends]).tolist()})
+    gs = [overlapped.step(x) - plain.step(x) for x in xs]
+    slope = float(overlapped.messages.sum() - plain.messages.sum())  # of the line past the last kink
+    lo = 0.0 if gs[0] < 0 else None
+    for (x0, g0), (x1, g1) in itertools.pairwise(zip(xs, gs, strict=True)):
+        root = x0 + (x1 - x0) * g0 / (g0 - g1) if g0 != g1 else x0
+        if lo is None and g0 >= 0 > g1:
+            lo = root
+        elif lo is not None and g0 < 0 <= g1:
+            return lo, root
+    if lo is None:  # never negative up to the last kink: only the line past it can dip below 0
+        return (xs[-1] - gs[-1] / slope, math.inf) if slope < 0 else None
+    return lo, (xs[-1] - gs[-1] / slope if slope > 0 else math.inf)

@@ -2,15 +2,19 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/simulate.py            # all sections (about a minute on 2 cores)
+    .venv/bin/python benchmarks/simulate.py            # all sections (a few minutes on 2 cores)
     .venv/bin/python benchmarks/simulate.py --quick    # smoke run (seconds)
-    .venv/bin/python benchmarks/simulate.py --section torchgpipe
+    .venv/bin/python benchmarks/simulate.py --section bandwidth
 
-The simulator (``benchmarks/_simulate.py``) replays GPipe's fill-drain schedule, or the circular
-(interleaved) one, as an event simulation: per-stage forward and backward times, recomputation
-when checkpointing, and ``bytes / bandwidth + latency`` for every message between devices.
-Fake CPU devices do not run in parallel, so pipejax cannot *measure* a pipeline speed-up on
-this machine; this script *predicts* one from costs measured on one device.
+Two simulators (``benchmarks/_simulate.py``). ``simulate`` replays GPipe's fill-drain schedule,
+or the circular (interleaved) one, as an event simulation: per-stage forward and backward times,
+recomputation when checkpointing, and ``bytes / bandwidth + latency`` for every message between
+devices, asynchronous (as torchgpipe) or in lockstep. ``ticks`` runs any of pipejax's tables
+(GPipe, circular, 1F1B, ZB-H1, interleaved 1F1B, read through ``slot_fields()``) in lockstep ticks
+as pipejax's SPMD loop does: every tick lasts as long as its busiest device (F, B and W slots one
+after another) plus its ``ppermute`` s, or, with overlap of sends, the longer of the two on a table
+re-timed so that every hop takes two ticks. Fake CPU devices do not run in parallel, so pipejax
+cannot *measure* a pipeline speed-up on this machine; this script *predicts* one from costs.
 
 Sections (each prints markdown tables):
 
@@ -23,6 +27,16 @@ Sections (each prints markdown tables):
 3. ``torchgpipe``: predictions for torchgpipe's published speed benchmarks (AmoebaNet-D (18, 256),
    ResNet-101, U-Net (5, 64) on 8 Tesla P40s) from a stated cost model of each network, against
    the measured speed-ups.
+4. ``layouts``: a (stage, tensor, data) layout of 64 devices for a 1.3B-parameter transformer.
+5. ``lockstep``: every schedule's table in lockstep ticks with free links, against the table's
+   own ``step_time`` (equal), with its bubble, and the ticks and step re-timed for overlap.
+6. ``bandwidth``: the predicted step of every schedule, with and without overlap of sends, over
+   NVLink-, InfiniBand- and Ethernet-like links, for a 32-layer transformer (width 2048,
+   sequence 2048, micro-batches of 4 sequences, bfloat16 messages) on 8 devices from analytic
+   FLOPs at 400 TFLOP/s; and the link speeds at which overlap gives the shorter step.
+7. ``one-device``: the per-stage costs of a small MLP measured on this CPU (F, F + B + W, F + B,
+   F + W of one stage), summed over each schedule's table as the simulator does, against the
+   training step measured with ``mesh=None`` (one device runs every stage) and a ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -546,7 +561,282 @@ def layouts(quick: bool) -> None:
     )
 
 
-SECTIONS = {"theory": theory, "measured": measured, "torchgpipe": torchgpipe, "layouts": layouts}
+# --- 4. every schedule in lockstep ticks ----------------------------------------------------------
+
+
+def schedule_tables(n: int, m: int, v: int = 2) -> dict[str, object]:
+    """pipejax's tables of every schedule for ``n`` devices and ``m`` micro-batches (``v`` chunks
+    per device for the circular and interleaved ones), built by its public constructors."""
+    import pipejax as pj
+
+    return {
+        "gpipe": pj.gpipe_schedule(n, m),
+        f"circular v={v}": pj.circular_schedule(n, m, v),
+        "1f1b": pj.one_f_one_b_schedule(n, m),
+        "zb-h1": pj.zb_h1_schedule(n, m),
+        f"interleaved-1f1b v={v}": pj.interleaved_one_f_one_b_schedule(n, m, v),
+    }
+
+
+def trains(table) -> bool:
+    """Whether a table holds its backward pass (B slots) rather than leaving it to autodiff."""
+    return "B" in table.slot_fields()
+
+
+def table_step(table, f: float, b: float, w: float) -> float:
+    """The lockstep step the table itself predicts with free links: a training table's
+    ``step_time`` (B the whole backward when it has no W), a forward table's ticks times one
+    stage's ``f + b + w`` (equal stages; its forward ticks, then autodiff's reversed ones)."""
+    if not trains(table):
+        return table.num_ticks * (f + b + w)
+    return table.step_time(f, b if "W" in table.slot_fields() else b + w, w)
+
+
+def lockstep(quick: bool) -> None:
+    section("Every schedule in lockstep ticks: the simulator against the table (free links)")
+    rows = []
+    for n in (2, 4) if quick else (2, 4, 8):
+        for m in (n, 4 * n) if quick else (n, 4 * n, 8 * n):
+            for name, sched in schedule_tables(n, m).items():
+                v = sched.repeats
+                c = 1.0 / v  # f = b = w = 1 for a device's share of the model: 1/v per stage
+                plain, over = sim.ticks(sched, c, c, c), sim.ticks(sched, c, c, c, overlap=True)
+                expect = table_step(sched, c, c, c)
+                rows.append(
+                    [
+                        n,
+                        m,
+                        name,
+                        len(plain.compute),
+                        f"{plain.step():g}",
+                        f"{expect:g}",
+                        plain.step() == expect,
+                        f"{1 - plain.work / (n * plain.step()):.3f}",
+                        len(over.compute),
+                        f"{over.step():g}",
+                    ]
+                )
+    headers = ["n", "m", "schedule", "ticks", "simulated step", "table's step", "equal", "bubble"]
+    print(table([*headers, "ticks, overlap", "step, overlap"], rows, align="rrlrrrlrrr"))
+    print(
+        "\nCosts: a device's share of the model costs f = b = w = 1 per micro-batch (1/v per stage "
+        "of the circular and interleaved tables); 1F1B and interleaved 1F1B run b + w in their B "
+        "slot, GPipe and circular train by autodiff (their ticks, then reversed with B = b + w). "
+        "ticks: of the whole step (forward tables: both passes). table's step: "
+        "`schedule.step_time(f, b, w)` of the training tables, ticks x (f + b + w) of the forward "
+        "ones. bubble: 1 - work / (n step). overlap: the table re-timed so that every hop takes "
+        "two ticks (`_simulate._retime`), step with free links."
+    )
+
+
+# --- 5. step time against link bandwidth ----------------------------------------------------------
+
+# The transformer of `benchmarks/gpu.py --model transformer` at full width: pre-RMSNorm decoder
+# blocks, causal attention, SwiGLU; 32 layers on n = 8 devices, m = 32 micro-batches of 4
+# sequences, bfloat16 activations crossing every cut.
+WIDTH, HIDDEN, SEQ, MICRO, LAYERS = 2048, 5632, 2048, 4, 32
+DEVICES, CHUNKS = 8, 32
+ACHIEVED = 400e12  # FLOP/s a device sustains on these matmuls (about 40% of an H100's bf16 peak)
+MESSAGE_BYTES = MICRO * SEQ * WIDTH * 2  # one micro-batch's activation (or cotangent), bfloat16
+LINKS = [  # (name, bytes/s per direction, latency s)
+    ("NVLink, 450 GB/s, 5 us", 450e9, 5e-6),
+    ("InfiniBand, 50 GB/s, 10 us", 50e9, 10e-6),
+    ("InfiniBand, 25 GB/s, 15 us", 25e9, 15e-6),
+    ("Ethernet, 10 GB/s, 20 us", 10e9, 20e-6),
+    ("Ethernet, 1 GB/s, 30 us", 1e9, 30e-6),
+]
+CROSSOVER_LATENCY = 10e-6  # the latency at which the crossover bandwidths are stated
+
+
+def layer_costs_transformer() -> tuple[float, float, float]:
+    """Forward, input-cotangent and weight-cotangent seconds of one decoder layer on one micro-batch.
+
+    Analytic FLOPs at ``ACHIEVED`` FLOP/s: the matmuls (QKV, output, gate, up, down: ``2 tokens
+    (4 w^2 + 3 w h)``) cost as much again in B (input cotangent) and in W (weight cotangent);
+    causal attention (``QK^T`` and ``AV`` halved: ``2 b s^2 w``) has no weights and costs twice
+    its forward in B.
+    """
+    tokens = MICRO * SEQ
+    matmul = 2 * tokens * (4 * WIDTH**2 + 3 * WIDTH * HIDDEN) / ACHIEVED
+    attention = 2 * MICRO * SEQ**2 * WIDTH / ACHIEVED
+    return matmul + attention, matmul + 2 * attention, matmul
+
+
+def bandwidth(quick: bool) -> None:
+    section("Step time against link bandwidth, with and without overlap of sends (a prediction)")
+    f1, b1, w1 = layer_costs_transformer()
+    print(
+        f"Model: {LAYERS} decoder layers (width {WIDTH}, SwiGLU hidden {HIDDEN}, sequence {SEQ}), "
+        f"n = {DEVICES} devices, m = {CHUNKS} micro-batches of {MICRO} sequences; gpipe, 1f1b and "
+        f"zb-h1 run {LAYERS // DEVICES} layers per stage, circular and interleaved 1F1B (v = 2) "
+        f"{LAYERS // (2 * DEVICES)}. Per layer and micro-batch at {ACHIEVED / 1e12:.0f} TFLOP/s "
+        f"achieved: F {f1 * 1e3:.2f} ms, B {b1 * 1e3:.2f} ms, W {w1 * 1e3:.2f} ms (analytic "
+        "FLOPs; 1F1B, interleaved 1F1B and autodiff run B + W in one slot); no recomputation. "
+        f"Message: one micro-batch's bfloat16 activation, {MESSAGE_BYTES / 1e6:.1f} MB, "
+        "bytes / bandwidth + latency.\n"
+    )
+    print(
+        "Without overlap (pipejax today) a tick computes, then runs its ppermutes (a forward "
+        "table's tick one, a training table's two, one after the other), and lasts the busiest "
+        "device's compute plus the messages. With overlap (issue 41 item 3) a message is read a "
+        "tick later: a tick lasts max(compute, messages), and the table is re-timed so every hop "
+        "takes two ticks (more ticks of fill and drain). ideal: all the slots' work / n.\n"
+    )
+    plans = {}
+    for name, t in schedule_tables(DEVICES, CHUNKS).items():
+        layers = LAYERS // t.num_stages
+        costs = (layers * f1, layers * b1, layers * w1)
+        plans[name] = (sim.ticks(t, *costs), sim.ticks(t, *costs, overlap=True))
+    rows = []
+    for name, (plain, over) in plans.items():
+        for link, bw, lat in LINKS:
+            msg = sim.message_time(MESSAGE_BYTES, bw, lat)
+            a, o = plain.step(msg), over.step(msg)
+            rows.append(
+                [
+                    name,
+                    link,
+                    f"{msg * 1e3:.3f}",
+                    f"{a * 1e3:,.0f}",
+                    f"{a / plain.ideal:.3f}",
+                    f"{o * 1e3:,.0f}",
+                    f"{o / over.ideal:.3f}",
+                    "overlap" if o < a else "no overlap",
+                ]
+            )
+    ideal = next(iter(plans.values()))[0].ideal
+    print(f"Ideal step (work / n, the same for every schedule): {ideal * 1e3:,.0f} ms.\n")
+    headers = ["schedule", "link", "message ms", "step ms", "/ ideal", "step ms, overlap", "/ ideal, overlap"]
+    print(table([*headers, "shorter"], rows, align="llrrrrrl"))
+
+    print("\nWhere overlap wins:\n")
+    rows = []
+    for name, (plain, over) in plans.items():
+        window = sim.overlap_wins(plain, over)
+        if window is None:
+            span, bws = "never", "never"
+        else:
+            lo, hi = window
+            span = f"{lo * 1e3:.2f} .. {hi * 1e3:.2f}" if math.isfinite(hi) else f"> {lo * 1e3:.2f}"
+            top = MESSAGE_BYTES / (lo - CROSSOVER_LATENCY) if lo > CROSSOVER_LATENCY else math.inf
+            low = MESSAGE_BYTES / (hi - CROSSOVER_LATENCY) if math.isfinite(hi) else 0.0
+            bws = f"{low / 1e9:.2f} .. {top / 1e9:.2f}"
+        rows.append([name, len(plain.compute), len(over.compute), plain.messages.max(), span, bws])
+    headers = ["schedule", "ticks", "ticks, overlap", "messages per tick", "message ms where overlap wins"]
+    print(
+        table([*headers, f"GB/s where overlap wins ({CROSSOVER_LATENCY * 1e6:.0f} us)"], rows, align="lrrrrr")
+    )
+    print(
+        "\nThe difference overlap - no overlap is convex and piecewise linear in the message time, so "
+        "overlap wins on one interval: from where the sends it hides outweigh its extra ticks to "
+        "where the extra ticks, each now as long as its messages, outweigh the compute it hides "
+        "(`_simulate.overlap_wins`, exact). Bandwidths at the stated latency. Interleaved 1F1B's "
+        "groups of n micro-batches leave no slack round the ring, so its re-timed table waits at "
+        "every round (a table built for overlap would group 2n)."
+    )
+
+
+# --- 6. the simulator against a measured one-device step ------------------------------------------
+
+
+def one_device(quick: bool) -> None:
+    import jax
+    import numpy as np
+
+    import pipejax as pj
+    from benchmarks._common import interleaved_times
+    from benchmarks.gpu import mlp, scan_step
+
+    section("The simulator's stage times against a measured one-device step (mesh=None)")
+    S, L, width, hidden, m, micro = (4, 1, 128, 512, 4, 32) if quick else (4, 2, 256, 1024, 8, 64)
+    rounds = 5 if quick else 10
+    model = mlp(S, L, width, hidden, m * micro)
+    piece_args = (jax.tree.map(lambda a: a[0], model.params), model.args[1][:micro])
+    piece_args += (jax.numpy.ones_like(piece_args[1]),)  # the output cotangent
+
+    def stage(p, x):
+        return model.stage(p, x, None)
+
+    pieces = {  # one stage on one micro-batch: F, and F + each backward (XLA drops what is unused)
+        "F": lambda p, x, ct: stage(p, x),
+        "F + B + W": lambda p, x, ct: jax.vjp(stage, p, x)[1](ct),
+        "F + B": lambda p, x, ct: jax.vjp(lambda x: stage(p, x), x)[1](ct),
+        "F + W": lambda p, x, ct: jax.vjp(lambda p: stage(p, x), p)[1](ct),
+    }
+
+    def repeated(fn):  # as many stage calls as a step makes, so both see the same machine
+        def call():
+            for _ in range(m * S):
+                out = fn(*piece_args)
+            return out
+
+        return call
+
+    calls = {k: repeated(jax.jit(fn)) for k, fn in pieces.items()}
+    tables = {}
+    for name, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        pipe = pj.pipeline(model.stage, num_stages=S, chunks=m, schedule=name, repeats=v, checkpoint="never")
+        compiled = jax.jit(pipe.value_and_grad(model.loss))
+        calls[name] = lambda c=compiled: c(*model.args)
+        tables[name] = schedule_tables(S // v, m, v)[name if v == 1 else f"{name} v={v}"]
+    scan = jax.jit(scan_step(model, S, m, remat=False))
+    calls["scan (no remat)"] = lambda: scan(*model.args)
+    tables["scan (no remat)"] = None  # the same work as the 1f1b table, on one device
+    times = interleaved_times(calls, (), rounds=rounds)
+    per = {k: times[k] / (m * S) for k in pieces}  # seconds per stage call, each round
+    f = per["F"]
+    costs = {  # (f, b, w) per round: zb-h1 splits the backward into B and W, the others run it in B
+        "split": (f, np.maximum(per["F + B"] - f, 0), np.maximum(per["F + W"] - f, 0)),  # >= 0: noise
+        "whole": (f, np.maximum(per["F + B + W"] - f, 0), 0 * f),
+    }
+    med = {k: float(np.median(v)) for k, v in per.items()}
+    print(
+        f"{model.text}, m = {m} micro-batches of {micro}, checkpoint='never'. One stage on one "
+        f"micro-batch (median of {rounds} rounds of {m * S} calls): F {med['F'] * 1e3:.3f} ms, F + B + W "
+        f"{med['F + B + W'] * 1e3:.3f} ms, F + B (input cotangent) {med['F + B'] * 1e3:.3f} ms, F + W "
+        f"(weight cotangent) {med['F + W'] * 1e3:.3f} ms. jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}.\n"
+    )
+    rows = []
+    for name, sched in tables.items():
+        sched = sched or tables["1f1b"]
+        kind = "split" if "W" in sched.slot_fields() else "whole"
+        by_round = [sim.ticks(sched, *(c[r] for c in costs[kind])) for r in range(rounds)]
+        work = np.array([t.work for t in by_round])
+        ratio = times[name] / work
+        rows.append(
+            [
+                name,
+                f"{np.median(work) * 1e3:.2f}",
+                f"{np.median(times[name]) * 1e3:.2f}",
+                f"{np.median(ratio):.2f} ({np.min(ratio):.2f}-{np.max(ratio):.2f})",
+                "-" if tables[name] is None else sched.num_devices,
+                "-" if tables[name] is None else f"{np.median([t.step() for t in by_round]) * 1e3:.2f}",
+            ]
+        )
+    headers = ["program", "sum of stage times the simulator assumes, ms", "step measured, ms"]
+    headers += ["measured / assumed (min-max)", "n", "predicted step on n devices, free links, ms"]
+    print(table(headers, rows, align="lrrrrr"))
+    print(
+        "\nassumed: the work of the schedule's table, every slot's cost summed (F and the whole "
+        "backward per stage and micro-batch; zb-h1: F, B and W timed apart), which one device runs "
+        "in turn: with mesh=None every schedule runs as gradient accumulation over the micro-batches. "
+        "measured: the jitted value_and_grad step. Pieces and steps run in the same interleaved "
+        "rounds; ratios are medians of per-round ratios. The ratio is what the stage times miss: "
+        "the loss, the engine's per-tick bookkeeping, XLA's fusion across stages; the scan row does "
+        "the same work without the pipeline."
+    )
+
+
+SECTIONS = {
+    "theory": theory,
+    "measured": measured,
+    "torchgpipe": torchgpipe,
+    "layouts": layouts,
+    "lockstep": lockstep,
+    "bandwidth": bandwidth,
+    "one-device": one_device,
+}
 
 
 def main(argv=None) -> None:

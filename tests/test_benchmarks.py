@@ -73,10 +73,53 @@ def test_memory_benchmark_quick(tmp_path):
 
 
 def test_simulate_benchmark_quick():
+    """The simulator script runs every section; its lockstep simulation of pipejax's tables equals
+    each table's own ``step_time`` with free links, and every schedule has its rows."""
     out = run_quick("simulate.py")
-    for heading in ("against theory", "measured on this CPU", "torchgpipe's published speed-ups"):
+    headings = ("against theory", "measured on this CPU", "torchgpipe's published speed-ups")
+    headings += ("Every schedule in lockstep ticks", "Step time against link bandwidth", "Where overlap wins")
+    headings += ("against a measured one-device step",)
+    for heading in headings:
         assert heading in out, f"missing {heading!r}:\n{out[-2000:]}"
-    assert "| False |" not in out  # every simulated bubble equals the theory exactly
+    # every simulated bubble equals the theory, every lockstep step the table's step_time
+    assert "| False |" not in out
+    assert out.count("| True  |") >= 20  # 5 schedules x 4 (n, m) in the lockstep table
+    bandwidth = out[out.index("Step time against link bandwidth") : out.index("Where overlap wins")]
+    wins = out[out.index("Where overlap wins") : out.index("against a measured one-device step")]
+    measured = out[out.index("against a measured one-device step") :]
+    for name in ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b"):
+        assert bandwidth.count(f"| {name} ") == 5, name  # one row per link
+        assert f"| {name} " in wins and f"| {name} " in measured, name
+    assert "| scan (no remat) " in measured
+
+    sys.path.insert(0, str(ROOT))
+    import pipejax as pj
+    from benchmarks import _simulate as sim
+
+    f, b, w = 1.0, 1.0, 0.5  # f = b; exact in binary, so the sums are exact
+    for n, m in ((1, 3), (3, 3), (4, 8)):
+        for table in (pj.one_f_one_b_schedule(n, m), pj.zb_h1_schedule(n, m)):
+            has_w = "W" in table.slot_fields()
+            plain = sim.ticks(table, f, b, w)
+            assert plain.step() == table.step_time(f, b if has_w else b + w, w), (table, n, m)
+            assert plain.work == n * m * (f + b + w)
+            # overlap: every hop one more tick, the 2 (n - 1) hops of a micro-batch's round trip
+            over = sim.ticks(table, f, b, w, overlap=True)
+            assert len(over.compute) == table.num_ticks + 2 * (n - 1)
+            assert over.step() >= plain.step()  # free links: overlap only adds ticks
+    gpipe = pj.gpipe_schedule(4, 8)  # forward ticks, then reversed ones: 2 (m + n - 1) in all
+    assert sim.ticks(gpipe, f, b, w).step() == (8 + 4 - 1) * (f + b + w)
+    assert len(sim.ticks(gpipe, f, b, w, overlap=True).compute) == 2 * (8 + 2 * (4 - 1))
+    # slow links: a training table's tick sends two messages; overlap hides the compute under them
+    t = pj.one_f_one_b_schedule(4, 8)
+    plain, over = sim.ticks(t, f, b, w), sim.ticks(t, f, b, w, overlap=True)
+    assert plain.step(10.0) == plain.step() + 20.0 * t.num_ticks
+    assert over.step(10.0) == 20.0 * (t.num_ticks + 6)
+    lo, hi = sim.overlap_wins(plain, over)
+    for x in (lo * 0.99, hi * 1.01):
+        assert over.step(x) > plain.step(x)
+    for x in (lo * 1.01, (lo + hi) / 2, hi * 0.99):
+        assert over.step(x) < plain.step(x)
 
 
 def test_xla_log_parser_reads_the_program_compile():
