@@ -155,6 +155,8 @@ def test_built_in_tables_are_checked_by_the_same_rules():
     with pytest.raises(ValueError, match=r"names a stage its device does not hold"):
         t.replace(stage={"F": t.stages("F") + 1, "B": t.stages("B")})
     with pytest.raises(ValueError, match="`hop` must be 1"):
+        t.replace(hop=3)
+    with pytest.raises(ValueError, match=r"arrives at tick 2: the loop delivers a message 2 ticks after"):
         t.replace(hop=2)
     # the circular table's loop-back waits in its delay line: allowed for forward tables only
     assert sched.circular(2, 6, 2).num_ticks == 2 * 6 + 1

@@ -202,7 +202,8 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
       slices and reshapes that pick a stage's weights out of them (:data:`STAGE_PARAMS`).
     * a policy: the user's policy, with the same exception.
     * ``"except_last"``: ``"always"`` until the last ``n`` ticks (the drain, which includes the
-      last micro-batch on every device; ``n`` = devices), ``"never"`` from there on. Memory per
+      last micro-batch on every device; ``n`` = devices; ``2 n - 1`` when sends overlap
+      compute, a hop of two ticks), ``"never"`` from there on. Memory per
       tick is a static property of a scan, so this is the one mode with two scans. The parameter
       cotangents of both reach one running sum (see ``engine._scan``), so its gradients are
       bitwise those of the other modes.
@@ -210,8 +211,8 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
     With one scan every stage function appears once in the forward program.
     """
     n, ticks = schedule.num_devices, schedule.num_ticks
-    if checkpoint == "except_last":
-        drain = max(ticks - n, 0)
+    if checkpoint == "except_last":  # the last micro-batch's last round: hop (n - 1) + 1 ticks
+        drain = max(ticks - schedule.hop * (n - 1) - 1, 0)
         cuts = [_guarded(0, drain, "always"), _guarded(drain, ticks, "never")]
         return [p for p in cuts if p.stop > p.start]
     return [_guarded(0, ticks, checkpoint)]

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from pipejax._src import checks, compat, microbatch, options
 from pipejax._src.engine import boundaries
 from pipejax._src.pipeline import Pipeline
-from pipejax._src.schedules import tables as sched
 
 
 class Residual(NamedTuple):
@@ -309,24 +308,28 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         micro = out.structs()
     a, r, o = max(acts), max(residuals), _nbytes(micro)
     held = max(sum(stage_params[d::n]) for d in range(n))  # device d: stages d, d + n, ...
+    table = pipe.schedule(batch)  # the table the mesh runs (overlap: hops of two ticks)
     if pipe.plan.schedule.owns_backward:
-        k = sched.training(name, n, m).stash_slots()
+        k = table.stash_slots()
         slot = a if pipe.checkpoint == "always" else r + o
         stash = k * slot + (n * a if name == "zb-h1" else 0)
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0
     else:
-        ticks = pipe.schedule(batch).num_ticks
+        ticks, drain = table.num_ticks, table.hop * (n - 1) + 1  # drain: except_last's "never"
         stash = {
             "always": ticks * a,
             "never": ticks * r,
-            "except_last": (ticks - n) * a + n * r if ticks > n else ticks * r,
+            "except_last": (ticks - drain) * a + drain * r if ticks > drain else ticks * r,
         }[pipe.checkpoint]
         freed = r
         split = n > 1 and not compat.is_explicit(pipe.mesh, pipe.axis_name)
         outputs = (-(-m // n) if split else m) * o
-        loop = 2 * (m - n + 1) * a if v > 1 and m > n > 1 else 0
+        h = table.hop  # the circular loop-back's delay line: m - h n + 1 slots
+        loop = 2 * (m - h * n + 1) * a if v > 1 and m > h * n and n > 1 else 0
     work = freed + pipe.plan.schedule.activation_buffers * a
+    if pipe.overlap:  # the messages sent during the next tick: an activation (and a cotangent)
+        work += (2 if pipe.plan.schedule.owns_backward else 1) * a
     # a tick's parameter cotangent reuses the space of the residuals its backward has freed,
     # unless it is larger than they are
     grad = max(stage_params) if max(stage_params) > freed else 0

@@ -103,6 +103,7 @@ def pipeline(
     param_specs: Any = None,
     tied: Sequence[Sequence[tuple[int, Any]]] | None = None,
     aux: str | None = None,
+    overlap: bool = False,
 ) -> Pipeline:
     """Builds a micro-batch pipeline over ``stages`` (by default with the GPipe schedule).
 
@@ -219,6 +220,14 @@ def pipeline(
         differentiable; :meth:`Pipeline.value_and_grad`'s ``aux_loss`` adds losses of them. A
         stage that must leave the padding rows out of its own mean is built ``stateful`` (it
         then reads the row mask). See docs/pipeline_training.md, "Auxiliary outputs".
+      overlap: if True, sends overlap compute on a mesh: a device reads a message one tick after
+        it arrives, so each ``ppermute`` sends the previous tick's output (a loop carry) while
+        both devices compute, as XLA's latency-hiding scheduler needs. The cost: every hop of the
+        fill and drain takes two ticks (GPipe: ``m + 2 (n - 1)`` ticks instead of ``m + n - 1``;
+        1F1B and ZB-H1: ``m + 4 (n - 1)`` instead of ``m + 2 (n - 1)``, with a deeper stash;
+        interleaved 1F1B: micro-batches in groups of ``2 n``), and one more message per device
+        is carried. Results are those of ``overlap=False``. Without a mesh there are no sends
+        and it changes nothing. See docs/pipeline_gpu.md.
 
     Returns:
       A :class:`Pipeline`, called as ``apply(params, x, key=None)``. ``params`` is a sequence with
@@ -291,6 +300,7 @@ def pipeline(
         param_specs=param_specs,
         tied=tied,
         aux=aux,
+        overlap=overlap,
     )
 
 
@@ -319,6 +329,7 @@ class Pipeline:
         param_specs: Any = None,
         tied: Any = None,
         aux: str | None = None,
+        overlap: bool = False,
     ):
         self.plan = plan_mod.Plan.build(
             stages,
@@ -335,6 +346,7 @@ class Pipeline:
             param_specs=param_specs,
             tied=tied,
             aux=aux,
+            overlap=overlap,
         )
         self._jitted = jax.jit(self._apply)
         self._jitted = self.plan.schedule.guard_forward(self._jitted)
@@ -344,6 +356,7 @@ class Pipeline:
         where = self.plan.describe_devices()
         how = "" if self.schedule_name == "gpipe" else f", schedule={self.schedule_name!r}"
         how += f", repeats={self.repeats}" if self.repeats > 1 else ""
+        how += ", overlap=True" if self.overlap else ""
         return (
             f"Pipeline({self.num_stages} {kind} stages, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}{how}, {where})"
@@ -355,6 +368,7 @@ class Pipeline:
     stages = _plan_field("stages", "The stage functions (one, for homogeneous stages).")
     num_stages = _plan_field("num_stages", "The number of stages.")
     schedule_name = _plan_field("schedule_name", "The schedule's name, e.g. 'gpipe' or '1f1b'.")
+    overlap = _plan_field("overlap", "Whether sends overlap compute (messages take two ticks).")
     repeats = _plan_field("repeats", "The stages each device holds.")
     num_devices = _plan_field("num_devices", "The devices along the stage axis.")
     chunks = _plan_field("chunks", "The micro-batches a mini-batch is cut into.")

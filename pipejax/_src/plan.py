@@ -52,6 +52,7 @@ class Plan:
     param_specs: Any
     tied: Any
     aux: str | None
+    overlap: bool = False  # sends overlap compute: the tables' messages take two ticks (hop 2)
 
     @classmethod
     def build(
@@ -71,6 +72,7 @@ class Plan:
         param_specs=None,
         tied=None,
         aux=None,
+        overlap=False,
     ) -> Plan:
         """Checks every option (each once, in :mod:`pipejax._src.options`) and resolves them."""
         homogeneous, stages = options.check_stages(stages, num_stages)
@@ -90,9 +92,11 @@ class Plan:
             data_size = options.check_data_axis(data_axis_name, mesh, axis_name)
         per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
         stateful = checks.check_bool(stateful, "stateful")
+        overlap = checks.check_bool(overlap, "overlap")
         return cls(
             stages, homogeneous, num_stages, schedule, repeats, num_devices, chunks, checkpoint, mesh,
             axis_name, data_axis_name, data_size, per_example_keys, stateful, param_specs, tied, aux,
+            overlap,
         )  # fmt: skip
 
     @property
@@ -125,8 +129,13 @@ class Plan:
             return self.kind.local_table(self.num_stages, num_micro)
         if training:
             self.schedule.check_num_micro(self, call.plan, num_micro)
-            return self.schedule.training_table(self.num_stages, num_micro, self.repeats)
-        return sched.circular(self.num_devices, num_micro, self.repeats)
+            return self.schedule.training_table(self.num_stages, num_micro, self.repeats, self.hop)
+        return sched.circular(self.num_devices, num_micro, self.repeats, hop=self.hop)
+
+    @property
+    def hop(self) -> int:
+        """The ticks a message takes to the next device on the mesh: 2 when sends overlap compute."""
+        return 2 if self.overlap else 1
 
     def describe_devices(self) -> str:
         """Where the stages run, for ``repr``: ``no mesh``, or the mesh's stage (and data) axis."""

@@ -257,9 +257,13 @@ class MeshDevices:
                     drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
                 # B and W (a training table); their input cotangents go one device back
                 back, sent = slots.back(carry.back, out, row, d)
+                message = out[0]
+                if overlap:  # send what the last tick made (a carry) while this tick computes
+                    (message, sent), sending = c.sending, (message, sent)
+                    carry = carry._replace(sending=sending)
                 back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
                 carry = carry._replace(back=back)
-                return (carry._replace(inbox=shift(out[0], axis, D, ring=ctx.v > 1)), queue, drain), None
+                return (carry._replace(inbox=shift(message, axis, D, ring=ctx.v > 1)), queue, drain), None
 
             return body
 
@@ -291,7 +295,11 @@ class MeshDevices:
         # a training table keeps no outputs and no bubble that returns the last one
         acc, prev, back = slots.start(acc, (message, stat))
         stats = stages.message_zeros(0, (ctx.S if ctx.stage_major else ctx.v, m))[1]
-        init = Carry(message, prev, acc, stats, loop, back)
+        # sends that overlap compute: the next device reads a message a tick after it arrives
+        # (the table's hop is 2), so the ppermutes send the last tick's outputs, loop carries
+        overlap = schedule.hop == 2
+        sending = (message, slots.back_zeros(back)) if overlap else None
+        init = Carry(message, prev, acc, stats, loop, back, sending)
         carry, _, drain = _scan(schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs)
         return carry, drain
 

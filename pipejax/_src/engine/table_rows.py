@@ -48,8 +48,9 @@ def loop_delay(schedule: Schedule) -> int:
     """Ticks a micro-batch waits on device 0 between two rounds of the circular schedule.
 
     Device 0 starts stage ``s >= D`` of micro-batch ``i`` a fixed number of ticks after the
-    last device's output of stage ``s - 1`` reached it: ``max(m, n) - n`` for
-    :func:`~pipejax._src.schedules.tables.circular` (0 when ``m <= n``: it starts the tick it arrives).
+    last device's output of stage ``s - 1`` reached it (``hop`` ticks after it was sent):
+    ``max(m, n) - n`` for :func:`~pipejax._src.schedules.tables.circular` (0 when ``m <= n``: it
+    starts the tick it arrives; with ``hop = 2``, ``max(m, 2 n) - 2 n``).
     So the loop buffer is a delay line, not a slot per micro-batch: ``delay + 1`` slots; a tick
     writes what arrives into slot ``tick mod (delay + 1)`` and then reads slot ``(tick + 1) mod
     (delay + 1)``, written ``delay`` ticks before. (Reading before writing would need only
@@ -65,7 +66,7 @@ def loop_delay(schedule: Schedule) -> int:
     D = schedule.num_devices
     done = {(int(micro[t, -1]), int(stage[t, -1])): t for t in range(len(micro)) if micro[t, -1] >= 0}
     delays = {
-        t - done[int(micro[t, 0]), int(stage[t, 0]) - 1] - 1
+        t - done[int(micro[t, 0]), int(stage[t, 0]) - 1] - schedule.hop
         for t in range(len(micro))
         if micro[t, 0] >= 0 and stage[t, 0] >= D
     }

@@ -27,6 +27,8 @@ class Carry(NamedTuple):
     loop: Any  # circular schedule: activations waiting for their next round (device 0), a
     # delay line of `loop_delay + 1` slots; () when they start it the tick they arrive
     back: Any = None  # a training table: the state of its B and W slots (`Slots`); None: none
+    sending: Any = None  # sends that overlap compute (a table's hop of 2): the (activation,
+    # cotangent) this device made at the last tick, sent during this one; None: sent at once
 
 
 def device_tick(
@@ -86,7 +88,7 @@ def device_tick(
     stats = recomputed(put_stats)(row, carry.stats, out[1])
     # the last output is kept only where a bubble returns it (a carry without `prev`: none)
     prev = None if carry.prev is None else out
-    return Carry(None, prev, acc, stats, loop, carry.back), out
+    return Carry(None, prev, acc, stats, loop, carry.back, carry.sending), out
 
 
 def at(row, d, D: int, static_stage=None):
@@ -150,6 +152,9 @@ class Slots(Protocol):
     def arrive(self, state, received):
         """``state`` with the cotangent the next device sent."""
 
+    def back_zeros(self, state):
+        """What the B slots send when they send nothing (zeros of a cotangent; None: no B)."""
+
     def columns_back(self, state, outs, row, num_columns: int):
         """One device's B slots of every column (no mesh), the last column first."""
 
@@ -177,6 +182,9 @@ class ForwardSlots:
 
     def arrive(self, state, received):
         return state
+
+    def back_zeros(self, state):
+        return None
 
     def columns_back(self, state, outs, row, num_columns: int):
         return state

@@ -46,7 +46,7 @@ class ForwardSchedule:
     def check_num_micro(self, pipe, plan, num_micro) -> None:
         """Any number of micro-batches runs."""
 
-    def training_table(self, num_stages, num_micro, repeats):
+    def training_table(self, num_stages, num_micro, repeats, hop=1):
         """No training table: autodiff differentiates the forward table."""
         raise ValueError(
             f"`training=True` asks for the training table, but schedule {self.name!r} has none: "
@@ -86,11 +86,11 @@ class BackwardSchedule:
 
     def check_num_micro(self, pipe, plan, num_micro) -> None:
         """A schedule that sends micro-batches round the ring in groups of ``n`` needs their
-        number per data shard to be a multiple of ``n``; the message names the ``chunks`` that
-        fit this batch."""
-        if not self.groups_of_n or num_micro % pipe.num_devices == 0:
+        number per data shard to be a multiple of ``n`` (``2 n`` when sends overlap compute); the
+        message names the ``chunks`` that fit this batch."""
+        if not self.groups_of_n or num_micro % (pipe.hop * pipe.num_devices) == 0:
             return
-        n, p = pipe.num_devices, pipe.data_size
+        n, p = pipe.hop * pipe.num_devices, pipe.data_size
         per = f" per data shard ({plan.num_micro} in all)" if p > 1 else ""
         # chunks that give exactly that many micro-batches (chunks=5 and 4 both cut 12 into 4)
         fits = [
@@ -104,15 +104,16 @@ class BackwardSchedule:
             also = f" (or {', '.join(map(str, others[:3]))})" if others else ""
             fix = f"e.g. `chunks={best}`{also} for this batch"
         raise ValueError(
-            f"`schedule={self.name!r}` sends micro-batches round the {n} devices in groups of "
-            f"{n}, so their number must be a multiple of {n}, but a batch of {plan.batch} with "
+            f"`schedule={self.name!r}` sends micro-batches round the {pipe.num_devices} devices in "
+            f"groups of {n}{' (`overlap=True`: twice the devices)' if pipe.hop == 2 else ''}, so "
+            f"their number must be a multiple of {n}, but a batch of {plan.batch} with "
             f"`chunks={pipe.chunks}` gives {num_micro} micro-batches of {plan.micro_size}{per}. Use a "
             f"number of micro-batches that is a multiple of {n * p} ({fix}), or `schedule='1f1b'`."
         )
 
-    def training_table(self, num_stages, num_micro, repeats):
+    def training_table(self, num_stages, num_micro, repeats, hop=1):
         """The table of F, B (and W) slots on the mesh's stage axis."""
-        return tables.training(self.name, num_stages, num_micro, repeats)
+        return tables.training(self.name, num_stages, num_micro, repeats, hop=hop)
 
     def guard_forward(self, forward):
         """``forward``, refusing autodiff: the backward of this schedule is
@@ -149,7 +150,7 @@ class TableSchedule(BackwardSchedule):
     build: Callable[[int, int], Any] = None
     takes_repeats: bool = True  # the table says which chunk each slot runs
 
-    def training_table(self, num_stages, num_micro, repeats):
+    def training_table(self, num_stages, num_micro, repeats, hop=1):
         n = num_stages // repeats
         t = self.build(n, num_micro)
         want = f"a training table for {n} devices, `num_micro={num_micro}` and `repeats={repeats}`"
@@ -164,6 +165,13 @@ class TableSchedule(BackwardSchedule):
             raise ValueError(
                 f"`schedule={self.name!r}` must return {want}, but `{self.name}({n}, {num_micro})` "
                 f"returned one for {got[0]} devices, `num_micro={got[1]}` and `repeats={got[2]}`."
+            )
+        if t.hop != hop:
+            how = "`overlap=True` asks for" if hop == 2 else "the pipeline (`overlap=False`) runs"
+            raise ValueError(
+                f"`schedule={self.name!r}` returned a table whose messages take `hop={t.hop}` "
+                f"ticks, but {how} tables with `hop={hop}`: build it with "
+                f"`pj.schedule_from_actions(..., hop={hop})`, or set `overlap={hop == 2}`."
             )
         return t
 

@@ -227,12 +227,20 @@ class Schedule:
 
 
 def from_actions(
-    actions: Iterable, *, num_devices: int, num_micro: int, repeats: int = 1, name: str = "custom"
+    actions: Iterable,
+    *,
+    num_devices: int,
+    num_micro: int,
+    repeats: int = 1,
+    name: str = "custom",
+    hop: int = 1,
 ) -> Schedule:
     """A training table from a list of actions: ``(device, tick, kind, micro, chunk)`` each
     (:class:`Action`, or a tuple in that order; ``chunk`` may be left out for 0), ``kind`` one of
     "F", "B" and "W". Device ``d``'s chunk ``c`` is stage ``c * num_devices + d``. Idle slots
-    name the device's chunk 0. The table is checked as every built-in one is (see the module).
+    name the device's chunk 0. ``hop``: the ticks a message takes to the next device, 1, or 2
+    for a table run with ``overlap=True`` (sends that overlap compute). The table is checked as
+    every built-in one is (see the module).
 
     Examples:
       >>> t = from_actions(
@@ -268,7 +276,7 @@ def from_actions(
         seen[cell] = j
         micro[a.kind][a.tick, a.device] = a.micro
         stage[a.kind][a.tick, a.device] = a.chunk * n + a.device
-    return Schedule(name, micro, stage, m, v)
+    return Schedule(name, micro, stage, m, v, hop)
 
 
 def _action(a, j: int, n: int, m: int, v: int) -> Action:
@@ -330,11 +338,13 @@ def _check_fields(s: Schedule) -> None:
     for field in ("num_micro", "repeats"):
         object.__setattr__(s, field, checks.count(getattr(s, field), field))
     hop = checks.integer(s.hop)
-    if hop not in (0, 1):
+    if hop not in (0, 1, 2):
         raise ValueError(
-            f"`hop` must be 1 (a message takes one tick to the next device) or 0 (the columns of "
-            f"one device, handing on within the tick), but got {s.hop!r}."
+            f"`hop` must be 1 (a message takes one tick to the next device), 2 (the next device "
+            f"reads it a tick later: sends overlap compute) or 0 (the columns of one device, "
+            f"handing on within the tick), but got {s.hop!r}."
         )
+    object.__setattr__(s, "hop", hop)
     if not isinstance(s.micro, Mapping) or not isinstance(s.stage, Mapping):
         raise TypeError("`micro` and `stage` must be dicts from slot kind ('F', 'B', 'W') to int tables.")
     kinds = tuple(s.micro)

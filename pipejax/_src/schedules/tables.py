@@ -51,18 +51,22 @@ def _counts(**values) -> list[int]:
     return [checks.count(v, name, what=what.get(name, "")) for name, v in values.items()]
 
 
-def gpipe(num_stages: int, num_micro: int) -> Schedule:
-    """The GPipe fill-drain schedule for ``num_stages`` stages and ``num_micro`` micro-batches."""
+def gpipe(num_stages: int, num_micro: int, *, hop: int = 1) -> Schedule:
+    """The GPipe fill-drain schedule for ``num_stages`` stages and ``num_micro`` micro-batches
+    (``hop``: see :func:`circular`)."""
     num_stages, num_micro = _counts(num_stages=num_stages, num_micro=num_micro)
-    return circular(num_stages, num_micro, 1)
+    return circular(num_stages, num_micro, 1, hop=hop)
 
 
-def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
+def circular(num_devices: int, num_micro: int, repeats: int, *, hop: int = 1) -> Schedule:
     """The circular (interleaved) schedule: ``repeats * num_devices`` stages on ``num_devices``.
 
     Device ``d`` runs stage ``r * num_devices + d`` on micro-batch ``i`` at tick
-    ``r * m' + i + d``, with ``m' = max(num_micro, num_devices)`` slots per round (``m' =
-    num_micro`` when ``repeats == 1``, which is GPipe's schedule).
+    ``r * m' + i + hop * d``, with ``m' = max(num_micro, hop * num_devices)`` slots per round
+    (``m' = num_micro`` when ``repeats == 1``, which is GPipe's schedule). ``hop``: the ticks a
+    message takes to the next device, 1, or 2 when sends overlap compute (the next device reads
+    a message one tick after it arrives, so it travels while both devices compute; every hop of
+    the fill then costs a tick more).
 
     Examples:
       >>> s = circular(2, 2, 2)  # 4 stages on 2 devices, 2 micro-batches
@@ -74,15 +78,16 @@ def circular(num_devices: int, num_micro: int, repeats: int) -> Schedule:
       (0.2, 0.2)
     """
     n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
-    slots = m if v == 1 else max(m, n)
-    ticks = np.arange(v * slots + n - 1)[:, None]
+    hop = _hop(hop)
+    slots = m if v == 1 else max(m, hop * n)
+    ticks = np.arange(v * slots + hop * (n - 1))[:, None]
     devices = np.arange(n)[None, :]
-    k = ticks - devices  # position of the device's work item at this tick
+    k = ticks - hop * devices  # position of the device's work item at this tick
     r, i = np.divmod(np.clip(k, 0, v * slots - 1), slots)
     working = (k >= 0) & (k < v * slots) & (i < m)
     table = np.where(working, i, -1).astype(np.int32)
     stage_table = (r * n + devices).astype(np.int32)  # before: first stage; after: last stage
-    return _forward("gpipe" if v == 1 else "circular", table, stage_table, m, v)
+    return _forward("gpipe" if v == 1 else "circular", table, stage_table, m, v, hop)
 
 
 def sequential(num_stages: int, num_micro: int) -> Schedule:
@@ -195,8 +200,9 @@ TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b")
 TrainingSchedule = Schedule  # the one table type; the name of the training tables' type before it
 
 
-def one_f_one_b(num_stages: int, num_micro: int) -> Schedule:
-    """The lockstep 1F1B table: F(s, i) at tick ``i + s``, B(s, i) at tick ``i + 2 (n - 1) - s``.
+def one_f_one_b(num_stages: int, num_micro: int, *, hop: int = 1) -> Schedule:
+    """The lockstep 1F1B table: F(s, i) at tick ``i + s``, B(s, i) at tick ``i + 2 (n - 1) - s``
+    (with ``hop = 2``, sends that overlap compute: ``i + 2 s`` and ``i + 4 (n - 1) - 2 s``).
 
     Examples:
       >>> s = one_f_one_b(2, 3)
@@ -207,12 +213,12 @@ def one_f_one_b(num_stages: int, num_micro: int) -> Schedule:
       >>> s.bubble_fraction(1.0, 2.0), gpipe_bubble_fraction(2, 3)
       (0.25, 0.25)
     """
-    return _training_table("1f1b", num_stages, num_micro)
+    return _training_table("1f1b", num_stages, num_micro, hop)
 
 
-def zb_h1(num_stages: int, num_micro: int) -> Schedule:
+def zb_h1(num_stages: int, num_micro: int, *, hop: int = 1) -> Schedule:
     """The lockstep ZB-H1 table: F and B as :func:`one_f_one_b` (B the input cotangent only),
-    W(s, i) at tick ``i + 2 (n - 1)``.
+    W(s, i) at tick ``i + 2 (n - 1)``, ``s`` ticks after its B (also with ``hop = 2``).
 
     Examples:
       >>> s = zb_h1(2, 3)
@@ -221,10 +227,10 @@ def zb_h1(num_stages: int, num_micro: int) -> Schedule:
       >>> s.bubble_fraction(1.0, 1.0, 1.0), zb_h1_bubble_fraction(2, 3, 1.0, 1.0, 1.0)
       (0.181..., 0.181...)
     """
-    return _training_table("zb-h1", num_stages, num_micro)
+    return _training_table("zb-h1", num_stages, num_micro, hop)
 
 
-def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> Schedule:
+def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int, *, hop: int = 1) -> Schedule:
     """Interleaved 1F1B (Megatron's virtual stages) in lockstep: ``S = v n`` stages on ``n``.
 
     Device ``d`` holds stages ``d, d + n, ..., d + (v - 1) n``. Micro-batches go in groups of
@@ -232,7 +238,9 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> S
     ``j`` runs at tick ``base(i) + j`` and its B at ``base(i) + 2 (S - 1) - j``, so an activation
     leaving device ``n - 1`` enters device 0 for its next round at the next tick (the ring), and
     every device has at most one F and one B per tick. Needs ``m`` a multiple of ``n``. With
-    ``v = 1`` it is :func:`one_f_one_b`.
+    ``v = 1`` it is :func:`one_f_one_b`. With ``hop = 2`` (sends that overlap compute) a hop
+    takes two ticks and the groups hold ``2 n`` micro-batches: ``base(i) = 2 g n v + k`` for
+    ``i = 2 g n + k``, F at ``base(i) + 2 j`` and B at ``base(i) + 4 (S - 1) - 2 j``.
 
     Examples:
       >>> s = interleaved_one_f_one_b(2, 2, 2)  # 4 stages on 2 devices
@@ -242,34 +250,38 @@ def interleaved_one_f_one_b(num_devices: int, num_micro: int, repeats: int) -> S
       ([4, 4], 2)
     """
     n, m, v = _counts(num_devices=num_devices, num_micro=num_micro, repeats=repeats)
-    if m % n:
-        up = -(-m // n) * n
-        near = sorted({c for c in (up - n, up) if c > 0}, key=lambda c: (abs(c - m), c))
+    hop = _hop(hop)
+    g = hop * n  # micro-batches per group
+    if m % g:
+        up = -(-m // g) * g
+        near = sorted({c for c in (up - g, up) if c > 0}, key=lambda c: (abs(c - m), c))
         fix = " or ".join(f"`num_micro={c}`" for c in near)
+        size = f"`num_devices={n}`" if hop == 1 else f"{hop} x `num_devices={n}` (`hop={hop}`)"
         raise ValueError(
-            f"Interleaved 1F1B sends micro-batches round the {n} devices in groups of {n}, so "
-            f"`num_micro` must be a multiple of `num_devices={n}`, but got {m}. Use {fix}."
+            f"Interleaved 1F1B sends micro-batches round the {n} devices in groups of {g}, so "
+            f"`num_micro` must be a multiple of {size}, but got {m}. Use {fix}."
         )
     S = n * v
     i = np.arange(m)
-    base = (i // n) * n * v + i % n
-    ticks = int(base[-1]) + 2 * (S - 1) + 1
+    base = (i // g) * g * v + i % g
+    ticks = int(base[-1]) + 2 * hop * (S - 1) + 1
     forward, backward = (np.full((ticks, n), -1, np.int32) for _ in range(2))
     fstage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy()
     bstage = fstage.copy()
     j, k = np.arange(S)[:, None], np.arange(m)[None, :]  # every (stage, micro-batch) at once
     d = np.broadcast_to(j % n, (S, m))
-    tf, tb = base[None, :] + j, base[None, :] + 2 * (S - 1) - j
+    tf, tb = base[None, :] + hop * j, base[None, :] + hop * (2 * (S - 1) - j)
     for t in (tf, tb):  # at most one F and one B per device and tick
         assert np.bincount((t * n + d).ravel(), minlength=ticks * n).max() <= 1
     forward[tf, d], fstage[tf, d] = k, j
     backward[tb, d], bstage[tb, d] = k, j
-    return Schedule("interleaved-1f1b", {"F": forward, "B": backward}, {"F": fstage, "B": bstage}, m, v)
+    micro, stage = {"F": forward, "B": backward}, {"F": fstage, "B": bstage}
+    return Schedule("interleaved-1f1b", micro, stage, m, v, hop)
 
 
-def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> Schedule:
+def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, hop: int = 1) -> Schedule:
     """The table of schedule ``name`` (one of :data:`TRAINING_KINDS`) for ``num_stages`` stages
-    (``num_stages / repeats`` devices for "interleaved-1f1b")."""
+    (``num_stages / repeats`` devices for "interleaved-1f1b"), messages taking ``hop`` ticks."""
     if name not in TRAINING_KINDS:
         kinds = ", ".join(repr(k) for k in TRAINING_KINDS)
         raise ValueError(f"`name` must be one of {kinds}, but got {name!r}.")
@@ -285,14 +297,27 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1) -> Sc
             "or change `repeats`."
         )
     if name == "interleaved-1f1b":
-        return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats)
-    return _training_table(name, num_stages, num_micro)
+        return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats, hop=hop)
+    return _training_table(name, num_stages, num_micro, hop)
 
 
-def _training_table(name, n, m) -> Schedule:
+def _hop(hop) -> int:
+    """``hop`` checked: 1 (a message is read the tick it arrives) or 2 (a tick later: sends
+    overlap compute)."""
+    h = checks.integer(hop)
+    if h not in (1, 2):
+        raise ValueError(
+            f"`hop` must be 1 (the next device reads a message the tick it arrives) or 2 (a tick "
+            f"later, so the send overlaps compute), but got {hop!r}."
+        )
+    return h
+
+
+def _training_table(name, n, m, hop=1) -> Schedule:
     assert name in ("1f1b", "zb-h1"), name
     n, m = _counts(num_stages=n, num_micro=m)
-    ticks = m + 2 * (n - 1)
+    h = _hop(hop)
+    ticks = m + 2 * h * (n - 1)
     t = np.arange(ticks)[:, None]
     s = np.arange(n)[None, :]
 
@@ -300,11 +325,11 @@ def _training_table(name, n, m) -> Schedule:
         i = t - offset
         return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
 
-    micro = {"F": slot(s), "B": slot(2 * (n - 1) - s)}
-    if name == "zb-h1":
-        micro["W"] = slot(np.broadcast_to(2 * (n - 1), (1, n)))
+    micro = {"F": slot(h * s), "B": slot(h * (2 * (n - 1) - s))}
+    if name == "zb-h1":  # W s ticks after its B: the output cotangents' ring of n slots holds it
+        micro["W"] = slot(h * (2 * (n - 1) - s) + s)
     stage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n))
-    return Schedule(name, micro, dict.fromkeys(micro, stage), m)
+    return Schedule(name, micro, dict.fromkeys(micro, stage), m, hop=h)
 
 
 def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w: float) -> float:

@@ -75,6 +75,9 @@ class _Slots:
     def arrive(self, dev, received):
         return dev._replace(bin=received)
 
+    def back_zeros(self, dev):
+        return dev.bin  # zeros at the first tick
+
     def columns_back(self, dev, outs, row, num_columns: int):
         """The B slots of every column of one device (no mesh), the last column first, handing
         the input cotangents on within the tick."""
