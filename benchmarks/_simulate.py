@@ -423,12 +423,14 @@ def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False)
     of an F output during the same tick's B and W slots, which this ignores.
 
     With ``overlap`` a message is read one tick after it arrives in the table, so it travels
-    during the next tick's compute (a tick lasts ``max(compute, messages)``) and the slots are
-    re-timed by :func:`_retime`: every hop costs one more tick where the table has no slack to
-    absorb it. GPipe's forward gets ``n - 1`` more ticks (its backward as many), the circular
-    table as many when ``m >= 2 n`` (its loop-back's wait absorbs the rest), 1F1B and ZB-H1
-    ``2 (n - 1)``; interleaved 1F1B, whose groups of ``n`` micro-batches fill the ring with no
-    slack, waits at every round (a table built for overlap would group ``2 n``).
+    during the next tick's compute (a tick lasts ``max(compute, messages)``). A table built for
+    it (``schedule.hop == 2``: pipejax's ``overlap=True``) is read as it is; a table with
+    one-tick hops is re-timed by :func:`_retime`: every hop costs one more tick where the table
+    has no slack to absorb it. GPipe's forward gets ``n - 1`` more ticks (its backward as many),
+    the circular table as many when ``m >= 2 n`` (its loop-back's wait absorbs the rest), 1F1B
+    and ZB-H1 ``2 (n - 1)`` (the same ticks as pipejax's ``hop=2`` tables); interleaved 1F1B,
+    whose groups of ``n`` micro-batches fill the ring with no slack, waits at every round, where
+    pipejax's ``hop=2`` table groups ``2 n`` instead.
 
     A prediction for a device that runs a slot in the time it is given, not a measurement.
     """
@@ -437,7 +439,12 @@ def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False)
     f, b, w = (_per_stage(c, num_stages, name) for c, name in ((f, "f"), (b, "b"), (w, "w")))
     cost = {"F": f, "B": b if "W" in fields else b + w, "W": w}
     slots = _slots(fields)
-    when = _retime(slots, num_stages) if overlap else [x.tick for x in slots]
+    hop = getattr(schedule, "hop", 1)
+    if hop == 2 and not overlap:
+        raise ValueError("A table with `hop=2` is built for overlap: pass `overlap=True`.")
+    # a table with hop 1 is re-timed for overlap; one built with hop 2 (pipejax's overlap=True) is
+    # already timed so
+    when = _retime(slots, num_stages) if overlap and hop == 1 else [x.tick for x in slots]
     grid = np.zeros((max([schedule.num_ticks - 1, *when]) + 1, n))
     empty = np.ones(len(grid), bool)  # ticks on which no device has a slot
     for x, t in zip(slots, when, strict=True):

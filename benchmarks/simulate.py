@@ -564,17 +564,18 @@ def layouts(quick: bool) -> None:
 # --- 4. every schedule in lockstep ticks ----------------------------------------------------------
 
 
-def schedule_tables(n: int, m: int, v: int = 2) -> dict[str, object]:
+def schedule_tables(n: int, m: int, v: int = 2, hop: int = 1) -> dict[str, object]:
     """pipejax's tables of every schedule for ``n`` devices and ``m`` micro-batches (``v`` chunks
-    per device for the circular and interleaved ones), built by its public constructors."""
+    per device for the circular and interleaved ones), built by its public constructors;
+    ``hop=2``: the tables of ``overlap=True`` (interleaved 1F1B needs ``m`` a multiple of ``2 n``)."""
     import pipejax as pj
 
     return {
-        "gpipe": pj.gpipe_schedule(n, m),
-        f"circular v={v}": pj.circular_schedule(n, m, v),
-        "1f1b": pj.one_f_one_b_schedule(n, m),
-        "zb-h1": pj.zb_h1_schedule(n, m),
-        f"interleaved-1f1b v={v}": pj.interleaved_one_f_one_b_schedule(n, m, v),
+        "gpipe": pj.gpipe_schedule(n, m, hop=hop),
+        f"circular v={v}": pj.circular_schedule(n, m, v, hop=hop),
+        "1f1b": pj.one_f_one_b_schedule(n, m, hop=hop),
+        "zb-h1": pj.zb_h1_schedule(n, m, hop=hop),
+        f"interleaved-1f1b v={v}": pj.interleaved_one_f_one_b_schedule(n, m, v, hop=hop),
     }
 
 
@@ -597,10 +598,14 @@ def lockstep(quick: bool) -> None:
     rows = []
     for n in (2, 4) if quick else (2, 4, 8):
         for m in (n, 4 * n) if quick else (n, 4 * n, 8 * n):
+            built = schedule_tables(n, 2 * m, hop=2)  # pipejax's overlap=True tables (m: 2n, 8n, 16n)
             for name, sched in schedule_tables(n, m).items():
                 v = sched.repeats
                 c = 1.0 / v  # f = b = w = 1 for a device's share of the model: 1/v per stage
                 plain, over = sim.ticks(sched, c, c, c), sim.ticks(sched, c, c, c, overlap=True)
+                # the re-timed table against pipejax's own hop-2 table (at 2 m, both for m and 2 m)
+                again = sim.ticks(schedule_tables(n, 2 * m)[name], c, c, c, overlap=True)
+                own = sim.ticks(built[name], c, c, c, overlap=True)
                 expect = table_step(sched, c, c, c)
                 rows.append(
                     [
@@ -614,10 +619,12 @@ def lockstep(quick: bool) -> None:
                         f"{1 - plain.work / (n * plain.step()):.3f}",
                         len(over.compute),
                         f"{over.step():g}",
+                        f"{len(again.compute)} / {len(own.compute)}",
                     ]
                 )
     headers = ["n", "m", "schedule", "ticks", "simulated step", "table's step", "equal", "bubble"]
-    print(table([*headers, "ticks, overlap", "step, overlap"], rows, align="rrlrrrlrrr"))
+    headers += ["ticks, overlap", "step, overlap", "ticks at 2m: re-timed / pipejax hop=2"]
+    print(table(headers, rows, align="rrlrrrlrrrr"))
     print(
         "\nCosts: a device's share of the model costs f = b = w = 1 per micro-batch (1/v per stage "
         "of the circular and interleaved tables); 1F1B and interleaved 1F1B run b + w in their B "
@@ -625,7 +632,11 @@ def lockstep(quick: bool) -> None:
         "ticks: of the whole step (forward tables: both passes). table's step: "
         "`schedule.step_time(f, b, w)` of the training tables, ticks x (f + b + w) of the forward "
         "ones. bubble: 1 - work / (n step). overlap: the table re-timed so that every hop takes "
-        "two ticks (`_simulate._retime`), step with free links."
+        "two ticks (`_simulate._retime`), step with free links. The last column compares that "
+        "re-timing with pipejax's own `overlap=True` tables (`hop=2`) at 2m micro-batches (the "
+        "interleaved table needs a multiple of 2n): equal for GPipe, 1F1B and ZB-H1; the circular "
+        "table spaces its rounds by max(m, 2n) slots and the interleaved one groups 2n "
+        "micro-batches, where the re-timing keeps the hop-1 table's order."
     )
 
 
@@ -678,15 +689,16 @@ def bandwidth(quick: bool) -> None:
     print(
         "Without overlap (pipejax today) a tick computes, then runs its ppermutes (a forward "
         "table's tick one, a training table's two, one after the other), and lasts the busiest "
-        "device's compute plus the messages. With overlap (issue 41 item 3) a message is read a "
-        "tick later: a tick lasts max(compute, messages), and the table is re-timed so every hop "
-        "takes two ticks (more ticks of fill and drain). ideal: all the slots' work / n.\n"
+        "device's compute plus the messages. With overlap (`overlap=True`, pipejax's tables with "
+        "`hop=2`) a message is read a tick later: a tick lasts max(compute, messages), and every "
+        "hop takes two ticks (more ticks of fill and drain). ideal: all the slots' work / n.\n"
     )
     plans = {}
+    built = schedule_tables(DEVICES, CHUNKS, hop=2)  # pipejax's overlap=True tables
     for name, t in schedule_tables(DEVICES, CHUNKS).items():
         layers = LAYERS // t.num_stages
         costs = (layers * f1, layers * b1, layers * w1)
-        plans[name] = (sim.ticks(t, *costs), sim.ticks(t, *costs, overlap=True))
+        plans[name] = (sim.ticks(t, *costs), sim.ticks(built[name], *costs, overlap=True))
     rows = []
     for name, (plain, over) in plans.items():
         for link, bw, lat in LINKS:
@@ -730,9 +742,7 @@ def bandwidth(quick: bool) -> None:
         "\nThe difference overlap - no overlap is convex and piecewise linear in the message time, so "
         "overlap wins on one interval: from where the sends it hides outweigh its extra ticks to "
         "where the extra ticks, each now as long as its messages, outweigh the compute it hides "
-        "(`_simulate.overlap_wins`, exact). Bandwidths at the stated latency. Interleaved 1F1B's "
-        "groups of n micro-batches leave no slack round the ring, so its re-timed table waits at "
-        "every round (a table built for overlap would group 2n)."
+        "(`_simulate.overlap_wins`, exact). Bandwidths at the stated latency."
     )
 
 
