@@ -36,6 +36,9 @@ from pipejax._src.pipeline import Pipeline as Pipeline
 from pipejax._src.pipeline import StageFn as StageFn
 from pipejax._src.pipeline import StatefulStageFn as StatefulStageFn
 from pipejax._src.pipeline import pipeline as pipeline
+from pipejax._src.planner import Candidate as PlanCandidate
+from pipejax._src.planner import PipelinePlan as PipelinePlan
+from pipejax._src.planner import plan_pipeline as plan_pipeline
 from pipejax._src.random import dropout as dropout
 from pipejax._src.schedules.table import Action as ScheduleAction
 from pipejax._src.schedules.table import Schedule as Schedule
@@ -67,6 +70,8 @@ __all__ = [
     "Moments",
     "Partition",
     "Pipeline",
+    "PipelinePlan",
+    "PlanCandidate",
     "Residual",
     "Schedule",
     "ScheduleAction",
@@ -98,6 +103,7 @@ __all__ = [
     "one_f_one_b_schedule",
     "partition",
     "pipeline",
+    "plan_pipeline",
     "schedule_from_actions",
     "sequential_schedule",
     "split_microbatches",

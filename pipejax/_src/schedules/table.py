@@ -30,7 +30,6 @@ refusal naming the first offending slot. The rules are those of the engine's tic
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -167,20 +166,26 @@ class Schedule:
         """int[num_devices]: the ``kind`` slots of each device."""
         return self.slots()[_kind(self, kind)]
 
+    def tick_times(self, f=1.0, b=2.0, w=0.0) -> np.ndarray:
+        """float[ticks]: the lockstep time of each tick, as long as its busiest device, which
+        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot: one number each, or
+        one per stage (``num_stages`` of them). A tick on which no device works (the circular
+        table's last ticks with fewer micro-batches than devices) lasts the largest F slot: the
+        loop runs it, and stacked stages compute on bubbles."""
+        costs = _costs(self.num_stages, f=f, b=b, w=w)
+        cost = sum(np.where(self.micro[k] >= 0, costs[k][self.stage[k]], 0.0) for k in self.kinds).max(axis=1)
+        return np.where(cost > 0, cost, costs["F"].max())
+
     def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
-        """The lockstep time of the table: every tick lasts as long as its busiest device, which
-        spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot (a table without W
-        slots: pass the whole backward as ``b``). A tick on which no device works (the circular
-        table's last ticks with fewer micro-batches than devices) lasts an F slot: the loop runs
-        it, and stacked stages compute on bubbles."""
-        costs = dict(zip(SLOT_KINDS, _costs(f=f, b=b, w=w), strict=True))
-        cost = sum(costs[k] * (self.micro[k] >= 0) for k in self.kinds).max(axis=1)
-        return float(np.where(cost > 0, cost, costs["F"]).sum())
+        """The lockstep time of the table, the sum of :meth:`tick_times` (a table without W
+        slots: pass the whole backward as ``b``; a forward table: its F slots only)."""
+        return float(self.tick_times(f, b, w).sum())
 
     def bubble_fraction(self, f=1.0, b=2.0, w=0.0) -> float:
         """Idle device time over all device time in lockstep (see :meth:`step_time`)."""
-        costs = dict(zip(SLOT_KINDS, _costs(f=f, b=b, w=w), strict=True))
-        busy = sum(costs[k] * n for k, n in self.slots().items()).mean()
+        costs = _costs(self.num_stages, f=f, b=b, w=w)
+        work = (np.where(self.micro[k] >= 0, costs[k][self.stage[k]], 0.0).sum() for k in self.kinds)
+        busy = sum(work) / self.num_devices
         step = self.step_time(f, b, w)
         return float((step - busy) / step)
 
@@ -486,18 +491,27 @@ def _kind(s: Schedule, kind: str) -> str:
     return kind
 
 
-def _costs(**values) -> list[float]:
-    """Slot costs: finite numbers >= 0, not all zero."""
-    out = []
-    for name, v in values.items():
-        if isinstance(v, (bool, str, bytes)) or not isinstance(v, (int, float, np.integer, np.floating)):
+def _costs(num_stages: int, **values) -> dict[str, np.ndarray]:
+    """Slot costs by kind ("F", "B", "W" for ``f``, ``b``, ``w``), each float[num_stages]: one
+    finite number >= 0, or one per stage; not all zero."""
+    out = {}
+    for (name, v), kind in zip(values.items(), SLOT_KINDS, strict=True):
+        one = not isinstance(v, (list, tuple, np.ndarray))
+        if isinstance(v, (bool, str, bytes)) or (
+            one and not isinstance(v, (int, float, np.integer, np.floating))
+        ):
             raise TypeError(
-                f"`{name}` must be a number >= 0 (a slot's cost), but got {type(v).__name__} {v!r}."
+                f"`{name}` must be a number >= 0 (a slot's cost) or one per stage, but got "
+                f"{type(v).__name__} {v!r:.80}."
             )
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"`{name}` must be a finite number >= 0 (a slot's cost), but got {v!r}.")
-        out.append(float(v))
-    if not any(out):
+        a = np.asarray(v, np.float64)
+        if a.shape not in ((), (num_stages,)) or not (np.isfinite(a).all() and (a >= 0).all()):
+            raise ValueError(
+                f"`{name}` must be a finite number >= 0 (a slot's cost), or {num_stages} of them "
+                f"(one per stage), but got {v!r:.80}."
+            )
+        out[kind] = np.broadcast_to(a, (num_stages,))
+    if not any(a.any() for a in out.values()):
         names = ", ".join(f"`{n}`" for n in values)
         raise ValueError(f"The slot costs {names} are all 0; give at least one a positive cost.")
     return out

@@ -340,5 +340,8 @@ def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w
     in the drain, where they cost nothing extra.
     """
     n, m = _counts(num_stages=num_stages, num_micro=num_micro)
-    f, b, w = _costs(f=f, b=b, w=w)
+    if any(np.ndim(c) for c in (f, b, w)):
+        raise ValueError(f"`f`, `b` and `w` must be numbers here, but got {f!r:.40}, {b!r:.40}, {w!r:.40}.")
+    costs = _costs(1, f=f, b=b, w=w)
+    f, b, w = (float(costs[k][0]) for k in ("F", "B", "W"))
     return (n - 1) * (f + b) / ((m + n - 1) * (f + b) + m * w)

@@ -1,0 +1,286 @@
+"""A planner: which schedule, ``chunks``, checkpoint mode and balance to train a list of layers
+with on a mesh, within a memory budget per device (:func:`plan_pipeline`).
+
+It sweeps every candidate exhaustively and predicts, for each:
+
+* **the step time**, from the layers' costs (:func:`pipejax.layer_costs`, XLA's flop counts by
+  default) run through the candidate's own table in lockstep (:meth:`Schedule.tick_times`), with
+  the recomputation its checkpoint mode implies and an optional fixed cost per tick;
+* **the temp bytes per device**: XLA's compiled memory analysis of the candidate's training step
+  (``memory="compiled"``, exact for the platform it compiles for), or
+  :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled, but it reads 0.8-2.3 of XLA's
+  bytes on stages of several layers; ``benchmarks/RESULTS.md``).
+
+and returns the fastest candidate that fits, with the runner-up and the whole sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from pipejax._src import checks, microbatch
+from pipejax._src.balance.costs import layer_costs
+from pipejax._src.balance.partitioning import partition
+from pipejax._src.balance.solver import balance_costs
+from pipejax._src.memory import memory_estimate
+from pipejax._src.pipeline import pipeline
+
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")  # memory_estimate covers these
+CHECKPOINTS = ("always", "never", "except_last")
+
+
+class Candidate(NamedTuple):
+    """One row of the planner's sweep."""
+
+    schedule: str
+    repeats: int
+    chunks: int
+    checkpoint: str
+    balance: tuple[int, ...]  # layers per stage
+    step: float  # the predicted step, in the cost unit (flops, or seconds with `by="time"`)
+    temp_bytes: int  # temp bytes per device: XLA's (memory="compiled") or pj.memory_estimate's
+    fits: bool  # temp_bytes * headroom <= memory_per_device
+
+    def options(self) -> dict[str, Any]:
+        """The candidate as options of :func:`pipejax.pipeline` (with ``partition(layers,
+        balance).stages`` as the stages)."""
+        return {
+            "schedule": self.schedule,
+            "repeats": self.repeats,
+            "chunks": self.chunks,
+            "checkpoint": self.checkpoint,
+        }
+
+
+class PipelinePlan(NamedTuple):
+    """What :func:`plan_pipeline` chose: ``best`` (``None`` when nothing fits), the
+    ``runner_up`` and the whole ``sweep``, fastest first."""
+
+    best: Candidate | None
+    runner_up: Candidate | None
+    sweep: tuple[Candidate, ...]
+
+    def under(self, memory_per_device: float, headroom: float = 1.0) -> PipelinePlan:
+        """The same sweep chosen again under another budget (nothing is measured again)."""
+        budget, headroom = _positive(memory_per_device, "memory_per_device"), _positive(headroom, "headroom")
+        sweep = [c._replace(fits=c.temp_bytes * headroom <= budget) for c in self.sweep]
+        sweep.sort(key=lambda c: (not c.fits, c.step, c.temp_bytes))
+        fitting = [c for c in sweep if c.fits]
+        return PipelinePlan(
+            fitting[0] if fitting else None, fitting[1] if len(fitting) > 1 else None, tuple(sweep)
+        )
+
+    def table(self) -> str:
+        """The sweep as a markdown table, the choice marked."""
+        lines = [
+            "| schedule | v | chunks | checkpoint | balance | step | temp KiB | fits |",
+            "|:--|--:|--:|:--|:--|--:|--:|:--|",
+        ]
+        for c in self.sweep:
+            mark = " **chosen**" if c == self.best else (" runner-up" if c == self.runner_up else "")
+            lines.append(
+                f"| {c.schedule}{mark} | {c.repeats} | {c.chunks} | {c.checkpoint} | {list(c.balance)} | "
+                f"{c.step:.4g} | {c.temp_bytes / 1024:,.1f} | {c.fits} |"
+            )
+        return "\n".join(lines)
+
+
+def plan_pipeline(
+    layers: Sequence[Any],
+    layer_params: Sequence[Any],
+    x: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    memory_per_device: float,
+    axis_name: str = "stage",
+    schedules: Sequence[str] = SCHEDULES,
+    chunks: Sequence[int] | None = None,
+    checkpoints: Sequence[str] = CHECKPOINTS,
+    repeats: int = 2,
+    by: str = "flops",
+    tick_cost: float = 0.0,
+    memory: str = "compiled",
+    loss_fn: Any = None,
+    headroom: float = 1.0,
+) -> PipelinePlan:
+    """Chooses how to pipeline ``layers`` on ``mesh``'s stage axis within ``memory_per_device``.
+
+    An exhaustive sweep over ``schedules`` x ``chunks`` x ``checkpoints`` (``"except_last"``
+    for the forward schedules only; the circular schedule with ``repeats`` stages per device).
+    Each candidate's layers are balanced into its stages by their forward-and-backward cost
+    (:func:`pipejax.balance_costs`), so a heavy embedding or head gets a stage of its own when
+    that is cheapest. Its step is predicted in lockstep from its table: the layers' forward
+    cost ``f`` and backward cost ``b`` per micro-batch (the costs of a batch over the number of
+    micro-batches: flops are linear in the rows), ZB-H1's backward split evenly between its B
+    and W slots, a recomputed forward (``"always"``; ``"except_last"`` outside the drain) added
+    to the backward, and ``tick_cost`` per tick (the fixed cost of a tick: kernel launches and
+    the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Messages are
+    not counted (see ``benchmarks/simulate.py`` for links). Its bytes are the temp bytes per
+    device of its training step (``memory``); a candidate fits when ``headroom`` times them is
+    at most ``memory_per_device``.
+
+    Args:
+      layers, layer_params: the layers (``layer(params, x, key)``) and their parameters, as for
+        :func:`pipejax.partition`.
+      x: a mini-batch (arrays; its leading axis is the batch).
+      mesh, axis_name: the mesh and its stage axis (``n`` devices).
+      memory_per_device: the budget of temp bytes per device.
+      schedules: the schedules to sweep, among ``"gpipe"``, ``"circular"``, ``"1f1b"`` and
+        ``"zb-h1"`` (those :func:`pipejax.memory_estimate` covers).
+      chunks: the ``chunks`` to sweep; default the powers of two up to the batch (at most 64).
+      checkpoints: the modes to sweep, among ``"always"``, ``"never"`` and ``"except_last"``.
+      repeats: the stages per device of the circular schedule.
+      by: the layers' cost model, ``"flops"`` or ``"time"`` (:func:`pipejax.layer_costs`).
+      tick_cost: a fixed cost per tick, in the unit of ``by``.
+      memory: ``"compiled"`` (each candidate's step compiled, XLA's ``temp_size_in_bytes``) or
+        ``"estimate"`` (:func:`pipejax.memory_estimate`, nothing compiled).
+      loss_fn: the per-example loss of the compiled step, ``loss_fn(y, targets)`` with targets
+        of ``y``'s type; default the sum of squares of ``y`` along its last axis.
+      headroom: the factor on the bytes before they are compared with the budget.
+
+    Returns:
+      A :class:`PipelinePlan`: ``best`` (the fastest candidate that fits; ties: the smaller),
+      ``runner_up`` and ``sweep``; ``under(budget)`` chooses again under another budget.
+
+    Raises:
+      TypeError, ValueError: for an argument outside what it takes (each named).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import pipejax as pj
+      >>> mesh = jax.make_mesh((2,), ("stage",))
+      >>> layer = lambda p, x, key: jnp.tanh(x @ p)
+      >>> ws = [jnp.eye(8)] * 4
+      >>> p = pj.plan_pipeline([layer] * 4, ws, jnp.ones((16, 8)), mesh=mesh, memory_per_device=1e6,
+      ...                      schedules=("gpipe", "1f1b"), chunks=(2, 8), checkpoints=("always",),
+      ...                      memory="estimate")
+      >>> p.best.schedule, p.best.chunks, p.best.balance
+      ('1f1b', 8, (2, 2))
+    """
+    layers = list(layers)
+    n = _mesh_size(mesh, axis_name)
+    budget = _positive(memory_per_device, "memory_per_device")
+    headroom = _positive(headroom, "headroom")
+    tick_cost = _nonnegative(tick_cost, "tick_cost")
+    if by not in ("flops", "time"):
+        raise ValueError(f"`by` must be 'flops' or 'time' (a step time), but got {by!r}.")
+    if memory not in ("compiled", "estimate"):
+        raise ValueError(f"`memory` must be 'compiled' or 'estimate', but got {memory!r}.")
+    if loss_fn is None:
+        loss_fn = _squares
+    elif not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be a function (y, targets) -> losses, but got {loss_fn!r:.80}.")
+    schedules = _among(schedules, SCHEDULES, "schedules")
+    checkpoints = _among(checkpoints, CHECKPOINTS, "checkpoints")
+    repeats = checks.count(repeats, "repeats", what="the stages per device of the circular schedule")
+    batch = microbatch.batch_size(x)
+    if chunks is None:
+        chunks = [c for c in (2**k for k in range(7)) if c <= batch]
+    chunks = sorted(
+        {checks.count(c, "chunks", what="micro-batches to sweep") for c in _seq(chunks, "chunks")}
+    )
+    # per-layer costs of the whole batch: forward, and forward and backward
+    forward = np.array(layer_costs(layers, layer_params, x, by=by, backward=False))
+    both = np.array(layer_costs(layers, layer_params, x, by=by, backward=True))
+    sweep = []
+    for name in schedules:
+        v = repeats if name == "circular" else 1
+        S = n * v
+        if S > len(layers):
+            continue
+        cut = balance_costs(both.tolist(), S)
+        offsets = np.cumsum([0, *cut])
+        f_stage = np.add.reduceat(forward, offsets[:-1])
+        b_stage = np.add.reduceat(both, offsets[:-1]) - f_stage
+        part = partition(layers, list(cut))
+        params = part.group(list(layer_params))
+        for c in chunks:
+            m = microbatch.plan(batch, c).num_micro
+            for mode in checkpoints:
+                if mode == "except_last" and name not in ("gpipe", "circular"):
+                    continue
+                pipe = pipeline(part.stages, chunks=c, checkpoint=mode, mesh=mesh, axis_name=axis_name,
+                                schedule=name, repeats=v)  # fmt: skip
+                if memory == "estimate":
+                    est = memory_estimate(pipe, params, x).total
+                else:
+                    est = _compiled_bytes(pipe, params, x, loss_fn)
+                step = _step(pipe.schedule(batch), name, mode, f_stage / m, b_stage / m, tick_cost)
+                sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False))
+    return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
+
+
+def _step(table, name, mode, f, b, tick_cost) -> float:
+    """The lockstep step of a training step on ``table`` (per-stage costs ``f``, ``b`` of one
+    micro-batch), with the recomputation of checkpoint ``mode``."""
+    redo = f if mode in ("always", "except_last") else 0.0 * f
+    if table.trains:  # F, then B (and W) slots in the same ticks
+        if "W" in table.kinds:  # ZB-H1: B the input cotangent, W the weight's; each recomputes F
+            ticks = table.tick_times(f, b / 2 + redo, b / 2 + redo)
+        else:
+            ticks = table.tick_times(f, b + redo, 0.0)
+        return float((ticks + tick_cost).sum())
+    # a forward table: its ticks, then autodiff runs them again backwards
+    fwd = table.tick_times(f)
+    back = table.tick_times(b + redo)
+    if mode == "except_last":  # the drain (the last hop (n - 1) + 1 ticks) keeps its residuals
+        drain = table.hop * (table.num_devices - 1) + 1
+        back[-drain:] = table.tick_times(b)[-drain:]
+    return float((fwd + back + 2 * tick_cost).sum())
+
+
+def _squares(y, targets):
+    return jax.numpy.sum((y - targets) ** 2, axis=-1)
+
+
+def _compiled_bytes(pipe, params, x, loss_fn) -> int:
+    """XLA's temp bytes per device of ``pipe``'s training step (compiled, not run)."""
+    placed = pipe.place(params)
+    y = jax.eval_shape(pipe, placed, x)
+    targets = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
+    if pipe.plan.schedule.owns_backward:
+        step = pipe.value_and_grad(loss_fn)
+    else:
+        step = jax.value_and_grad(lambda p, x, t: loss_fn(pipe(p, x), t).mean())
+    return int(jax.jit(step).lower(placed, x, targets).compile().memory_analysis().temp_size_in_bytes)
+
+
+def _mesh_size(mesh, axis_name) -> int:
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"`mesh` must be a jax.sharding.Mesh, but got {type(mesh).__name__} {mesh!r:.80}.")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"`axis_name={axis_name!r}` is not an axis of the mesh ({dict(mesh.shape)}).")
+    return mesh.shape[axis_name]
+
+
+def _positive(value, name) -> float:
+    v = _nonnegative(value, name)
+    if v <= 0:
+        raise ValueError(f"`{name}` must be a number > 0, but got {value!r}.")
+    return v
+
+
+def _nonnegative(value, name) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"`{name}` must be a number, but got {type(value).__name__} {value!r:.80}.")
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be a finite number >= 0, but got {value!r}.")
+    return float(value)
+
+
+def _seq(values, name) -> list:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise TypeError(f"`{name}` must be a non-empty sequence, but got {values!r:.80}.")
+    return list(values)
+
+
+def _among(values, allowed, name) -> list[str]:
+    values = _seq(values, name)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"`{name}` must be among {allowed}, but got {bad[0]!r}.")
+    return values
