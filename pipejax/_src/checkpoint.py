@@ -210,9 +210,9 @@ def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
 
     With one scan every stage function appears once in the forward program.
     """
-    n, ticks = schedule.num_devices, schedule.num_ticks
-    if checkpoint == "except_last":  # the last micro-batch's last round: hop (n - 1) + 1 ticks
-        drain = max(ticks - schedule.hop * (n - 1) - 1, 0)
+    ticks = schedule.num_ticks
+    if checkpoint == "except_last":
+        drain = max(ticks - schedule.drain_ticks, 0)
         cuts = [_guarded(0, drain, "always"), _guarded(drain, ticks, "never")]
         return [p for p in cuts if p.stop > p.start]
     return [_guarded(0, ticks, checkpoint)]

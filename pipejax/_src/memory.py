@@ -316,7 +316,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0
     else:
-        ticks, drain = table.num_ticks, table.hop * (n - 1) + 1  # drain: except_last's "never"
+        ticks, drain = table.num_ticks, table.drain_ticks  # drain: except_last's "never"
         stash = {
             "always": ticks * a,
             "never": ticks * r,

@@ -172,8 +172,8 @@ def plan_pipeline(
         raise ValueError(f"`memory` must be 'compiled' or 'estimate', but got {memory!r}.")
     if loss_fn is None:
         loss_fn = _squares
-    elif not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be a function (y, targets) -> losses, but got {loss_fn!r:.80}.")
+    else:
+        checks.check_callable(loss_fn, "loss_fn", "(y, targets) -> per-example losses")
     schedules = _among(schedules, SCHEDULES, "schedules")
     checkpoints = _among(checkpoints, CHECKPOINTS, "checkpoints")
     repeats = checks.count(repeats, "repeats", what="the stages per device of the circular schedule")
@@ -217,7 +217,7 @@ def plan_pipeline(
 def _step(table, name, mode, f, b, tick_cost) -> float:
     """The lockstep step of a training step on ``table`` (per-stage costs ``f``, ``b`` of one
     micro-batch), with the recomputation of checkpoint ``mode``."""
-    redo = f if mode in ("always", "except_last") else 0.0 * f
+    redo = f if mode in ("always", "except_last") else np.zeros_like(f)
     if table.trains:  # F, then B (and W) slots in the same ticks
         if "W" in table.kinds:  # ZB-H1: B the input cotangent, W the weight's; each recomputes F
             ticks = table.tick_times(f, b / 2 + redo, b / 2 + redo)
@@ -227,9 +227,8 @@ def _step(table, name, mode, f, b, tick_cost) -> float:
     # a forward table: its ticks, then autodiff runs them again backwards
     fwd = table.tick_times(f)
     back = table.tick_times(b + redo)
-    if mode == "except_last":  # the drain (the last hop (n - 1) + 1 ticks) keeps its residuals
-        drain = table.hop * (table.num_devices - 1) + 1
-        back[-drain:] = table.tick_times(b)[-drain:]
+    if mode == "except_last":  # the drain keeps its residuals
+        back[-table.drain_ticks :] = table.tick_times(b)[-table.drain_ticks :]
     return float((fwd + back + 2 * tick_cost).sum())
 
 
@@ -273,9 +272,10 @@ def _nonnegative(value, name) -> float:
 
 
 def _seq(values, name) -> list:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-        raise TypeError(f"`{name}` must be a non-empty sequence, but got {values!r:.80}.")
-    return list(values)
+    values = list(checks.sequence(values, name, "at least one entry"))
+    if not values:
+        raise TypeError(f"`{name}` must be a non-empty sequence, but got {values!r}.")
+    return values
 
 
 def _among(values, allowed, name) -> list[str]:

@@ -133,6 +133,12 @@ class Schedule:
         last = (self.micro["F"] == self.num_micro - 1) & (self.stage["F"] == 0)
         return int(np.argwhere(last)[0, 0])
 
+    @property
+    def drain_ticks(self) -> int:
+        """The last ``hop (n - 1) + 1`` ticks: the last micro-batch's last pass over the devices
+        (``n``, or ``2 n - 1`` when sends overlap compute), which ``"except_last"`` keeps."""
+        return self.hop * (self.num_devices - 1) + 1
+
     def stages(self, kind: str = "F") -> np.ndarray:
         """int32[ticks, num_devices]: the stage of each ``kind`` slot."""
         return self.stage[_kind(self, kind)]
