@@ -1,7 +1,7 @@
 """The planner (`pj.plan_pipeline`): its predicted steps against a naive tick-by-tick reference,
 its choice the fastest candidate that fits, and the chosen program's compiled temp bytes within
-the budget, on two CPU models (uniform blocks; an embedding, blocks and a head) under two
-budgets each."""
+the budget, on three CPU models (uniform blocks; an embedding, blocks and a head; blocks with
+BatchNorm, a stateful model) under two budgets each."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import pipejax as pj
 
 CHUNKS = (2, 8)
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
 MODES = ("always", "never")  # (the mode sweep of the planner covers except_last too)
 
 
@@ -39,6 +40,31 @@ def embedding_blocks_head():
     blocks = [{"w": jax.random.normal(k[i], (32, 32)) * 0.3, "b": jnp.zeros(32)} for i in range(6)]
     params = [jax.random.normal(k[6], (512, 32)), *blocks, jax.random.normal(k[7], (32, 256))]
     return [_embed, *([_block] * 6), _head], params, jnp.arange(64) % 512
+
+
+def _norm_block(p, x, key, state, mask):  # a stateful layer: dense, BatchNorm, tanh
+    h, moments = pj.batch_norm(x @ p["w"], state, train=True, mask=mask, scale=p["g"], bias=p["b"])
+    return jnp.tanh(h), moments
+
+
+def _plain_block(p, x, key, state, mask):  # a stateful layer without state
+    return _block(p, x, key), None
+
+
+def stateful():
+    k = jax.random.split(jax.random.key(3), 8)
+    params, state, layers = [], [], []
+    for i in range(8):
+        w = {"w": jax.random.normal(k[i], (32, 32)) * 0.3}
+        if i % 2:
+            params.append({**w, "b": jnp.zeros(32)})
+            state.append(None)
+            layers.append(_plain_block)
+        else:
+            params.append({**w, "g": jnp.ones(32), "b": jnp.zeros(32)})
+            state.append(pj.batch_norm_init(32))
+            layers.append(_norm_block)
+    return layers, params, jax.random.normal(jax.random.key(4), (64, 32)), state
 
 
 def _naive_step(table, name, mode, f, b):
@@ -75,16 +101,28 @@ def _naive_step(table, name, mode, f, b):
     return total
 
 
-@pytest.mark.parametrize("model", [uniform, embedding_blocks_head])
+@pytest.mark.parametrize("model", [uniform, embedding_blocks_head, stateful])
 def test_planner_chooses_the_fastest_plan_that_fits(model):
-    layers, params, x = model()
+    layers, params, x, *state = model()
+    state = state[0] if state else None
     mesh = jax.make_mesh((4,), ("stage",))
-    forward = np.array(pj.layer_costs(layers, params, x, backward=False))
-    both = np.array(pj.layer_costs(layers, params, x))
+    if state is None:
+        costed, costed_params = layers, params
+    else:  # the costs of the stateful layers: each on its own state, every row real
+        mask = jnp.ones(x.shape[0], bool)
+        costed = [
+            lambda ps, x, key, f=f: f(ps[0], x, key, jax.lax.stop_gradient(ps[1]), mask)[0] for f in layers
+        ]
+        costed_params = list(zip(params, state, strict=True))
+    forward = np.array(pj.layer_costs(costed, costed_params, x, backward=False))
+    both = np.array(pj.layer_costs(costed, costed_params, x))
     loose = pj.plan_pipeline(
-        layers, params, x, mesh=mesh, memory_per_device=1e9, chunks=CHUNKS, checkpoints=MODES, headroom=1.25
-    )
-    assert len(loose.sweep) == 4 * len(CHUNKS) * len(MODES)  # every schedule, chunks and mode
+        layers, params, x, mesh=mesh, memory_per_device=1e9, chunks=CHUNKS, checkpoints=MODES,
+        headroom=1.25, layer_state=state, schedules=SCHEDULES,
+    )  # fmt: skip
+    # every schedule, chunks and mode; interleaved 1F1B (micro-batches in groups of 4) not at 2
+    assert len(loose.sweep) == (len(SCHEDULES) * len(CHUNKS) - 1) * len(MODES)
+    assert {c.schedule for c in loose.sweep} == set(SCHEDULES)
     for c in loose.sweep:  # every predicted step against the naive reference
         offsets = np.cumsum([0, *c.balance])
         f = np.add.reduceat(forward, offsets[:-1])
@@ -105,19 +143,31 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
     assert tight.best.temp_bytes * 1.25 <= budget < loose.best.temp_bytes * 1.25
     # the chosen program's compiled temp bytes fit the budget
     best = tight.best
-    part = pj.partition(layers, list(best.balance))
-    pipe = pj.pipeline(part.stages, mesh=mesh, **best.options())
+    part = pj.partition(layers, list(best.balance), stateful=state is not None)
+    pipe = pj.pipeline(part.stages, mesh=mesh, stateful=part.stateful, **best.options())
     stage_params = pipe.place(part.group(params))
 
     def loss(y, t):
         return jnp.sum((y - t) ** 2, axis=-1)
 
-    t = jnp.zeros((x.shape[0], layers[-1](params[-1], jnp.zeros((1, 32)), None).shape[-1]))
-    if pipe.plan.schedule.owns_backward:
+    t = jnp.zeros((x.shape[0], costed[-1](costed_params[-1], jnp.zeros((1, 32)), None).shape[-1]))
+    args = (stage_params, x, t)
+    if state is not None:  # the step reads the state too, and returns the stats
+        args += (pipe.place(part.group(state)),)
+        if pipe.plan.schedule.owns_backward:
+            step = lambda p, x, t, s: pipe.value_and_grad(loss)(p, x, t, state=s)
+        else:
+
+            def loss_and_stats(p, x, t, s):
+                y, stats = pipe(p, x, state=s)
+                return loss(y, t).mean(), stats
+
+            step = jax.value_and_grad(loss_and_stats, has_aux=True)
+    elif pipe.plan.schedule.owns_backward:
         step = pipe.value_and_grad(loss)
     else:
         step = jax.value_and_grad(lambda p, x, t: loss(pipe(p, x), t).mean())
-    compiled = jax.jit(step).lower(stage_params, x, t).compile()
+    compiled = jax.jit(step).lower(*args).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= budget
     print(tight.table())
 
@@ -127,8 +177,20 @@ def test_planner_refuses_bad_arguments():
     mesh = jax.make_mesh((4,), ("stage",))
     with pytest.raises(ValueError, match=r"`memory_per_device` must be a number > 0, but got 0"):
         pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=0)
-    with pytest.raises(ValueError, match=r"`schedules` must be among .* but got 'interleaved-1f1b'"):
-        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, schedules=["interleaved-1f1b"])
+    with pytest.raises(ValueError, match=r"`schedules` must be among .* but got 'zb-v'"):
+        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, schedules=["1f1b", "zb-v"])
+    with pytest.raises(ValueError, match=r"holds 'interleaved-1f1b', whose memory `memory=\"estimate\"`"):
+        pj.plan_pipeline(
+            layers, params, x, mesh=mesh, memory_per_device=1e6, schedules=SCHEDULES, memory="estimate"
+        )
+    with pytest.raises(ValueError, match=r"`layer_state` has 7 entries, but there are 8 layers"):
+        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, layer_state=[None] * 7)
+    with pytest.raises(ValueError, match=r"`memory=\"estimate\"` does not model stateful layers"):
+        pj.plan_pipeline(
+            layers, params, x, mesh=mesh, memory_per_device=1e6, layer_state=[None] * 8, memory="estimate"
+        )
+    with pytest.raises(TypeError, match=r"`stateful` must be a bool, but got int 1"):
+        pj.partition(layers, [4, 4], stateful=1)
     with pytest.raises(ValueError, match=r"`axis_name='pipe'` is not an axis of the mesh"):
         pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, axis_name="pipe")
     nothing = pj.plan_pipeline(

@@ -29,7 +29,9 @@ from pipejax._src.balance.solver import balance_costs
 from pipejax._src.memory import memory_estimate
 from pipejax._src.pipeline import pipeline
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")  # memory_estimate covers these
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
+ESTIMATED = ("gpipe", "circular", "1f1b", "zb-h1")  # those pj.memory_estimate covers
+REPEATED = ("circular", "interleaved-1f1b")  # the schedules with `repeats` stages per device
 CHECKPOINTS = ("always", "never", "except_last")
 
 
@@ -47,7 +49,8 @@ class Candidate(NamedTuple):
 
     def options(self) -> dict[str, Any]:
         """The candidate as options of :func:`pipejax.pipeline` (with ``partition(layers,
-        balance).stages`` as the stages)."""
+        balance).stages`` as the stages; stateful layers: ``partition(layers, balance,
+        stateful=True)`` and ``stateful=True``)."""
         return {
             "schedule": self.schedule,
             "repeats": self.repeats,
@@ -97,7 +100,8 @@ def plan_pipeline(
     mesh: jax.sharding.Mesh,
     memory_per_device: float,
     axis_name: str = "stage",
-    schedules: Sequence[str] = SCHEDULES,
+    layer_state: Sequence[Any] | None = None,
+    schedules: Sequence[str] | None = None,
     chunks: Sequence[int] | None = None,
     checkpoints: Sequence[str] = CHECKPOINTS,
     repeats: int = 2,
@@ -110,7 +114,10 @@ def plan_pipeline(
     """Chooses how to pipeline ``layers`` on ``mesh``'s stage axis within ``memory_per_device``.
 
     An exhaustive sweep over ``schedules`` x ``chunks`` x ``checkpoints`` (``"except_last"``
-    for the forward schedules only; the circular schedule with ``repeats`` stages per device).
+    for the forward schedules only; the circular and interleaved 1F1B schedules with ``repeats``
+    stages per device). A candidate its schedule cannot run is left out of the sweep: more
+    stages than layers, or interleaved 1F1B with a number of micro-batches that is not a
+    multiple of the devices.
     Each candidate's layers are balanced into its stages by their forward-and-backward cost
     (:func:`pipejax.balance_costs`), so a heavy embedding or head gets a stage of its own when
     that is cheapest. Its step is predicted in lockstep from its table: the layers' forward
@@ -129,11 +136,17 @@ def plan_pipeline(
       x: a mini-batch (arrays; its leading axis is the batch).
       mesh, axis_name: the mesh and its stage axis (``n`` devices).
       memory_per_device: the budget of temp bytes per device.
-      schedules: the schedules to sweep, among ``"gpipe"``, ``"circular"``, ``"1f1b"`` and
-        ``"zb-h1"`` (those :func:`pipejax.memory_estimate` covers).
+      layer_state: stateful layers (BatchNorm's running statistics): one state pytree per layer
+        (``None`` for a layer without), the layers then ``layer(params, x, key, state, mask) ->
+        (y, stats)``; each candidate is a ``stateful=True`` pipeline of
+        ``pj.partition(layers, balance, stateful=True)``'s stages (state grouped as parameters).
+        Its costs are the layers' on ``x`` with every row real; ``memory="compiled"`` only.
+      schedules: the schedules to sweep, among ``"gpipe"``, ``"circular"``, ``"1f1b"``,
+        ``"zb-h1"`` and ``"interleaved-1f1b"``; default all of them (``memory="estimate"``:
+        the first four, those :func:`pipejax.memory_estimate` covers).
       chunks: the ``chunks`` to sweep; default the powers of two up to the batch (at most 64).
       checkpoints: the modes to sweep, among ``"always"``, ``"never"`` and ``"except_last"``.
-      repeats: the stages per device of the circular schedule.
+      repeats: the stages per device of the circular and interleaved 1F1B schedules.
       by: the layers' cost model, ``"flops"`` or ``"time"`` (:func:`pipejax.layer_costs`).
       tick_cost: a fixed cost per tick, in the unit of ``by``.
       memory: ``"compiled"`` (each candidate's step compiled, XLA's ``temp_size_in_bytes``) or
@@ -174,9 +187,32 @@ def plan_pipeline(
         loss_fn = _squares
     else:
         checks.check_callable(loss_fn, "loss_fn", "(y, targets) -> per-example losses")
+    if schedules is None:
+        schedules = ESTIMATED if memory == "estimate" else SCHEDULES
     schedules = _among(schedules, SCHEDULES, "schedules")
+    if memory == "estimate" and "interleaved-1f1b" in schedules:
+        raise ValueError(
+            "`schedules` holds 'interleaved-1f1b', whose memory `memory=\"estimate\"` "
+            f"(pj.memory_estimate) does not model; it covers {ESTIMATED}. Use "
+            '`memory="compiled"` (each candidate compiled) or leave that schedule out.'
+        )
+    stateful = layer_state is not None
+    if stateful:
+        layer_state = list(
+            checks.sequence(layer_state, "layer_state", f"one state pytree per layer ({len(layers)})")
+        )
+        if len(layer_state) != len(layers):
+            raise ValueError(
+                f"`layer_state` has {len(layer_state)} entries, but there are {len(layers)} layers; "
+                "pass one state pytree per layer (None for a layer without state)."
+            )
+        if memory == "estimate":
+            raise ValueError(
+                '`memory="estimate"` does not model stateful layers (`layer_state` was given): '
+                'pj.memory_estimate leaves stage state and statistics out. Use `memory="compiled"`.'
+            )
     checkpoints = _among(checkpoints, CHECKPOINTS, "checkpoints")
-    repeats = checks.count(repeats, "repeats", what="the stages per device of the circular schedule")
+    repeats = checks.count(repeats, "repeats", what="the stages per device of circular and interleaved 1F1B")
     batch = microbatch.batch_size(x)
     if chunks is None:
         chunks = [c for c in (2**k for k in range(7)) if c <= batch]
@@ -184,11 +220,14 @@ def plan_pipeline(
         {checks.count(c, "chunks", what="micro-batches to sweep") for c in _seq(chunks, "chunks")}
     )
     # per-layer costs of the whole batch: forward, and forward and backward
-    forward = np.array(layer_costs(layers, layer_params, x, by=by, backward=False))
-    both = np.array(layer_costs(layers, layer_params, x, by=by, backward=True))
+    costed, costed_params = (
+        (layers, layer_params) if not stateful else _without_state(layers, layer_params, layer_state)
+    )
+    forward = np.array(layer_costs(costed, costed_params, x, by=by, backward=False))
+    both = np.array(layer_costs(costed, costed_params, x, by=by, backward=True))
     sweep = []
     for name in schedules:
-        v = repeats if name == "circular" else 1
+        v = repeats if name in REPEATED else 1
         S = n * v
         if S > len(layers):
             continue
@@ -196,20 +235,25 @@ def plan_pipeline(
         offsets = np.cumsum([0, *cut])
         f_stage = np.add.reduceat(forward, offsets[:-1])
         b_stage = np.add.reduceat(both, offsets[:-1]) - f_stage
-        part = partition(layers, list(cut))
+        part = partition(layers, list(cut), stateful=stateful)
         params = part.group(list(layer_params))
+        state = part.group(layer_state) if stateful else None
         for c in chunks:
             m = microbatch.plan(batch, c).num_micro
             for mode in checkpoints:
                 if mode == "except_last" and name not in ("gpipe", "circular"):
                     continue
                 pipe = pipeline(part.stages, chunks=c, checkpoint=mode, mesh=mesh, axis_name=axis_name,
-                                schedule=name, repeats=v)  # fmt: skip
+                                schedule=name, repeats=v, stateful=stateful)  # fmt: skip
+                try:
+                    table = pipe.schedule(batch)
+                except ValueError:  # e.g. interleaved 1F1B: m not a multiple of n (the schedule's rule)
+                    continue
                 if memory == "estimate":
                     est = memory_estimate(pipe, params, x).total
                 else:
-                    est = _compiled_bytes(pipe, params, x, loss_fn)
-                step = _step(pipe.schedule(batch), name, mode, f_stage / m, b_stage / m, tick_cost)
+                    est = _compiled_bytes(pipe, params, x, loss_fn, state)
+                step = _step(table, name, mode, f_stage / m, b_stage / m, tick_cost)
                 sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False))
     return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
 
@@ -236,16 +280,48 @@ def _squares(y, targets):
     return jax.numpy.sum((y - targets) ** 2, axis=-1)
 
 
-def _compiled_bytes(pipe, params, x, loss_fn) -> int:
-    """XLA's temp bytes per device of ``pipe``'s training step (compiled, not run)."""
+def _compiled_bytes(pipe, params, x, loss_fn, state=None) -> int:
+    """XLA's temp bytes per device of ``pipe``'s training step (compiled, not run); ``state``:
+    a stateful pipeline's per-stage state."""
     placed = pipe.place(params)
-    y = jax.eval_shape(pipe, placed, x)
+    if pipe.stateful:
+        state = pipe.place(state)
+        y = jax.eval_shape(lambda p, x, s: pipe(p, x, state=s)[0], placed, x, state)
+    else:
+        y = jax.eval_shape(pipe, placed, x)
     targets = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
     if pipe.plan.schedule.owns_backward:
-        step = pipe.value_and_grad(loss_fn)
+        vg = pipe.value_and_grad(loss_fn)
+        step = (lambda p, x, t, s: vg(p, x, t, state=s)) if pipe.stateful else vg
+    elif pipe.stateful:
+
+        def loss(p, x, t, s):
+            y, stats = pipe(p, x, state=s)
+            return loss_fn(y, t).mean(), stats
+
+        step = jax.value_and_grad(loss, has_aux=True)
     else:
         step = jax.value_and_grad(lambda p, x, t: loss_fn(pipe(p, x), t).mean())
-    return int(jax.jit(step).lower(placed, x, targets).compile().memory_analysis().temp_size_in_bytes)
+    args = (placed, x, targets, state) if pipe.stateful else (placed, x, targets)
+    return int(jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def _without_state(layers, layer_params, layer_state):
+    """Stateful layers as ``layer(params, x, key) -> y`` for :func:`pipejax.layer_costs`, their
+    parameters ``(params, state)``: the state read as a constant (no gradient), every row real.
+    One wrapper per distinct layer function, so that equal layers are still costed once."""
+    wrappers = {}
+
+    def wrap(layer):
+        def costed(ps, x, key):
+            rows = jax.tree.leaves(x)[0].shape[0]
+            mask = jax.numpy.ones((rows,), bool)
+            return layer(ps[0], x, key, jax.lax.stop_gradient(ps[1]), mask)[0]
+
+        return costed
+
+    costed = [wrappers.setdefault(id(layer), wrap(layer)) for layer in layers]
+    return costed, [(p, st) for p, st in zip(layer_params, layer_state, strict=True)]
 
 
 def _mesh_size(mesh, axis_name) -> int:

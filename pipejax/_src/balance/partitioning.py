@@ -1,6 +1,7 @@
 """Cutting a sequence of layers into pipeline stages: :func:`partition` and :class:`Partition`.
 
-A *layer* has the signature of a stage, ``layer(params, x, key) -> y``. :func:`partition` groups
+A *layer* has the signature of a stage, ``layer(params, x, key) -> y`` (a stateful one
+``layer(params, x, key, state, mask) -> (y, stats)``). :func:`partition` groups
 contiguous layers into stage functions for :func:`pipejax.pipeline`, ``balance[s]`` layers in
 stage ``s`` (torchgpipe's ``GPipe(module, balance=...)``). Inside a stage, layer ``j`` (counting
 from 0 within the stage) receives ``jax.random.fold_in(stage_key, j)`` (:func:`layer_key`), or
@@ -34,6 +35,7 @@ class Partition(NamedTuple):
     stages: tuple[Callable[..., Any], ...]  # stage s applies layers offsets[s]:offsets[s + 1]
     balance: tuple[int, ...]  # layers per stage, all >= 1
     devices: tuple[Any, ...] | None  # the device of each stage, or None when not given
+    stateful: bool = False  # stateful layers: a stage takes and returns the list of its layers' state
 
     def __repr__(self) -> str:
         return f"Partition(balance={self.balance}, devices={self.devices})"
@@ -118,6 +120,7 @@ def partition(
     balance: Sequence[int] | None = None,
     *,
     devices: int | Sequence[Any] | None = None,
+    stateful: bool = False,
 ) -> Partition:
     """Groups contiguous layers into pipeline stages: ``balance[s]`` layers in stage ``s``.
 
@@ -129,6 +132,12 @@ def partition(
     ``jax.random.fold_in(stage_key, j)`` (:func:`layer_key`), or ``None`` when the stage gets
     ``None``; so with ``pj.pipeline`` layer ``j`` of stage ``s`` on micro-batch ``i`` draws from
     ``fold_in(pj.stage_key(key, i, s), j)``.
+
+    Stateful layers (``stateful=True``, for ``pj.pipeline(..., stateful=True)``) are
+    ``layer(params, x, key, state, mask) -> (y, stats)``; stage ``s`` is then
+    ``stage(params, x, key, state, mask) -> (y, stats)`` with ``state`` the list of its layers'
+    states (:meth:`Partition.group` groups them as it groups parameters) and ``stats`` the list
+    of their statistics; every layer sees the micro-batch's row ``mask``.
 
     Args:
       layers: the layer functions, in order.
@@ -168,8 +177,11 @@ def partition(
     balance = _check_balance(balance, len(layers))
     stage_devices = _check_devices(devices, len(balance))
     offsets = (0, *np.cumsum(balance).tolist())
-    stages = tuple(_make_stage(layers[offsets[s] : offsets[s + 1]], s) for s in range(len(balance)))
-    return Partition(stages=stages, balance=balance, devices=stage_devices)
+    if not isinstance(stateful, bool):
+        raise TypeError(f"`stateful` must be a bool, but got {type(stateful).__name__} {stateful!r}.")
+    make = _make_stateful_stage if stateful else _make_stage
+    stages = tuple(make(layers[offsets[s] : offsets[s + 1]], s) for s in range(len(balance)))
+    return Partition(stages=stages, balance=balance, devices=stage_devices, stateful=stateful)
 
 
 def _make_stage(layers: Sequence[Layer], s: int) -> Callable[..., Any]:
@@ -181,6 +193,26 @@ def _make_stage(layers: Sequence[Layer], s: int) -> Callable[..., Any]:
 
     stage.__name__ = stage.__qualname__ = f"stage_{s}"
     stage.__doc__ = f"Stage {s}: {len(layers)} layers applied in turn; layer j gets fold_in(key, j)."
+    return stage
+
+
+def _make_stateful_stage(layers: Sequence[Layer], s: int) -> Callable[..., Any]:
+    def stage(params, x, key, state, mask):
+        _check_stage_params(params, s, len(layers), name=f"the params of stage {s}")
+        if state is None:
+            state = [None] * len(layers)
+        _check_stage_params(state, s, len(layers), name=f"the state of stage {s}")
+        stats = []
+        for j, (layer, p, st) in enumerate(zip(layers, params, state, strict=True)):
+            x, stat = layer(p, x, layer_key(key, j), st, mask)
+            stats.append(stat)
+        return x, stats
+
+    stage.__name__ = stage.__qualname__ = f"stage_{s}"
+    stage.__doc__ = (
+        f"Stage {s}: {len(layers)} stateful layers applied in turn, each with its own state and the "
+        "row mask; layer j gets fold_in(key, j). Returns (y, the list of the layers' stats)."
+    )
     return stage
 
 
