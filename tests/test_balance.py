@@ -112,6 +112,44 @@ def test_pipeline_over_partition_equals_sequential(part):
     assert y.shape == (B, CLASSES)
 
 
+def test_stateful_partition_equals_the_layers_in_turn():
+    """Stateful layers grouped into stages: each layer gets its own state and the row mask, the
+    stage returns the list of its layers' stats; the pipeline equals the layers applied in turn
+    to every micro-batch."""
+
+    def norm(p, x, key, state, mask):
+        y, moments = pj.batch_norm(x @ p, state, train=True, mask=mask)
+        return jnp.tanh(y), moments
+
+    def plain(p, x, key, state, mask):
+        assert state is None
+        return x @ p, jnp.sum(jnp.where(mask[:, None], x, 0.0))
+
+    layers = [norm, plain, norm, plain, norm]
+    ws = [jax.random.normal(k, (6, 6)) for k in jax.random.split(jax.random.key(0), 5)]
+    state = [pj.batch_norm_init(6) if f is norm else None for f in layers]
+    part = pj.partition(layers, [2, 3], stateful=True)
+    x = jax.random.normal(jax.random.key(1), (10, 6))  # 3 micro-batches of 4 rows: 2 padding rows
+    y, stats = pj.pipeline(part.stages, chunks=3, stateful=True)(part.group(ws), x, state=part.group(state))
+    xs, mask, plan = pj.split_microbatches(x, 3)
+    outs, per_micro = [], []
+    for i in range(plan.num_micro):
+        h, layer_stats = xs[i], []
+        for f, w, st in zip(layers, ws, state, strict=True):
+            h, stat = f(w, h, None, st, mask[i])
+            layer_stats.append(stat)
+        outs.append(h)
+        per_micro.append(layer_stats)
+    np.testing.assert_allclose(y, pj.merge_microbatches(jnp.stack(outs), plan), rtol=RTOL, atol=ATOL)
+    # stage s's stats: the list of its layers' stats, one row per micro-batch
+    for s, (lo, hi) in enumerate([(0, 2), (2, 5)]):
+        for j in range(hi - lo):
+            expected = jax.tree.map(lambda *a: jnp.stack(a), *[m[lo + j] for m in per_micro])
+            jax.tree.map(
+                lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), stats[s][j], expected
+            )
+
+
 def test_layer_keys_inside_a_stage(part):
     """Layer j of stage s on micro-batch i draws from fold_in(stage_key(key, i, s), j)."""
     params, x, key = layer_params(), batch(), jax.random.key(7)
