@@ -69,7 +69,7 @@ def python_blocks(markdown):
 # The pages of a guide are read in order and share no names: each page repeats its own setup.
 # (docs/multihost.md's script runs in tests/test_multihost.py, in one process and on two: a run
 # here would repeat the one-process run. NOT_IN_GROUPS below lists the pages left out.)
-PIPELINE_GUIDE = ["stages", "schedules", "tables", "training", "memory", "meshes", "guarantees"]
+PIPELINE_GUIDE = ["stages", "schedules", "tables", "choosing", "training", "memory", "meshes", "guarantees"]
 FLAX_GUIDE = ["linen", "nnx", "training", "layers", "checkpoints", "batchnorm"]
 DOC_GROUPS = {
     "README.md": ["README.md"],
