@@ -29,9 +29,9 @@ loss is checked against the composed model's first (relative difference printed)
 Models (``--model``): ``mlp`` (default), stages of pre-RMSNorm GELU MLP blocks in float32;
 ``transformer``, stages of decoder blocks (pre-RMSNorm, causal multi-head self-attention by
 ``jax.nn.dot_product_attention``, a SwiGLU MLP, residuals) with float32 parameters computed in
-bfloat16, on bfloat16 activations ``[batch, seq, width]``, the loss (per-example mean squared
-error over seq and width) in float32. Pipeline speed-ups need several devices and are not
-measured here.
+bfloat16 (``--compute float32``: in float32), on activations ``[batch, seq, width]`` of that
+dtype, the loss (per-example mean squared error over seq and width) in float32. Pipeline
+speed-ups need several devices and are not measured here.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,8 +87,8 @@ def mlp_stage(p, x, key):
     return x
 
 
-def transformer_stage(p, x, key):
-    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+def transformer_stage(p, x, key, compute=jnp.bfloat16):
+    p = jax.tree.map(lambda a: a.astype(compute), p)
     for j in range(p["qkv"].shape[0]):
         q, k, v = jnp.einsum("btw,wcnh->cbtnh", rms(x) * p["g1"][j], p["qkv"][j])
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
@@ -115,7 +116,7 @@ def mlp(S, L, width, hidden, batch):
     )
 
 
-def transformer(S, L, width, hidden, batch, heads, seq):
+def transformer(S, L, width, hidden, batch, heads, seq, compute="bfloat16"):
     dh = width // heads
     params = {
         "qkv": normal((S, L, width, 3, heads, dh), 0, width**-0.5),
@@ -126,18 +127,19 @@ def transformer(S, L, width, hidden, batch, heads, seq):
         "g1": jnp.ones((S, L, width)),
         "g2": jnp.ones((S, L, width)),
     }
-    x, t = normal((batch, seq, width), 5).astype(jnp.bfloat16), normal((batch, seq, width), 6)
+    dtype = jnp.dtype(compute)
+    x, t = normal((batch, seq, width), 5).astype(dtype), normal((batch, seq, width), 6)
     per_layer = 2 * batch * seq * (4 * width**2 + 3 * width * hidden) + 2 * batch * seq**2 * width
     return SimpleNamespace(
-        stage=transformer_stage,
+        stage=transformer_stage if compute == "bfloat16" else partial(transformer_stage, compute=dtype),
         loss=lambda y, t: jnp.mean((y.astype(jnp.float32) - t) ** 2, axis=(1, 2)),
         params=params,
         args=(params, x, t),
         flops=3 * S * L * per_layer,
-        tf32=False,  # bfloat16
+        tf32=compute == "float32",  # bfloat16, or float32 run as TF32
         text=(
             f"{S} homogeneous stages of {L} decoder blocks (width {width}, {heads} heads, SwiGLU "
-            f"hidden {hidden}, sequence {seq}; float32 parameters, bfloat16 compute)"
+            f"hidden {hidden}, sequence {seq}; float32 parameters, {compute} compute)"
         ),
     )
 
@@ -190,11 +192,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, a smoke run (= --size quick)")
     ap.add_argument("--size", choices=["quick", "cpu", "full"], default="full")
     ap.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    ap.add_argument(
+        "--compute",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the transformer's compute and activation dtype (parameters stay float32)",
+    )
     ap.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: by device kind)")
     args = ap.parse_args()
     size = SIZES[args.model]["quick" if args.quick else args.size]
     S, L, width, hidden, m, micro, rounds, *rest = size
-    model = (mlp if args.model == "mlp" else transformer)(S, L, width, hidden, m * micro, *rest)
+    if args.model == "mlp":
+        if args.compute != "bfloat16":
+            ap.error("--compute applies to --model transformer (the MLP computes in float32)")
+        model = mlp(S, L, width, hidden, m * micro)
+    else:
+        model = transformer(S, L, width, hidden, m * micro, *rest, compute=args.compute)
     dev = jax.devices()[0]
     peak = args.peak_tflops or PEAK_TFLOPS.get(dev.device_kind, (None, None))[model.tf32]
     kind = "--peak-tflops" if args.peak_tflops else ("TF32" if model.tf32 else "bfloat16") + " dense"
