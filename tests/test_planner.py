@@ -67,11 +67,16 @@ def stateful():
     return layers, params, jax.random.normal(jax.random.key(4), (64, 32)), state
 
 
-def _naive_step(table, name, mode, f, b):
-    """The lockstep step, tick by tick and slot by slot (the reference of the planner's)."""
+def _naive_step(table, name, mode, f, b, link=0.0):
+    """The lockstep step, tick by tick and slot by slot (the reference of the planner's); each
+    tick's sends take ``link`` after its compute, or alongside it on a table of hop 2."""
     redo = mode in ("always", "except_last")
     fields = table.slot_fields()
     T, n = table.num_ticks, table.num_devices
+
+    def tick(compute):
+        return max(compute, link) if table.hop == 2 else compute + link
+
     total = 0.0
     if table.trains:
         for t in range(T):
@@ -89,15 +94,16 @@ def _naive_step(table, name, mode, f, b):
                     else:
                         work += b[s] + (f[s] if redo else 0.0)
                 busiest = max(busiest, work)
-            total += busiest if busiest > 0 else max(f)
+            total += tick(busiest if busiest > 0 else max(f))
         return total
     micro, stage = fields["F"]
     drain = T - (table.hop * (n - 1) + 1)
     for t in range(T):
         active = [stage[t, d] for d in range(n) if micro[t, d] >= 0]
-        total += max((f[s] for s in active), default=max(f))
+        total += tick(max((f[s] for s in active), default=max(f)))
         keep = mode == "never" or (mode == "except_last" and t >= drain)
-        total += max((b[s] + (0.0 if keep else f[s]) for s in active), default=max(b + (0 if keep else f)))
+        back = max((b[s] + (0.0 if keep else f[s]) for s in active), default=max(b + (0 if keep else f)))
+        total += tick(back)
     return total
 
 
@@ -172,6 +178,44 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
     print(tight.table())
 
 
+def test_planner_weighs_the_links_and_overlap():
+    """Messages: each tick sends the largest boundary activation of one micro-batch, after the
+    compute or (overlap=True, a table of hop 2) alongside it. Slow links choose overlap; free
+    links never do (it only adds ticks)."""
+    layers, params, x = uniform()
+    mesh = jax.make_mesh((4,), ("stage",))
+    forward = np.array(pj.layer_costs(layers, params, x, backward=False))
+    both = np.array(pj.layer_costs(layers, params, x))
+    options = dict(
+        mesh=mesh, memory_per_device=1e9, schedules=("gpipe", "1f1b"), chunks=CHUNKS,
+        checkpoints=("always",), overlaps=(False, True), memory="estimate",
+    )  # fmt: skip
+    free = pj.plan_pipeline(layers, params, x, **options)
+    assert not free.best.overlap
+    row = 32 * x.dtype.itemsize  # every layer's output: 32 features of x's dtype
+    # a message of 8 rows (chunks=8) takes about a 1F1B tick's compute (F, B and F again of 2
+    # layers on 8 of the 64 rows): overlap=True halves such ticks, for 6 more of them
+    latency = 0.01 * both.max()
+    bandwidth = row * 8 / ((both.max() + forward.max()) / 4 - latency)
+    slow = pj.plan_pipeline(layers, params, x, bandwidth=bandwidth, latency=latency, **options)
+    assert slow.best.overlap
+    assert len(slow.sweep) == 2 * len(CHUNKS) * 2
+    for c in slow.sweep:
+        offsets = np.cumsum([0, *c.balance])
+        f = np.add.reduceat(forward, offsets[:-1])
+        b = np.add.reduceat(both, offsets[:-1]) - f
+        m = c.chunks
+        table = pj.pipeline(
+            [_block] * 4, chunks=m, mesh=mesh, schedule=c.schedule, overlap=c.overlap
+        ).schedule(64)
+        assert table.hop == (2 if c.overlap else 1)
+        link = row * (64 // m) / bandwidth + latency
+        assert c.step == pytest.approx(
+            _naive_step(table, c.schedule, c.checkpoint, f / m, b / m, link), rel=1e-9
+        )
+    assert slow.best.options()["overlap"] is True
+
+
 def test_planner_refuses_bad_arguments():
     layers, params, x = uniform()
     mesh = jax.make_mesh((4,), ("stage",))
@@ -189,6 +233,10 @@ def test_planner_refuses_bad_arguments():
         pj.plan_pipeline(
             layers, params, x, mesh=mesh, memory_per_device=1e6, layer_state=[None] * 8, memory="estimate"
         )
+    with pytest.raises(TypeError, match=r"`overlaps` must hold bools"):
+        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, overlaps=(0, 1))
+    with pytest.raises(ValueError, match=r"`bandwidth` must be a number > 0, but got 0"):
+        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, bandwidth=0)
     with pytest.raises(TypeError, match=r"`stateful` must be a bool, but got int 1"):
         pj.partition(layers, [4, 4], stateful=1)
     with pytest.raises(ValueError, match=r"`axis_name='pipe'` is not an axis of the mesh"):

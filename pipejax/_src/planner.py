@@ -16,6 +16,7 @@ and returns the fastest candidate that fits, with the runner-up and the whole sw
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ class Candidate(NamedTuple):
     step: float  # the predicted step, in the cost unit (flops, or seconds with `by="time"`)
     temp_bytes: int  # temp bytes per device: XLA's (memory="compiled") or pj.memory_estimate's
     fits: bool  # temp_bytes * headroom <= memory_per_device
+    overlap: bool = False  # sends that overlap compute (pj.pipeline's overlap=)
 
     def options(self) -> dict[str, Any]:
         """The candidate as options of :func:`pipejax.pipeline` (with ``partition(layers,
@@ -56,6 +58,7 @@ class Candidate(NamedTuple):
             "repeats": self.repeats,
             "chunks": self.chunks,
             "checkpoint": self.checkpoint,
+            "overlap": self.overlap,
         }
 
 
@@ -80,14 +83,14 @@ class PipelinePlan(NamedTuple):
     def table(self) -> str:
         """The sweep as a markdown table, the choice marked."""
         lines = [
-            "| schedule | v | chunks | checkpoint | balance | step | temp KiB | fits |",
-            "|:--|--:|--:|:--|:--|--:|--:|:--|",
+            "| schedule | v | chunks | checkpoint | overlap | balance | step | temp KiB | fits |",
+            "|:--|--:|--:|:--|:--|:--|--:|--:|:--|",
         ]
         for c in self.sweep:
             mark = " **chosen**" if c == self.best else (" runner-up" if c == self.runner_up else "")
             lines.append(
-                f"| {c.schedule}{mark} | {c.repeats} | {c.chunks} | {c.checkpoint} | {list(c.balance)} | "
-                f"{c.step:.4g} | {c.temp_bytes / 1024:,.1f} | {c.fits} |"
+                f"| {c.schedule}{mark} | {c.repeats} | {c.chunks} | {c.checkpoint} | {c.overlap} | "
+                f"{list(c.balance)} | {c.step:.4g} | {c.temp_bytes / 1024:,.1f} | {c.fits} |"
             )
         return "\n".join(lines)
 
@@ -107,6 +110,9 @@ def plan_pipeline(
     repeats: int = 2,
     by: str = "flops",
     tick_cost: float = 0.0,
+    bandwidth: float | None = None,
+    latency: float = 0.0,
+    overlaps: Sequence[bool] = (False,),
     memory: str = "compiled",
     loss_fn: Any = None,
     headroom: float = 1.0,
@@ -125,8 +131,12 @@ def plan_pipeline(
     micro-batches: flops are linear in the rows), ZB-H1's backward split evenly between its B
     and W slots, a recomputed forward (``"always"``; ``"except_last"`` outside the drain) added
     to the backward, and ``tick_cost`` per tick (the fixed cost of a tick: kernel launches and
-    the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Messages are
-    not counted (see ``benchmarks/simulate.py`` for links). Its bytes are the temp bytes per
+    the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Every tick
+    also sends (a ``ppermute`` per message kind, on every tick of the SPMD loop): the largest
+    activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
+    ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
+    sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
+    longer of the two. Its bytes are the temp bytes per
     device of its training step (``memory``); a candidate fits when ``headroom`` times them is
     at most ``memory_per_device``.
 
@@ -149,6 +159,10 @@ def plan_pipeline(
       repeats: the stages per device of the circular and interleaved 1F1B schedules.
       by: the layers' cost model, ``"flops"`` or ``"time"`` (:func:`pipejax.layer_costs`).
       tick_cost: a fixed cost per tick, in the unit of ``by``.
+      bandwidth: bytes a link carries per unit of ``by`` (with ``by="flops"``: bytes per
+        second over the flop/s a device achieves); ``None`` (default): messages take no time.
+      latency: the fixed time of a tick's sends, in the unit of ``by``.
+      overlaps: the values of ``overlap=`` to sweep (sends that overlap compute).
       memory: ``"compiled"`` (each candidate's step compiled, XLA's ``temp_size_in_bytes``) or
         ``"estimate"`` (:func:`pipejax.memory_estimate`, nothing compiled).
       loss_fn: the per-example loss of the compiled step, ``loss_fn(y, targets)`` with targets
@@ -179,6 +193,12 @@ def plan_pipeline(
     budget = _positive(memory_per_device, "memory_per_device")
     headroom = _positive(headroom, "headroom")
     tick_cost = _nonnegative(tick_cost, "tick_cost")
+    latency = _nonnegative(latency, "latency")
+    if bandwidth is not None:
+        bandwidth = _positive(bandwidth, "bandwidth")
+    overlaps = _seq(overlaps, "overlaps")
+    if not all(isinstance(o, bool) for o in overlaps):
+        raise TypeError(f"`overlaps` must hold bools (values of `overlap=`), but got {overlaps!r}.")
     if by not in ("flops", "time"):
         raise ValueError(f"`by` must be 'flops' or 'time' (a step time), but got {by!r}.")
     if memory not in ("compiled", "estimate"):
@@ -225,6 +245,7 @@ def plan_pipeline(
     )
     forward = np.array(layer_costs(costed, costed_params, x, by=by, backward=False))
     both = np.array(layer_costs(costed, costed_params, x, by=by, backward=True))
+    row_bytes = _row_bytes(costed, costed_params, x, batch) if bandwidth is not None else None
     sweep = []
     for name in schedules:
         v = repeats if name in REPEATED else 1
@@ -238,42 +259,57 @@ def plan_pipeline(
         part = partition(layers, list(cut), stateful=stateful)
         params = part.group(list(layer_params))
         state = part.group(layer_state) if stateful else None
-        for c in chunks:
-            m = microbatch.plan(batch, c).num_micro
-            for mode in checkpoints:
-                if mode == "except_last" and name not in ("gpipe", "circular"):
-                    continue
-                pipe = pipeline(part.stages, chunks=c, checkpoint=mode, mesh=mesh, axis_name=axis_name,
-                                schedule=name, repeats=v, stateful=stateful)  # fmt: skip
-                try:
-                    table = pipe.schedule(batch)
-                except ValueError:  # e.g. interleaved 1F1B: m not a multiple of n (the schedule's rule)
-                    continue
-                if memory == "estimate":
-                    est = memory_estimate(pipe, params, x).total
-                else:
-                    est = _compiled_bytes(pipe, params, x, loss_fn, state)
-                step = _step(table, name, mode, f_stage / m, b_stage / m, tick_cost)
-                sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False))
+        for c, mode, overlap in itertools.product(chunks, checkpoints, overlaps):
+            if mode == "except_last" and name not in ("gpipe", "circular"):
+                continue
+            micro = microbatch.plan(batch, c)
+            m = micro.num_micro
+            pipe = pipeline(part.stages, chunks=c, checkpoint=mode, mesh=mesh, axis_name=axis_name,
+                            schedule=name, repeats=v, stateful=stateful, overlap=overlap)  # fmt: skip
+            try:
+                table = pipe.schedule(batch)
+            except ValueError:  # e.g. interleaved 1F1B: m not a multiple of n (the schedule's rule)
+                continue
+            if memory == "estimate":
+                est = memory_estimate(pipe, params, x).total
+            else:
+                est = _compiled_bytes(pipe, params, x, loss_fn, state)
+            link = latency
+            if row_bytes is not None:  # the largest message: an activation at a stage boundary
+                link += max(row_bytes[offsets[1:-1] - 1], default=0.0) * micro.micro_size / bandwidth
+            step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, link)
+            sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False, overlap))
     return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
 
 
-def _step(table, name, mode, f, b, tick_cost) -> float:
+def _step(table, mode, f, b, tick_cost, link) -> float:
     """The lockstep step of a training step on ``table`` (per-stage costs ``f``, ``b`` of one
-    micro-batch), with the recomputation of checkpoint ``mode``."""
+    micro-batch), with the recomputation of checkpoint ``mode``, ``tick_cost`` per tick and
+    ``link`` for each tick's sends: after the tick's compute, or alongside it when the table's
+    hop is 2 (sends that overlap compute)."""
     redo = f if mode in ("always", "except_last") else np.zeros_like(f)
     if table.trains:  # F, then B (and W) slots in the same ticks
         if "W" in table.kinds:  # ZB-H1: B the input cotangent, W the weight's; each recomputes F
-            ticks = table.tick_times(f, b / 2 + redo, b / 2 + redo)
+            ticks = [table.tick_times(f, b / 2 + redo, b / 2 + redo)]
         else:
-            ticks = table.tick_times(f, b + redo, 0.0)
-        return float((ticks + tick_cost).sum())
-    # a forward table: its ticks, then autodiff runs them again backwards
-    fwd = table.tick_times(f)
-    back = table.tick_times(b + redo)
-    if mode == "except_last":  # the drain keeps its residuals
-        back[-table.drain_ticks :] = table.tick_times(b)[-table.drain_ticks :]
-    return float((fwd + back + 2 * tick_cost).sum())
+            ticks = [table.tick_times(f, b + redo, 0.0)]
+    else:  # a forward table: its ticks, then autodiff runs them again backwards
+        back = table.tick_times(b + redo)
+        if mode == "except_last":  # the drain keeps its residuals
+            back[-table.drain_ticks :] = table.tick_times(b)[-table.drain_ticks :]
+        ticks = [table.tick_times(f), back]
+    if table.hop == 2:
+        return float(sum(np.maximum(t + tick_cost, link).sum() for t in ticks))
+    return float(sum((t + tick_cost + link).sum() for t in ticks))
+
+
+def _row_bytes(layers, layer_params, x, batch) -> np.ndarray:
+    """The bytes of one example of each layer's output (shapes only: nothing runs)."""
+    out, sizes = x, []
+    for layer, p in zip(layers, layer_params, strict=True):
+        out = jax.eval_shape(layer, p, out, None)
+        sizes.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out)) / batch)
+    return np.array(sizes)
 
 
 def _squares(y, targets):
