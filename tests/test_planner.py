@@ -216,6 +216,35 @@ def test_planner_weighs_the_links_and_overlap():
     assert slow.best.options()["overlap"] is True
 
 
+def test_planner_with_a_data_axis():
+    """A data x stage mesh: each candidate's table is a data shard's (m / 2 micro-batches), its
+    step timed on it, its bytes compiled on the 2 x 2 mesh, and a chunks the data axis does not
+    split is left out."""
+    layers, params, x = uniform()
+    mesh = jax.make_mesh((2, 2), ("data", "stage"))
+    forward = np.array(pj.layer_costs(layers, params, x, backward=False))
+    both = np.array(pj.layer_costs(layers, params, x))
+    plan = pj.plan_pipeline(
+        layers, params, x, mesh=mesh, data_axis_name="data", memory_per_device=1e9,
+        schedules=("gpipe", "1f1b"), chunks=(1, 8), checkpoints=("always",),
+    )  # fmt: skip
+    assert {(c.schedule, c.chunks) for c in plan.sweep} == {("gpipe", 8), ("1f1b", 8)}  # 1: not split
+    for c in plan.sweep:
+        assert c.balance == (4, 4)
+        f = np.add.reduceat(forward, [0, 4])
+        b = np.add.reduceat(both, [0, 4]) - f
+        pipe = pj.pipeline([_block] * 2, chunks=8, mesh=mesh, schedule=c.schedule, data_axis_name="data")
+        table = pipe.schedule(64)
+        assert table.num_micro == 4
+        assert c.step == pytest.approx(_naive_step(table, c.schedule, c.checkpoint, f / 8, b / 8), rel=1e-9)
+    with pytest.raises(ValueError, match=r"`data_axis_name='batch'` is not an axis of the mesh"):
+        pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e6, data_axis_name="batch")
+    with pytest.raises(ValueError, match=r"`memory=\"estimate\"` does not model a data axis"):
+        pj.plan_pipeline(
+            layers, params, x, mesh=mesh, memory_per_device=1e6, data_axis_name="data", memory="estimate"
+        )
+
+
 def test_planner_refuses_bad_arguments():
     layers, params, x = uniform()
     mesh = jax.make_mesh((4,), ("stage",))

@@ -103,6 +103,7 @@ def plan_pipeline(
     mesh: jax.sharding.Mesh,
     memory_per_device: float,
     axis_name: str = "stage",
+    data_axis_name: str | None = None,
     layer_state: Sequence[Any] | None = None,
     schedules: Sequence[str] | None = None,
     chunks: Sequence[int] | None = None,
@@ -145,6 +146,11 @@ def plan_pipeline(
         :func:`pipejax.partition`.
       x: a mini-batch (arrays; its leading axis is the batch).
       mesh, axis_name: the mesh and its stage axis (``n`` devices).
+      data_axis_name: a second axis of ``mesh`` that splits the micro-batches (data x pipeline
+        parallelism, as :func:`pipejax.pipeline`'s): each candidate's table is then a data
+        shard's, whose ``m / data`` micro-batches it times, and its ``chunks`` a multiple of the
+        axis size; the all-reduce of the gradients over the data axis is not counted.
+        ``memory="compiled"`` only.
       memory_per_device: the budget of temp bytes per device.
       layer_state: stateful layers (BatchNorm's running statistics): one state pytree per layer
         (``None`` for a layer without), the layers then ``layer(params, x, key, state, mask) ->
@@ -190,6 +196,15 @@ def plan_pipeline(
     """
     layers = list(layers)
     n = _mesh_size(mesh, axis_name)
+    if data_axis_name is not None:
+        if data_axis_name == axis_name:
+            raise ValueError(f"`data_axis_name` must differ from `axis_name`, but both are {axis_name!r}.")
+        _mesh_size(mesh, data_axis_name, "data_axis_name")
+        if memory == "estimate":
+            raise ValueError(
+                f'`memory="estimate"` does not model a data axis (`data_axis_name={data_axis_name!r}`): '
+                'pj.memory_estimate refuses one. Use `memory="compiled"`.'
+            )
     budget = _positive(memory_per_device, "memory_per_device")
     headroom = _positive(headroom, "headroom")
     tick_cost = _nonnegative(tick_cost, "tick_cost")
@@ -265,10 +280,11 @@ def plan_pipeline(
             micro = microbatch.plan(batch, c)
             m = micro.num_micro
             pipe = pipeline(part.stages, chunks=c, checkpoint=mode, mesh=mesh, axis_name=axis_name,
-                            schedule=name, repeats=v, stateful=stateful, overlap=overlap)  # fmt: skip
+                            schedule=name, repeats=v, stateful=stateful, overlap=overlap,
+                            data_axis_name=data_axis_name)  # fmt: skip
             try:
                 table = pipe.schedule(batch)
-            except ValueError:  # e.g. interleaved 1F1B: m not a multiple of n (the schedule's rule)
+            except ValueError:  # interleaved 1F1B: m not a multiple of n; m not split by the data axis
                 continue
             if memory == "estimate":
                 est = memory_estimate(pipe, params, x).total
@@ -360,11 +376,11 @@ def _without_state(layers, layer_params, layer_state):
     return costed, [(p, st) for p, st in zip(layer_params, layer_state, strict=True)]
 
 
-def _mesh_size(mesh, axis_name) -> int:
+def _mesh_size(mesh, axis_name, name="axis_name") -> int:
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh, but got {type(mesh).__name__} {mesh!r:.80}.")
     if axis_name not in mesh.shape:
-        raise ValueError(f"`axis_name={axis_name!r}` is not an axis of the mesh ({dict(mesh.shape)}).")
+        raise ValueError(f"`{name}={axis_name!r}` is not an axis of the mesh ({dict(mesh.shape)}).")
     return mesh.shape[axis_name]
 
 
