@@ -11,60 +11,17 @@ import numpy as np
 import pytest
 
 import pipejax as pj
-
-CHUNKS = (2, 8)
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
-MODES = ("always", "never")  # (the mode sweep of the planner covers except_last too)
-
-
-def _block(p, x, key):
-    return jnp.tanh(x @ p["w"] + p["b"][None])
-
-
-def _embed(p, tokens, key):
-    return p[tokens]  # a gather: no flops, a big table
-
-
-def _head(p, x, key):
-    return x @ p  # a wide projection: many flops
-
-
-def uniform():
-    k = jax.random.split(jax.random.key(0), 8)
-    params = [{"w": jax.random.normal(k[i], (32, 32)) * 0.3, "b": jnp.zeros(32)} for i in range(8)]
-    return [_block] * 8, params, jax.random.normal(jax.random.key(1), (64, 32))
-
-
-def embedding_blocks_head():
-    k = jax.random.split(jax.random.key(2), 8)
-    blocks = [{"w": jax.random.normal(k[i], (32, 32)) * 0.3, "b": jnp.zeros(32)} for i in range(6)]
-    params = [jax.random.normal(k[6], (512, 32)), *blocks, jax.random.normal(k[7], (32, 256))]
-    return [_embed, *([_block] * 6), _head], params, jnp.arange(64) % 512
-
-
-def _norm_block(p, x, key, state, mask):  # a stateful layer: dense, BatchNorm, tanh
-    h, moments = pj.batch_norm(x @ p["w"], state, train=True, mask=mask, scale=p["g"], bias=p["b"])
-    return jnp.tanh(h), moments
-
-
-def _plain_block(p, x, key, state, mask):  # a stateful layer without state
-    return _block(p, x, key), None
-
-
-def stateful():
-    k = jax.random.split(jax.random.key(3), 8)
-    params, state, layers = [], [], []
-    for i in range(8):
-        w = {"w": jax.random.normal(k[i], (32, 32)) * 0.3}
-        if i % 2:
-            params.append({**w, "b": jnp.zeros(32)})
-            state.append(None)
-            layers.append(_plain_block)
-        else:
-            params.append({**w, "g": jnp.ones(32), "b": jnp.zeros(32)})
-            state.append(pj.batch_norm_init(32))
-            layers.append(_norm_block)
-    return layers, params, jax.random.normal(jax.random.key(4), (64, 32)), state
+from benchmarks.planner import (
+    CHUNKS,
+    HEADROOM,
+    MODES,
+    SCHEDULES,
+    budgets,
+    embedding_blocks_head,
+    stateful,
+    uniform,
+)
+from benchmarks.planner import block as _block
 
 
 def _naive_step(table, name, mode, f, b, link=0.0):
@@ -124,7 +81,7 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
     both = np.array(pj.layer_costs(costed, costed_params, x))
     loose = pj.plan_pipeline(
         layers, params, x, mesh=mesh, memory_per_device=1e9, chunks=CHUNKS, checkpoints=MODES,
-        headroom=1.25, layer_state=state, schedules=SCHEDULES,
+        headroom=HEADROOM, layer_state=state, schedules=SCHEDULES,
     )  # fmt: skip
     # every schedule, chunks and mode; interleaved 1F1B (micro-batches in groups of 4) not at 2
     assert len(loose.sweep) == (len(SCHEDULES) * len(CHUNKS) - 1) * len(MODES)
@@ -139,14 +96,13 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
         ).schedule(x.shape[0])
         assert c.step == pytest.approx(_naive_step(table, c.schedule, c.checkpoint, f / m, b / m), rel=1e-9)
     # a budget between the smallest and the loose choice's bytes forces a smaller choice
-    smallest = min(c.temp_bytes for c in loose.sweep)
-    budget = 1.25 * (smallest + loose.best.temp_bytes) / 2
-    tight = loose.under(budget, headroom=1.25)
+    budget = budgets(loose)
+    tight = loose.under(budget, headroom=HEADROOM)
     for chosen in (loose, tight):
         fits = [c for c in chosen.sweep if c.fits]
         assert chosen.best == min(fits, key=lambda c: (c.step, c.temp_bytes))
         assert chosen.runner_up == sorted(fits, key=lambda c: (c.step, c.temp_bytes))[1]
-    assert tight.best.temp_bytes * 1.25 <= budget < loose.best.temp_bytes * 1.25
+    assert tight.best.temp_bytes * HEADROOM <= budget < loose.best.temp_bytes * HEADROOM
     # the chosen program's compiled temp bytes fit the budget
     best = tight.best
     part = pj.partition(layers, list(best.balance), stateful=state is not None)
