@@ -149,10 +149,10 @@ def test_planner_weighs_the_links_and_overlap():
     free = pj.plan_pipeline(layers, params, x, **options)
     assert not free.best.overlap
     row = 32 * x.dtype.itemsize  # every layer's output: 32 features of x's dtype
-    # a message of 8 rows (chunks=8) takes about a 1F1B tick's compute (F, B and F again of 2
-    # layers on 8 of the 64 rows): overlap=True halves such ticks, for 6 more of them
+    # a 1F1B tick's two messages of 8 rows (chunks=8) take about its compute (F, B and F again
+    # of 2 layers on 8 of the 64 rows): overlap=True halves such ticks, for 6 more of them
     latency = 0.01 * both.max()
-    bandwidth = row * 8 / ((both.max() + forward.max()) / 4 - latency)
+    bandwidth = row * 8 / ((both.max() + forward.max()) / 8 - latency)
     slow = pj.plan_pipeline(layers, params, x, bandwidth=bandwidth, latency=latency, **options)
     assert slow.best.overlap
     assert len(slow.sweep) == 2 * len(CHUNKS) * 2
@@ -165,7 +165,7 @@ def test_planner_weighs_the_links_and_overlap():
             [_block] * 4, chunks=m, mesh=mesh, schedule=c.schedule, overlap=c.overlap
         ).schedule(64)
         assert table.hop == (2 if c.overlap else 1)
-        link = row * (64 // m) / bandwidth + latency
+        link = (row * (64 // m) / bandwidth + latency) * (2 if table.trains else 1)  # messages per tick
         assert c.step == pytest.approx(
             _naive_step(table, c.schedule, c.checkpoint, f / m, b / m, link), rel=1e-9
         )

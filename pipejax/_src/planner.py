@@ -133,7 +133,9 @@ def plan_pipeline(
     and W slots, a recomputed forward (``"always"``; ``"except_last"`` outside the drain) added
     to the backward, and ``tick_cost`` per tick (the fixed cost of a tick: kernel launches and
     the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Every tick
-    also sends (a ``ppermute`` per message kind, on every tick of the SPMD loop): the largest
+    of the SPMD loop also sends, bubble or not, as ``benchmarks/simulate.py`` counts it: one
+    message per tick of a forward table (activations on, then cotangents back in autodiff's
+    reversed ticks), two of a training table (both), one after the other, each the largest
     activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
     ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
@@ -167,7 +169,7 @@ def plan_pipeline(
       tick_cost: a fixed cost per tick, in the unit of ``by``.
       bandwidth: bytes a link carries per unit of ``by`` (with ``by="flops"``: bytes per
         second over the flop/s a device achieves); ``None`` (default): messages take no time.
-      latency: the fixed time of a tick's sends, in the unit of ``by``.
+      latency: the fixed time of a message, in the unit of ``by``.
       overlaps: the values of ``overlap=`` to sweep (sends that overlap compute).
       memory: ``"compiled"`` (each candidate's step compiled, XLA's ``temp_size_in_bytes``) or
         ``"estimate"`` (:func:`pipejax.memory_estimate`, nothing compiled).
@@ -290,10 +292,11 @@ def plan_pipeline(
                 est = memory_estimate(pipe, params, x).total
             else:
                 est = _compiled_bytes(pipe, params, x, loss_fn, state)
-            link = latency
-            if row_bytes is not None:  # the largest message: an activation at a stage boundary
-                link += max(row_bytes[offsets[1:-1] - 1], default=0.0) * micro.micro_size / bandwidth
-            step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, link)
+            message = latency  # the largest message: an activation at a stage boundary
+            if row_bytes is not None:
+                message += max(row_bytes[offsets[1:-1] - 1], default=0.0) * micro.micro_size / bandwidth
+            sends = 0 if n == 1 else 2 if table.trains else 1  # messages per tick
+            step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, sends * message)
             sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False, overlap))
     return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
 
