@@ -460,10 +460,6 @@ def _add_to(row, delta):
     return jax.tree.map(lambda a, g: a + g.astype(a.dtype).reshape(a.shape), row, delta)
 
 
-def _add(acc, delta):
-    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, delta)
-
-
 def _computation(i, fn, *args):
     """``fn(*args)``, one slot of :class:`_LocalSlots`, kept apart from the loop body's other
     slots, so that XLA neither merges a stage's recomputation in B (``"always"``) with F's
