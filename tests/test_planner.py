@@ -113,23 +113,10 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
         return jnp.sum((y - t) ** 2, axis=-1)
 
     t = jnp.zeros((x.shape[0], costed[-1](costed_params[-1], jnp.zeros((1, 32)), None).shape[-1]))
-    args = (stage_params, x, t)
-    if state is not None:  # the step reads the state too, and returns the stats
-        args += (pipe.place(part.group(state)),)
-        if pipe.plan.schedule.owns_backward:
-            step = lambda p, x, t, s: pipe.value_and_grad(loss)(p, x, t, state=s)
-        else:
-
-            def loss_and_stats(p, x, t, s):
-                y, stats = pipe(p, x, state=s)
-                return loss(y, t).mean(), stats
-
-            step = jax.value_and_grad(loss_and_stats, has_aux=True)
-    elif pipe.plan.schedule.owns_backward:
-        step = pipe.value_and_grad(loss)
-    else:
-        step = jax.value_and_grad(lambda p, x, t: loss(pipe(p, x), t).mean())
-    compiled = jax.jit(step).lower(*args).compile()
+    state_params = pipe.place(part.group(state)) if state is not None else None
+    step = pipe.value_and_grad(loss)  # each schedule's training step (autodiff for GPipe, circular)
+    args = (stage_params, x, t, state_params)
+    compiled = jax.jit(lambda p, x, t, s: step(p, x, t, state=s)).lower(*args).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= budget
     print(tight.table())
 

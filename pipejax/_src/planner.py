@@ -336,29 +336,17 @@ def _squares(y, targets):
 
 
 def _compiled_bytes(pipe, params, x, loss_fn, state=None) -> int:
-    """XLA's temp bytes per device of ``pipe``'s training step (compiled, not run); ``state``:
-    a stateful pipeline's per-stage state."""
+    """XLA's temp bytes per device of ``pipe``'s training step, ``pipe.value_and_grad`` (each
+    schedule's own: autodiff of the forward call for GPipe and circular), compiled, not run;
+    ``state``: a stateful pipeline's per-stage state."""
     placed = pipe.place(params)
-    if pipe.stateful:
-        state = pipe.place(state)
-        y = jax.eval_shape(lambda p, x, s: pipe(p, x, state=s)[0], placed, x, state)
-    else:
-        y = jax.eval_shape(pipe, placed, x)
+    state = pipe.place(state) if pipe.stateful else None
+    y = jax.eval_shape(lambda p, x, s: pipe(p, x, state=s), placed, x, state)
+    y = y[0] if pipe.stateful else y
     targets = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), y)
-    if pipe.plan.schedule.owns_backward:
-        vg = pipe.value_and_grad(loss_fn)
-        step = (lambda p, x, t, s: vg(p, x, t, state=s)) if pipe.stateful else vg
-    elif pipe.stateful:
-
-        def loss(p, x, t, s):
-            y, stats = pipe(p, x, state=s)
-            return loss_fn(y, t).mean(), stats
-
-        step = jax.value_and_grad(loss, has_aux=True)
-    else:
-        step = jax.value_and_grad(lambda p, x, t: loss_fn(pipe(p, x), t).mean())
-    args = (placed, x, targets, state) if pipe.stateful else (placed, x, targets)
-    return int(jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    step = pipe.value_and_grad(loss_fn)
+    compiled = jax.jit(lambda p, x, t, s: step(p, x, t, state=s)).lower(placed, x, targets, state).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _without_state(layers, layer_params, layer_state):
