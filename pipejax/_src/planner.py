@@ -1,11 +1,13 @@
-"""A planner: which schedule, ``chunks``, checkpoint mode and balance to train a list of layers
-with on a mesh, within a memory budget per device (:func:`plan_pipeline`).
+"""A planner: which schedule, ``chunks``, checkpoint mode (and ``overlap``) and balance to train
+a list of layers with on a mesh, within a memory budget per device (:func:`plan_pipeline`);
+stateful layers and a data axis included.
 
 It sweeps every candidate exhaustively and predicts, for each:
 
 * **the step time**, from the layers' costs (:func:`pipejax.layer_costs`, XLA's flop counts by
   default) run through the candidate's own table in lockstep (:meth:`Schedule.tick_times`), with
-  the recomputation its checkpoint mode implies and an optional fixed cost per tick;
+  the recomputation its checkpoint mode implies, an optional fixed cost per tick and, given the
+  links, each tick's messages;
 * **the temp bytes per device**: XLA's compiled memory analysis of the candidate's training step
   (``memory="compiled"``, exact for the platform it compiles for), or
   :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled, but it reads 0.8-2.3 of XLA's
@@ -139,9 +141,9 @@ def plan_pipeline(
     activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
     ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
-    longer of the two. Its bytes are the temp bytes per
-    device of its training step (``memory``); a candidate fits when ``headroom`` times them is
-    at most ``memory_per_device``.
+    longer of the two. Its bytes are the temp bytes per device of its training step
+    (``memory``); a candidate fits when ``headroom`` times them is at most
+    ``memory_per_device``.
 
     Args:
       layers, layer_params: the layers (``layer(params, x, key)``) and their parameters, as for
