@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pipejax as pj
+from benchmarks import _simulate as sim
 from benchmarks.planner import (
     CHUNKS,
     HEADROOM,
@@ -152,10 +153,14 @@ def test_planner_weighs_the_links_and_overlap():
             [_block] * 4, chunks=m, mesh=mesh, schedule=c.schedule, overlap=c.overlap
         ).schedule(64)
         assert table.hop == (2 if c.overlap else 1)
-        link = (row * (64 // m) / bandwidth + latency) * (2 if table.trains else 1)  # messages per tick
+        message = row * (64 // m) / bandwidth + latency
+        link = message * (2 if table.trains else 1)  # messages per tick
         assert c.step == pytest.approx(
             _naive_step(table, c.schedule, c.checkpoint, f / m, b / m, link), rel=1e-9
         )
+        # and benchmarks/simulate.py's lockstep model of the same table ("always": F again in B)
+        simulated = sim.ticks(table, f / m, (b + f) / m, 0.0, overlap=c.overlap).step(message)
+        assert c.step == pytest.approx(simulated, rel=1e-9)
     assert slow.best.options()["overlap"] is True
 
 
