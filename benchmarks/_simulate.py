@@ -405,7 +405,8 @@ def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False)
     """A training step of a pipejax schedule table in lockstep ticks, as its SPMD loop runs it.
 
     Reads only ``schedule.slot_fields()`` (``{kind: (micro-batch table, stage table)}``,
-    ``int[T, n]``, ``-1`` an idle slot), ``num_devices`` and ``repeats`` (``S = n v`` stages).
+    ``int[T, n]``, ``-1`` an idle slot), ``num_devices``, ``repeats`` (``S = n v`` stages) and
+    ``sends_per_tick``.
 
     Slot costs, per stage (one number, or ``S``): ``f`` for an F slot, ``b`` for a B slot and
     ``w`` for a W slot; a table without W slots (1F1B, interleaved 1F1B) runs the whole backward
@@ -452,7 +453,6 @@ def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False)
         empty[t] = False
     work = float(grid.sum())
     compute = grid.max(axis=1)
-    sends = 2
     if set(fields) == {"F"}:  # a forward table: autodiff runs its ticks backwards, with B slots
         back = np.zeros_like(grid)
         for x, t in zip(slots, when, strict=True):
@@ -461,8 +461,7 @@ def ticks(schedule: Any, f: Any, b: Any, w: Any = 0.0, *, overlap: bool = False)
         # stacked stages compute on bubbles too: a tick where no device works lasts a slot
         there = np.where(empty, f.max(), compute)
         compute = np.concatenate([there, np.where(empty, (b + w).max(), back.max(axis=1))[::-1]])
-        sends = 1
-    messages = np.full(len(compute), sends if n > 1 else 0, np.int64)
+    messages = np.full(len(compute), schedule.sends_per_tick, np.int64)
     return Ticks(compute, messages, work, n, overlap)
 
 

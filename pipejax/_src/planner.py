@@ -26,15 +26,14 @@ import jax
 import numpy as np
 
 from pipejax._src import checks, microbatch
-from pipejax._src.balance.costs import layer_costs
+from pipejax._src.balance.costs import layer_costs, output_bytes
 from pipejax._src.balance.partitioning import partition
 from pipejax._src.balance.solver import balance_costs
-from pipejax._src.memory import memory_estimate
+from pipejax._src.memory import ESTIMATED_SCHEDULES, memory_estimate
 from pipejax._src.pipeline import pipeline
+from pipejax._src.schedules.kinds import SCHEDULES as KINDS
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
-ESTIMATED = ("gpipe", "circular", "1f1b", "zb-h1")  # those pj.memory_estimate covers
-REPEATED = ("circular", "interleaved-1f1b")  # the schedules with `repeats` stages per device
+SCHEDULES = tuple(KINDS)  # every built-in schedule
 CHECKPOINTS = ("always", "never", "except_last")
 
 
@@ -135,9 +134,9 @@ def plan_pipeline(
     and W slots, a recomputed forward (``"always"``; ``"except_last"`` outside the drain) added
     to the backward, and ``tick_cost`` per tick (the fixed cost of a tick: kernel launches and
     the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Every tick
-    of the SPMD loop also sends, bubble or not, as ``benchmarks/simulate.py`` counts it: one
-    message per tick of a forward table (activations on, then cotangents back in autodiff's
-    reversed ticks), two of a training table (both), one after the other, each the largest
+    of the SPMD loop also sends, bubble or not, its table's
+    :attr:`~pipejax.Schedule.sends_per_tick` messages (one for a forward table, two for a
+    training table), one after the other, each the largest
     activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
     ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
@@ -227,12 +226,12 @@ def plan_pipeline(
     else:
         checks.check_callable(loss_fn, "loss_fn", "(y, targets) -> per-example losses")
     if schedules is None:
-        schedules = ESTIMATED if memory == "estimate" else SCHEDULES
+        schedules = ESTIMATED_SCHEDULES if memory == "estimate" else SCHEDULES
     schedules = _among(schedules, SCHEDULES, "schedules")
     if memory == "estimate" and "interleaved-1f1b" in schedules:
         raise ValueError(
             "`schedules` holds 'interleaved-1f1b', whose memory `memory=\"estimate\"` "
-            f"(pj.memory_estimate) does not model; it covers {ESTIMATED}. Use "
+            f"(pj.memory_estimate) does not model; it covers {ESTIMATED_SCHEDULES}. Use "
             '`memory="compiled"` (each candidate compiled) or leave that schedule out.'
         )
     stateful = layer_state is not None
@@ -264,10 +263,13 @@ def plan_pipeline(
     )
     forward = np.array(layer_costs(costed, costed_params, x, by=by, backward=False))
     both = np.array(layer_costs(costed, costed_params, x, by=by, backward=True))
-    row_bytes = _row_bytes(costed, costed_params, x, batch) if bandwidth is not None else None
+    row_bytes = None  # the bytes of one example of each layer's output
+    if bandwidth is not None:
+        row_bytes = np.array(output_bytes(costed, costed_params, x)) / batch
     sweep = []
     for name in schedules:
-        v = repeats if name in REPEATED else 1
+        kind = KINDS[name]
+        v = repeats if kind.takes_repeats else 1
         S = n * v
         if S > len(layers):
             continue
@@ -279,7 +281,9 @@ def plan_pipeline(
         params = part.group(list(layer_params))
         state = part.group(layer_state) if stateful else None
         for c, mode, overlap in itertools.product(chunks, checkpoints, overlaps):
-            if mode == "except_last" and name not in ("gpipe", "circular"):
+            try:
+                kind.check_checkpoint(mode)  # "except_last": the forward schedules' drain only
+            except ValueError:
                 continue
             micro = microbatch.plan(batch, c)
             m = micro.num_micro
@@ -297,8 +301,7 @@ def plan_pipeline(
             message = latency  # the largest message: an activation at a stage boundary
             if row_bytes is not None:
                 message += max(row_bytes[offsets[1:-1] - 1], default=0.0) * micro.micro_size / bandwidth
-            sends = 0 if n == 1 else 2 if table.trains else 1  # messages per tick
-            step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, sends * message)
+            step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, table.sends_per_tick * message)
             sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False, overlap))
     return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
 
@@ -322,15 +325,6 @@ def _step(table, mode, f, b, tick_cost, link) -> float:
     if table.hop == 2:
         return float(sum(np.maximum(t + tick_cost, link).sum() for t in ticks))
     return float(sum((t + tick_cost + link).sum() for t in ticks))
-
-
-def _row_bytes(layers, layer_params, x, batch) -> np.ndarray:
-    """The bytes of one example of each layer's output (shapes only: nothing runs)."""
-    out, sizes = x, []
-    for layer, p in zip(layers, layer_params, strict=True):
-        out = jax.eval_shape(layer, p, out, None)
-        sizes.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out)) / batch)
-    return np.array(sizes)
 
 
 def _squares(y, targets):

@@ -167,6 +167,18 @@ def _materialise(tree: PyTree) -> PyTree:
     return jax.tree.map(zeros, tree)
 
 
+def output_bytes(
+    layers: Sequence[Layer], layer_params: Sequence[PyTree], sample_x: PyTree
+) -> tuple[int, ...]:
+    """The bytes of each layer's output on ``sample_x`` propagated through the layers (shapes
+    only: nothing runs); what crosses a stage boundary cut after that layer."""
+    x, sizes = _structs(sample_x), []
+    for idx, (layer, p) in enumerate(zip(layers, layer_params, strict=True)):
+        x = _output_type(layer, _structs(p), x, None, idx)
+        sizes.append(_nbytes(x))
+    return tuple(sizes)
+
+
 def _output_type(layer, p, x, k, idx) -> PyTree:
     """The layer's output type, or: JAX's own shape/dtype error as a ``ValueError`` naming the
     layer; any other exception (the user's own) with its type kept and the layer added as a note."""

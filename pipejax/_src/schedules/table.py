@@ -139,6 +139,13 @@ class Schedule:
         (``n``, or ``2 n - 1`` when sends overlap compute), which ``"except_last"`` keeps."""
         return self.hop * (self.num_devices - 1) + 1
 
+    @property
+    def sends_per_tick(self) -> int:
+        """The messages (``ppermute`` s) the loop sends on every tick, bubble or not: one for a
+        forward table (activations on; autodiff's reversed ticks send the cotangents back), two
+        for a training table (activations on, cotangents back), none on one device."""
+        return 0 if self.num_devices == 1 else 2 if self.trains else 1
+
     def stages(self, kind: str = "F") -> np.ndarray:
         """int32[ticks, num_devices]: the stage of each ``kind`` slot."""
         return self.stage[_kind(self, kind)]
