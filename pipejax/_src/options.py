@@ -73,15 +73,15 @@ def check_schedule(schedule, repeats, num_stages):
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
     else:
         kind = SCHEDULES[schedule]
-    repeats = checks.count(repeats, "repeats", what="the number of stages each device holds")
-    if not kind.takes_repeats and repeats != 1:
+    repeats = kind.resolve_repeats(checks.count(repeats, "repeats", what="the number of stages each device holds"))
+    if not kind.takes_repeats and repeats != 1 and not kind.v_shape:
         raise ValueError(
             f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "
             f"{schedule!r} schedule runs one stage per device. Pass one of those or drop `repeats`."
         )
     if num_stages % repeats:
         raise ValueError(
-            f"The circular schedule with `repeats={repeats}` needs a number of stages that is a "
+            f"The {kind.name!r} schedule with `repeats={repeats}` needs a number of stages that is a "
             f"multiple of {repeats} (each device holds {repeats} stages), but the pipeline has "
             f"{num_stages} stages. Use {repeats * max(1, round(num_stages / repeats))} stages or "
             "change `repeats`."

@@ -65,6 +65,7 @@ from pipejax._src.engine.table_rows import loop_delay as loop_delay
 from pipejax._src.engine.table_rows import rows as rows
 from pipejax._src.engine.table_rows import split_row as split_row
 from pipejax._src.engine.table_rows import table as table
+from pipejax._src.engine.table_rows import v_row as v_row
 from pipejax._src.engine.tick import Carry as Carry
 from pipejax._src.engine.tick import Slots as Slots
 from pipejax._src.engine.tick import _Ctx as _Ctx

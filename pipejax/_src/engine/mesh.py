@@ -22,8 +22,8 @@ from pipejax._src.engine.collectives import (
     sum_exact,
 )
 from pipejax._src.engine.config import Config, Inputs, read, take
-from pipejax._src.engine.table_rows import loop_delay, split_row
-from pipejax._src.engine.tick import Carry, _Ctx, _scan, recomputed
+from pipejax._src.engine.table_rows import LEFT, RIGHT, loop_delay, split_row, v_row
+from pipejax._src.engine.tick import Carry, _Ctx, _scan, at_device, recomputed
 from pipejax._src.schedules.table import Schedule
 
 
@@ -261,9 +261,14 @@ class MeshDevices:
                 if overlap:  # send what the last tick made (a carry) while this tick computes
                     (message, sent), sending = c.sending, (message, sent)
                     carry = carry._replace(sending=sending)
-                back = slots.arrive(back, shift(sent, axis, D, ring=ctx.v > 1, back=True))
-                carry = carry._replace(back=back)
-                return (carry._replace(inbox=shift(message, axis, D, ring=ctx.v > 1)), queue, drain), None
+                if v_shape:  # down or up the V, or the turn on the device itself
+                    fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
+                    inbox, received = _deliver(message, fsrc, axis, D), _deliver(sent, bsrc, axis, D)
+                else:
+                    inbox = shift(message, axis, D, ring=ctx.v > 1)
+                    received = shift(sent, axis, D, ring=ctx.v > 1, back=True)
+                carry = carry._replace(back=slots.arrive(back, received))
+                return (carry._replace(inbox=inbox), queue, drain), None
 
             return body
 
@@ -298,6 +303,7 @@ class MeshDevices:
         # sends that overlap compute: the next device reads a message a tick after it arrives
         # (the table's hop is 2), so the ppermutes send the last tick's outputs, loop carries
         overlap = schedule.hop == 2
+        v_shape = schedule.placement == "v"
         sending = (message, slots.back_zeros(back)) if overlap else None
         init = Carry(message, prev, acc, stats, loop, back, sending)
         carry, _, drain = _scan(schedule, phases, (compat.to_varying(init, axes), queue, drain), tick, inputs)
@@ -364,3 +370,14 @@ class MeshDevices:
             return jax.tree.map(one, queue, slot, moved, y)
 
         return recomputed(put)(row, queue, slot, moved, y)
+
+
+def _deliver(tree, source, axis_name, D: int):
+    """What a device of a V table receives: ``tree`` as the device before it sent it
+    (``source == LEFT``), as the device after it did (``RIGHT``), or its own (the V's turn). Two
+    sends a tick, one each way; a device reads one of them."""
+    if tree is None:
+        return None
+    left, right = shift(tree, axis_name, D), shift(tree, axis_name, D, back=True)
+    pick = lambda a, b, own: jnp.where(source == LEFT, a, jnp.where(source == RIGHT, b, own))
+    return jax.tree.map(pick, left, right, tree)

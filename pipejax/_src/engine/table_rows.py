@@ -25,8 +25,30 @@ def rows(schedule):
     tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
     if schedule.trains:
         w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
-        return table(schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B"))
+        columns = [schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B")]
+        if schedule.placement == "v":  # and a V table's sources and stash slots (`v_row`)
+            _, pool = schedule.stash_pool()
+            columns += [_sources(schedule, "F"), _sources(schedule, "B"), pool["F"], pool["B"]]
+        return table(*columns)
     return table(schedule.table, schedule.stages(), tick)
+
+
+LEFT, RIGHT, OWN = 0, 1, 2  # where a V table's message comes from: device d - 1, d + 1, or d
+
+
+def _sources(schedule, kind: str) -> np.ndarray:
+    """int32[T, D]: where the message read by device ``d``'s ``kind`` slot at tick ``t + 1``
+    comes from (:data:`LEFT`, :data:`RIGHT` or :data:`OWN`, the V's turn), from the stage that
+    sent it (``kind`` "F": the previous stage; "B": the next one). :data:`OWN` where the slot
+    reads none (idle, stage 0's F, the last stage's B)."""
+    micro, stage = schedule.micro[kind], schedule.stage[kind]
+    S, D = schedule.num_stages, schedule.num_devices
+    nxt_micro = np.concatenate([micro[1:], np.full_like(micro[:1], -1)])
+    src = np.concatenate([stage[1:], stage[-1:]]) + (-1 if kind == "F" else 1)
+    reads = (nxt_micro >= 0) & (src >= 0) & (src < S)
+    device, d = schedule.device_of(np.clip(src, 0, S - 1)), np.arange(D)
+    code = np.where(device == d - 1, LEFT, np.where(device == d + 1, RIGHT, OWN))
+    return np.where(reads, code, OWN).astype(np.int32)
 
 
 def table(*columns) -> jax.Array:
@@ -42,6 +64,13 @@ def split_row(row, D: int):
 def back_row(row, D: int):
     """A training table's row of :func:`rows` as ``(B micro[D], W micro[D], B stage[D])``."""
     return row[2 * D + 1 : 3 * D + 1], row[3 * D + 1 : 4 * D + 1], row[4 * D + 1 : 5 * D + 1]
+
+
+def v_row(row, D: int):
+    """A V table's row of :func:`rows` as ``(F source[D], B source[D], F stash slot[D], B stash
+    slot[D])``: where the next tick's F and B read their messages from, and the pool slot F
+    writes and B reads (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`)."""
+    return tuple(row[5 * D + 1 + k * D : 5 * D + 1 + (k + 1) * D] for k in range(4))
 
 
 def loop_delay(schedule: Schedule) -> int:

@@ -7,7 +7,7 @@ schedule names. Two families:
 
 - :class:`ForwardSchedule` (GPipe, circular): a forward table only; autodiff runs it backwards,
   so any JAX transformation differentiates the forward call.
-- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B): a training table whose F, B and W
+- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B, V-Half): a training table whose F, B and W
   slots :meth:`pipejax.Pipeline.value_and_grad` runs; the forward call (inference) runs the
   forward table, and differentiating it is refused (:meth:`BackwardSchedule.guard_forward`).
 
@@ -36,12 +36,20 @@ class ForwardSchedule:
     takes_repeats: bool  # several stages per device (the circular schedule)
 
     owns_backward = False
+    v_shape = False
     default_checkpoint = "except_last"
     activation_buffers = 2  # a tick's live activations in a step: input and output (memory model)
 
     def check_checkpoint(self, checkpoint):
         """Every checkpoint mode and policy applies."""
         return checkpoint
+
+    def check_overlap(self, overlap: bool) -> None:
+        """Sends may overlap compute (a hop of two ticks)."""
+
+    def resolve_repeats(self, repeats: int) -> int:
+        """``repeats`` as given (checked against :attr:`takes_repeats` by the options)."""
+        return repeats
 
     def check_num_micro(self, pipe, plan, num_micro) -> None:
         """Any number of micro-batches runs."""
@@ -66,6 +74,7 @@ class BackwardSchedule:
     name: str
     takes_repeats: bool  # several stages per device (interleaved 1F1B)
     groups_of_n: bool = False  # micro-batches go round the ring in groups of n (interleaved 1F1B)
+    v_shape: bool = False  # two stages per device in a V (placement "v"), no `overlap`
 
     owns_backward = True
     default_checkpoint = "always"
@@ -83,6 +92,30 @@ class BackwardSchedule:
                 "as `jax.checkpoint_policies.dots_saveable` (what it saves)."
             )
         return checkpoint
+
+    def check_overlap(self, overlap: bool) -> None:
+        """A V-shaped table reads every message the tick it arrives (its two stages' slots fall on
+        ticks of opposite parity, which a hop of two ticks would make collide)."""
+        if overlap and self.v_shape:
+            raise ValueError(
+                f"`overlap=True` is not available for `schedule={self.name!r}`: its table reads every "
+                "message the tick it arrives (its way-down and way-up slots alternate on each "
+                "device, and a two-tick hop would put both on one tick). Use `overlap=False`, or "
+                "`schedule='1f1b'` / `'interleaved-1f1b'` with `overlap=True`."
+            )
+
+    def resolve_repeats(self, repeats: int) -> int:
+        """A V-shaped schedule holds two stages per device: ``repeats`` is 2 (1, the default,
+        means the same); anything else is refused."""
+        if not self.v_shape:
+            return repeats
+        if repeats not in (1, 2):
+            raise ValueError(
+                f"`schedule={self.name!r}` holds two stages on each device (device d runs stages d "
+                f"and 2 n - 1 - d of 2 n), so `repeats` is 2, but got `repeats={repeats}`. Drop "
+                "`repeats` (or pass 2), and give the stage axis half as many devices as stages."
+            )
+        return 2
 
     def check_num_micro(self, pipe, plan, num_micro) -> None:
         """A schedule that sends micro-batches round the ring in groups of ``n`` needs their
@@ -191,5 +224,6 @@ SCHEDULES: dict[str, Kind] = {
         BackwardSchedule("1f1b", takes_repeats=False),
         BackwardSchedule("zb-h1", takes_repeats=False),
         BackwardSchedule("interleaved-1f1b", takes_repeats=True, groups_of_n=True),
+        BackwardSchedule("v-half", takes_repeats=False, v_shape=True),
     )
 }

@@ -11,8 +11,11 @@ Every table is checked when it is built (:func:`check`): the same rules for the 
 constructors (:mod:`pipejax._src.schedules.tables`) and for a user's list of actions, each
 refusal naming the first offending slot. The rules are those of the engine's tick loop:
 
-* **Placement.** Stage ``j`` lives on device ``j mod D`` (device ``d`` holds the stages ``d, d +
-  D, ..., d + (v - 1) D`` of ``v = repeats`` chunks).
+* **Placement.** Stage ``j`` lives on device ``j mod D`` (``placement="ring"``: device ``d``
+  holds the stages ``d, d + D, ..., d + (v - 1) D`` of ``v = repeats`` chunks), or, for the
+  V-shaped tables (``placement="v"``, ``v = 2``), on device ``j`` for ``j < D`` and ``2 D - 1 - j``
+  after: device ``d`` holds stages ``d`` and ``2 D - 1 - d``, the first and the last stage sit on
+  device 0, and the V's turn (stage ``D - 1`` to ``D``) stays on device ``D - 1``.
 * **Coverage.** Every (stage, micro-batch) has exactly one slot of each kind the table has.
 * **Order.** A B slot runs at or after its F (same tick: after it); a W at or after its B.
 * **Messages.** A stage's output reaches the next stage's device ``hop`` ticks after it was sent
@@ -21,10 +24,15 @@ refusal naming the first offending slot. The rules are those of the engine's tic
   ``hop`` ticks after the F of stage ``j``, and the B of stage ``j`` ``hop`` ticks after the B of
   stage ``j + 1``. One exception: a forward table's loop-back (from the last device to device 0
   for the next chunk) may wait in a delay line, the same number of ticks for every micro-batch.
+  A V table's messages go to the next device on the way down (chunk 0), stay on the device at
+  the turn, and go to the previous device on the way up (chunk 1); cotangents the other way.
 * **Stashes** (training tables). What F keeps for B and W sits in a ring of ``K`` slots per
   stage (:meth:`Schedule.stash_slots`), micro-batch ``i`` in slot ``i mod K``, so two
   micro-batches held at once on a stage must differ mod ``K``; W reads the cotangent B received
-  from a ring of ``D`` slots (slot ``i mod D``), likewise. W slots need ``repeats = 1``.
+  from a ring of ``D`` slots (slot ``i mod D``), likewise. W slots need ``repeats = 1``. A V
+  table's two stages share one pool per device instead, each stage input given a slot by the
+  table (:meth:`Schedule.stash_pool`): their lifetimes differ (long on the way down, short on
+  the way up), and a ring per stage would hold the longest one twice.
 """
 
 from __future__ import annotations
@@ -71,23 +79,25 @@ class Schedule:
     num_micro: int
     repeats: int = 1  # v: chunks (stages) per device
     hop: int = 1  # ticks a message takes to the next stage's device (0: one device, in the tick)
+    placement: str = "ring"  # stage j on device j mod D ("ring"), or the V's ("v", see the module)
 
     def __post_init__(self):
         check(self)
 
     def __repr__(self) -> str:
         kinds = "".join(self.kinds)
+        v = ", placement='v'" if self.placement == "v" else ""
         return (
             f"Schedule({self.name!r}, slots {kinds}, {self.num_ticks} ticks x {self.num_devices} "
-            f"devices, num_micro={self.num_micro}, repeats={self.repeats})"
+            f"devices, num_micro={self.num_micro}, repeats={self.repeats}{v})"
         )
 
     def __eq__(self, other) -> bool:
         """Equal fields, the tables compared whole."""
         if not isinstance(other, Schedule):
             return NotImplemented
-        same = (self.name, self.kinds, self.num_micro, self.repeats, self.hop) == (
-            other.name, other.kinds, other.num_micro, other.repeats, other.hop
+        same = (self.name, self.kinds, self.num_micro, self.repeats, self.hop, self.placement) == (
+            other.name, other.kinds, other.num_micro, other.repeats, other.hop, other.placement
         )  # fmt: skip
         return same and all(
             np.array_equal(self.micro[k], other.micro[k]) and np.array_equal(self.stage[k], other.stage[k])
@@ -126,6 +136,12 @@ class Schedule:
     def num_stages(self) -> int:
         """``S = repeats * num_devices``: the stages of the model."""
         return self.repeats * self.num_devices
+
+    def device_of(self, stage):
+        """The device of each stage in ``stage`` (an int or an int array): ``stage mod D`` on a
+        ring, the V's ``stage`` or ``2 D - 1 - stage`` (see the module)."""
+        n, j = self.num_devices, np.asarray(stage)
+        return np.where(j < n, j, 2 * n - 1 - j) if self.placement == "v" else j % n
 
     @property
     def fill_ticks(self) -> int:
@@ -229,7 +245,7 @@ class Schedule:
         per_stage = checks.check_bool(per_stage, "per_stage", "Schedule.in_flight")
         stage, _, first, done = self._held()
         cols = self.num_stages if per_stage else self.num_devices
-        col = stage if per_stage else stage % self.num_devices  # stage r n + d lives on device d
+        col = stage if per_stage else self.device_of(stage)
         size = (self.num_ticks + 1) * cols
         diff = np.bincount(first * cols + col, minlength=size) - np.bincount(
             (done + 1) * cols + col, minlength=size
@@ -240,6 +256,37 @@ class Schedule:
         """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
         in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
         return max(1, int(self.in_flight(per_stage=True).max(initial=0)))
+
+    def stash_pool(self) -> tuple[int, dict[str, np.ndarray]]:
+        """``(size, slot)``: one pool of stashed stage inputs per device, shared by its stages
+        (the V tables' stash), and ``slot[kind]``, int32[ticks, n], the pool slot each F slot
+        writes and each B (and W) slot reads (``-1``: idle).
+
+        Each held input takes the lowest slot free at its F tick and gives it back after its
+        last use (interval colouring in the order of first ticks, which needs no more slots than
+        the most inputs a device holds at once, :meth:`in_flight`: ``size`` is that most).
+
+        >>> from pipejax._src.schedules import tables
+        >>> size, slot = tables.v_half(2, 2).stash_pool()
+        >>> size, tables.v_half(2, 2).in_flight().max(axis=0).tolist()
+        (4, [3, 4])
+        """
+        stage, micro, first, last = self._held()
+        device = self.device_of(stage)
+        slot_of = np.empty(len(stage), np.int32)
+        free_at = [[] for _ in range(self.num_devices)]  # per device: the tick each slot frees
+        for k in np.lexsort((stage, first)):
+            pool = free_at[device[k]]
+            s = next((j for j, t in enumerate(pool) if t < first[k]), len(pool))
+            if s == len(pool):
+                pool.append(0)
+            pool[s], slot_of[k] = last[k], s
+        size = max(1, max(len(p) for p in free_at))
+        out = {}
+        for kind in self.kinds:  # `_held`'s input j m + i is stage j's on micro-batch i
+            m, j = self.micro[kind], self.stage[kind]
+            out[kind] = np.where(m >= 0, slot_of[j * self.num_micro + np.maximum(m, 0)], -1).astype(np.int32)
+        return size, out
 
     render, plot = timeline.render_method, timeline.plot_method  # drawn the same for every table
 
@@ -252,13 +299,15 @@ def from_actions(
     repeats: int = 1,
     name: str = "custom",
     hop: int = 1,
+    placement: str = "ring",
 ) -> Schedule:
     """A training table from a list of actions: ``(device, tick, kind, micro, chunk)`` each
     (:class:`Action`, or a tuple in that order; ``chunk`` may be left out for 0), ``kind`` one of
-    "F", "B" and "W". Device ``d``'s chunk ``c`` is stage ``c * num_devices + d``. Idle slots
-    name the device's chunk 0. ``hop``: the ticks a message takes to the next device, 1, or 2
-    for a table run with ``overlap=True`` (sends that overlap compute). The table is checked as
-    every built-in one is (see the module).
+    "F", "B" and "W". Device ``d``'s chunk ``c`` is stage ``c * num_devices + d`` (``placement=
+    "v"``, a V-shaped table with ``repeats=2``: chunk 1 is stage ``2 num_devices - 1 - d``). Idle
+    slots name the device's chunk 0. ``hop``: the ticks a message takes to the next device, 1,
+    or 2 for a table run with ``overlap=True`` (sends that overlap compute). The table is
+    checked as every built-in one is (see the module).
 
     Examples:
       >>> t = from_actions(
@@ -293,8 +342,9 @@ def from_actions(
             )
         seen[cell] = j
         micro[a.kind][a.tick, a.device] = a.micro
-        stage[a.kind][a.tick, a.device] = a.chunk * n + a.device
-    return Schedule(name, micro, stage, m, v, hop)
+        v_up = placement == "v" and a.chunk == 1  # the V's way up: device d holds 2 n - 1 - d
+        stage[a.kind][a.tick, a.device] = 2 * n - 1 - a.device if v_up else a.chunk * n + a.device
+    return Schedule(name, micro, stage, m, v, hop, placement)
 
 
 def _action(a, j: int, n: int, m: int, v: int) -> Action:
@@ -332,14 +382,14 @@ def check(s: Schedule) -> None:
         micro, stage = s.micro[k], s.stage[k]
         bad = (micro < -1) | (micro >= m)
         _refuse_cell(s, k, bad, f"names a micro-batch outside 0 .. {m - 1} (`num_micro={m}`)")
-        held = (stage >= 0) & (stage < s.num_stages) & (stage % n == np.arange(n))
-        _refuse_cell(
-            s,
-            k,
-            ~held,
-            f"names a stage its device does not hold: device d holds the stages d, d + {n}, ... "
-            f"(`repeats={s.repeats}` of them)",
+        inside = (stage >= 0) & (stage < s.num_stages)
+        held = inside & (s.device_of(np.where(inside, stage, 0)) == np.arange(n))
+        rule = (
+            f"the stages d and {2 * n - 1} - d (`placement='v'`)"
+            if s.placement == "v"
+            else f"the stages d, d + {n}, ... (`repeats={s.repeats}` of them)"
         )
+        _refuse_cell(s, k, ~held, f"names a stage its device does not hold: device d holds {rule}")
     ticks = {k: _ticks(s, k) for k in s.kinds}  # coverage: exactly one slot per (stage, micro)
     for before, after in (("F", "B"), ("B", "W")):
         if after in ticks:
@@ -363,6 +413,16 @@ def _check_fields(s: Schedule) -> None:
             f"handing on within the tick), but got {s.hop!r}."
         )
     object.__setattr__(s, "hop", hop)
+    if s.placement not in ("ring", "v"):
+        raise ValueError(
+            f"`placement` must be 'ring' (stage j on device j mod D) or 'v' (the V-shaped tables: "
+            f"device d holds stages d and 2 D - 1 - d), but got {s.placement!r}."
+        )
+    if s.placement == "v" and checks.integer(s.repeats) != 2:
+        raise ValueError(
+            f"A V-shaped table (`placement='v'`) holds two stages per device, so it needs "
+            f"`repeats=2`, but got `repeats={s.repeats!r}`."
+        )
     if not isinstance(s.micro, Mapping) or not isinstance(s.stage, Mapping):
         raise TypeError("`micro` and `stage` must be dicts from slot kind ('F', 'B', 'W') to int tables.")
     kinds = tuple(s.micro)
@@ -413,7 +473,7 @@ def _ticks(s: Schedule, kind: str) -> np.ndarray:
     if (count == 0).any():
         j, i = divmod(int(np.flatnonzero(count == 0)[0]), s.num_micro)
         raise ValueError(
-            f"The {s.name!r} table has no {kind} slot for stage {j} (device {j % s.num_devices}) on "
+            f"The {s.name!r} table has no {kind} slot for stage {j} (device {s.device_of(j)}) on "
             f"micro-batch {i}; every (stage, micro-batch) needs one of each kind the table has "
             f"({', '.join(s.kinds)})."
         )
@@ -449,7 +509,8 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
     S, m, n, hop = s.num_stages, s.num_micro, s.num_devices, s.hop
     if S == 1:
         return
-    back = (np.arange(1, S) % n == 0)[:, None]  # stage j + 1 starts the next chunk on device 0
+    # stage j + 1 starts the next chunk on device 0 (a ring; a V turns on its device)
+    back = ((np.arange(1, S) % n == 0) & (s.placement == "ring"))[:, None]
     for kind, sign in (("F", 1), ("B", -1)):
         if kind not in ticks:
             continue
@@ -465,8 +526,9 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
             late = "a delay line the same for every micro-batch" if not s.trains else "no wait"
             raise ValueError(
                 f"The {s.name!r} table runs the {kind} slot of stage {dst} on micro-batch {i} at "
-                f"tick {read[j, i]} (device {dst % n}), but the message it reads, from the {kind} "
-                f"slot of stage {src} (tick {sent[j, i]}, device {src % n}), arrives at tick {arrive}: "
+                f"tick {read[j, i]} (device {s.device_of(dst)}), but the message it reads, from the "
+                f"{kind} slot of stage {src} (tick {sent[j, i]}, device {s.device_of(src)}), arrives "
+                f"at tick {arrive}: "
                 f"the loop delivers a message {hop} tick{'s' * (hop != 1)} after it is sent and the "
                 f"next slot reads it then ({late} on the loop back to device 0). Run it at tick "
                 f"{arrive}."
@@ -476,8 +538,9 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
 def _check_stashes(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
     """Two micro-batches held at once on a stage use different ring slots (see the module)."""
     stage, micro, first, last = s._held()
-    K = s.stash_slots()
-    _refuse_overlap(s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)")
+    if s.placement == "ring":  # (a V's pool gives every held input a free slot: `stash_pool`)
+        K = s.stash_slots()
+        _refuse_overlap(s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)")
     if "W" in ticks:
         b = ticks["B"]
         _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")

@@ -194,7 +194,60 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 # ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
 # with a deeper stash.)
 
-TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b")
+TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+
+
+def v_half(num_devices: int, num_micro: int) -> Schedule:
+    """The V-shaped 1F1B table: ``2 n`` stages on ``n`` devices, device ``d`` holding stage ``d``
+    (the way down) and stage ``2 n - 1 - d`` (the way up), so the first and the last stage sit on
+    device 0 and the V turns on device ``n - 1`` without a send (``placement="v"``).
+
+    Micro-batch ``i`` enters stage 0 at tick ``2 i`` and every stage runs its F one tick after
+    the previous stage's (stage ``j`` at tick ``2 i + j``), and its B one tick after the next
+    stage's B, the last stage's B right after its F (stage ``j`` at ``2 i + 4 n - 2 - j``). A
+    device's way-down and way-up slots fall on ticks of opposite parity, so no two collide
+    while every message is read the tick it arrives, and a device runs one F and one B per
+    tick in the steady state: ``2 m + 4 n - 3`` ticks. A stage is half of a 1F1B stage, so with
+    F and B slots of ``f / 2`` and ``b / 2`` the step is 1F1B's, ``(m + n - 1)(f + b)``, and so
+    is the bubble (:func:`v_half_bubble_fraction`). What it saves is memory: a device holds at
+    most ``2 n`` stage inputs, half a 1F1B stage each, in one pool shared by its two stages
+    (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`), where 1F1B holds ``2 (n - d) -
+    1`` whole ones on device ``d`` (``2 n - 1`` on device 0). It is the V-Half schedule of Qi et
+    al. ("Pipeline Parallelism with Controllable Memory", 2024) in the loop's lockstep ticks.
+
+    Examples:
+      >>> s = v_half(2, 2)
+      >>> print(s.render())  # doctest: +NORMALIZE_WHITESPACE
+      device 0 | F0s0 .    | .    .    | F1s0 .    | F0s3 B0s3 | .    .    | F1s3 B1s3 | .    B0s0 | .    .    | .    B1s0 |
+      device 1 | .    .    | F0s1 .    | F0s2 .    | F1s1 .    | F1s2 B0s2 | .    B0s1 | .    B1s2 | .    B1s1 | .    .    |
+      >>> s.in_flight().max(axis=0).tolist(), s.stash_pool()[0]
+      ([3, 4], 4)
+    """
+    n, m = _counts(num_devices=num_devices, num_micro=num_micro)
+    S, ticks = 2 * n, 2 * m + 4 * n - 3
+    j = np.arange(S)
+    device = np.where(j < n, j, S - 1 - j)
+    micro = {k: np.full((ticks, n), -1, np.int32) for k in ("F", "B")}
+    stage = {k: np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy() for k in ("F", "B")}
+    for i in range(m):
+        for kind, t in (("F", 2 * i + j), ("B", 2 * i + 2 * S - 2 - j)):
+            micro[kind][t, device] = i
+            stage[kind][t, device] = j
+    return Schedule("v-half", micro, stage, m, repeats=2, placement="v")
+
+
+def v_half_bubble_fraction(num_devices: int, num_micro: int) -> float:
+    """:func:`v_half`'s lockstep bubble, ``(n - 1) / (m + n - 1)`` for any F and B costs (the
+    same for every stage): 1F1B's and GPipe's. Each device idles ``2 n - 2`` F slots in the
+    fill and as many B slots in the drain, of ``2 (m + n - 1)`` of each, and the ``2 m + 4 n -
+    3`` ticks cost ``(m + n - 1)(f + b)`` with F and B slots of ``f / 2`` and ``b / 2``.
+
+    Examples:
+      >>> round(v_half_bubble_fraction(4, 8), 4), round(v_half(4, 8).bubble_fraction(1.0, 2.0), 4)
+      (0.2727, 0.2727)
+    """
+    n, m = _counts(num_devices=num_devices, num_micro=num_micro)
+    return (n - 1) / (m + n - 1)
 
 
 TrainingSchedule = Schedule  # the one table type; the name of the training tables' type before it
@@ -286,7 +339,12 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         kinds = ", ".join(repr(k) for k in TRAINING_KINDS)
         raise ValueError(f"`name` must be one of {kinds}, but got {name!r}.")
     num_stages, num_micro, repeats = _counts(num_stages=num_stages, num_micro=num_micro, repeats=repeats)
-    if name != "interleaved-1f1b" and repeats != 1:
+    if name == "v-half" and (repeats != 2 or hop != 1):
+        raise ValueError(
+            f"'v-half' holds two stages per device and reads every message the tick it arrives, so "
+            f"it needs `repeats=2` and `hop=1`, but got `repeats={repeats}` and `hop={hop}`."
+        )
+    if name not in ("interleaved-1f1b", "v-half") and repeats != 1:
         raise ValueError(
             f"`repeats={repeats}` needs `name='interleaved-1f1b'`; {name!r} runs one stage per device."
         )
@@ -298,6 +356,8 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         )
     if name == "interleaved-1f1b":
         return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats, hop=hop)
+    if name == "v-half":
+        return v_half(num_stages // 2, num_micro)
     return _training_table(name, num_stages, num_micro, hop)
 
 

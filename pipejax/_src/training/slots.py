@@ -102,7 +102,10 @@ class _MeshSlots(_Slots):
     def __init__(self, grad, table, stages, variants, index, axes):
         self.grad, self.stages, self.variants, self.axes = grad, stages, variants, axes
         self.n, self.repeats = table.num_devices, table.repeats  # stage s is row s // n of a device
-        self.K = table.stash_slots()  # what F keeps, per stage the device holds
+        # what F keeps: K slots per stage the device holds, or one pool of K for both stages of a
+        # V, each input's slot given by the table (`Schedule.stash_pool`)
+        self.pool = table.placement == "v"
+        self.K = table.stash_pool()[0] if self.pool else table.stash_slots()
         self.zb = table.weight is not None
         self.variant_of = jnp.asarray(index, jnp.int32)
         self.saved_layouts, self.sbox = None, None  # laid out on the device (`on_device`)
@@ -201,7 +204,7 @@ class _MeshSlots(_Slots):
         """The B and W slots' state at the first tick (:class:`_Back`)."""
         return _Back(
             self.msg_zeros(),
-            self.s_zeros((self.repeats * self.K,)),
+            self.s_zeros(((1 if self.pool else self.repeats) * self.K,)),
             self.msg_zeros(lead=(self.n,)) if self.zb else None,
             _zeros_like(self.prows),
             self.loss0,
@@ -222,8 +225,12 @@ class _MeshSlots(_Slots):
         f, fs = engine.at(row, d, n)
         b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
         _, _, dloss, saved, c0 = out
-        stash = engine.put(dev.stash, saved, (fs // n) * K + f % K, f >= 0)
-        xb = engine.take(stash, (bs // n) * K + b % K)
+        if self.pool:  # the V's pool: the table gives each stage input its slot
+            fk, bk = (engine.at_device(a, d) for a in engine.v_row(row, n)[2:])
+        else:  # a ring of K slots per stage
+            fk, bk = (fs // n) * K + f % K, (bs // n) * K + b % K
+        stash = engine.put(dev.stash, saved, fk, f >= 0)
+        xb = engine.take(stash, bk)
 
         def b_branch(v):
             def run(rows_p, xb, g, b, grow):
@@ -301,6 +308,7 @@ def on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs)
         cfg._replace(data_axis_name=data), pipe.mesh, v_rep, pipe.data_size, param_specs
     )
     ctx = engine._Ctx(S, n, v_rep, m, stages, stage_major=True)
+    turn = _v_turn(axis, n) if table.placement == "v" else lambda rows: rows
 
     def body(d, prows, xs, mask, ts, key, cs, state, aux_scale):
         # the device's block of the stacked stages, (1, ...) or (v, 1, ...): a slot picks row
@@ -308,13 +316,14 @@ def on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs)
         # XLA copied the parameters), and the gradients accumulate in blocks of that type.
         # Everything a slot reads varies along the manual axes (see `_MeshSlots.dispatch`).
         offset = 0 if data is None else lax.axis_index(data) * m
+        prows = turn(prows)  # a V: device d's row 1 is stage 2 n - 1 - d
         slots = outer.on_device(grad.on_shard(ts, mask, key, cs, state, aux_scale, offset), prows)
         inputs = engine.Inputs(prows, None, xs, None, key)
         carry, _ = devices.loop(ctx, table, ckpt.training_phases(table), d, inputs, slots)
         dev = carry.back
         # each (stage, micro-batch) written by one device: a sum of exact zeros merges them
         stats = engine.sum_exact(carry.stats, axis)
-        loss, grads, counts = engine.sum_exact(dev.loss, axis), dev.grad, dev.counts
+        loss, grads, counts = engine.sum_exact(dev.loss, axis), turn(dev.grad), dev.counts
         if data is None:
             return loss, grads, counts[None], stats
         # every data shard ran its own micro-batches: sum their losses and gradients
@@ -340,6 +349,24 @@ def on_mesh(grad: StageGrad, table, bnd, xs, runner, stats_layouts, param_specs)
     # per stage, as the forward call returns them
     stats = stages.stage_rows(stats) if records(pipe) else None
     return loss, grads, counts, stats
+
+
+def _v_turn(axis, n: int):
+    """A V table's parameter rows from the placed ones, and its gradients back: the parameters
+    are placed as the circular schedule's (device ``d``'s row 1 is stage ``n + d``), a V runs
+    stage ``2 n - 1 - d`` there, so row 1 goes to device ``n - 1 - d`` (one ``ppermute`` of
+    half the parameters at the start of the step, and of their gradients at its end; the same
+    move is its own inverse)."""
+    mirror = [(d, n - 1 - d) for d in range(n) if d != n - 1 - d]
+
+    def turn(rows):
+        def one(a):
+            up = lax.ppermute(a[1:], axis, mirror) if mirror else a[1:]
+            return jnp.concatenate([a[:1], up])
+
+        return jax.tree.map(one, rows)
+
+    return turn
 
 
 # --- without a mesh: one device, the micro-batches one after the other ---------------------------
