@@ -10,7 +10,7 @@ compares the loss and gradients with a reference that does not pipeline the back
   the composition in ``test_pipeline_contract.py``.
 
 Schedules: ``gpipe``, ``circular`` (2 stages per device), ``1f1b``, ``zb-h1``,
-``interleaved-1f1b`` (2 stages per device). Features: ``mesh=None`` and a mesh; a data axis;
+``interleaved-1f1b`` and ``v-half`` (2 stages per device). Features: ``mesh=None`` and a mesh; a data axis;
 ``context=`` side inputs; per-example keys; heterogeneous and homogeneous stages; a token-weighted
 loss normalised by the batch's total weight (the loss contract); a ``jax.checkpoint`` policy.
 The cells on a mesh run inside ``jax.set_mesh`` (eagerly and under ``jax.jit``), the context the
@@ -42,9 +42,10 @@ import pipejax as pj
 from tests import models
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
-REPEATS = {"circular": 2, "interleaved-1f1b": 2}
-GPIPE_OF = {"circular": "circular", "interleaved-1f1b": "circular"}
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+TRAINING = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+REPEATS = {"circular": 2, "interleaved-1f1b": 2, "v-half": 2}
+GPIPE_OF = {"circular": "circular", "interleaved-1f1b": "circular", "v-half": "circular"}
 S, BATCH, CHUNKS, W = 4, 8, 4, 3  # 4 stages, micro-batches of 2
 
 
@@ -175,7 +176,7 @@ def test_grid(name, feature, kind):
 @functools.cache
 def grid_reference(kind, feature, num_stages):
     """``jax.value_and_grad`` of the composed model's loss for a cell of `test_grid`; it depends
-    on the cell's stages and feature, not its schedule, so it is computed once for the 5."""
+    on the cell's stages and feature, not its schedule, so it is computed once for the 6."""
     _, _, params, x = model(kind)
     _, _, t, tokens, context = inputs()
     if num_stages == 2:
@@ -205,7 +206,7 @@ def test_a_policy_that_saves_everything_on_a_mesh(kind):
     stages, kw, params, x = model(kind)
     _, _, t, _, _ = inputs()
     want = grid_reference(kind, "no-mesh", S)
-    for name in ("1f1b", "zb-h1", "interleaved-1f1b"):
+    for name in TRAINING:
         chunks = CHUNKS if name == "interleaved-1f1b" else 3  # interleaved: a multiple of 2 devices
         pipe = pj.pipeline(
             stages,
@@ -252,7 +253,7 @@ def composed_two(kind, params, x):
 # --- the API cannot mislead --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", TRAINING)
 def test_differentiating_a_training_schedules_forward_is_refused(name):
     stages, kw, params, h = model("homogeneous")
     pipe = pj.pipeline(stages, schedule=name, repeats=REPEATS.get(name, 1), chunks=CHUNKS, **kw)
@@ -265,7 +266,7 @@ def test_differentiating_a_training_schedules_forward_is_refused(name):
         jax.jvp(lambda p: pipe(p, h), (params,), (params,))
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", TRAINING)
 def test_except_last_is_refused_and_the_default_is_always(name):
     repeats = REPEATS.get(name, 1)
     with pytest.raises(ValueError, match=r"`checkpoint='except_last'`.*runs no drain phase.*dots_saveable"):
@@ -296,7 +297,7 @@ def test_never_with_weakly_typed_scalar_parameters():
     x, t = jnp.linspace(-1.0, 1.0, BATCH), jnp.linspace(0.0, 1.0, BATCH)
     sq = lambda y, t: (y - t) ** 2
     want = pj.pipeline([affine] * S, chunks=CHUNKS).value_and_grad(sq)(params, x, t)
-    for name in ("1f1b", "zb-h1"):
+    for name in ("1f1b", "zb-h1", "v-half"):
         got = pj.pipeline([affine] * S, chunks=CHUNKS, schedule=name, checkpoint="never")
         models.assert_trees_close(got.value_and_grad(sq)(params, x, t), want, **TOL)
 
