@@ -16,6 +16,9 @@ Sections (markdown tables):
    ``sharded``: the same with ``param_specs`` (tensor-parallel stages on a (stage, model) mesh).
    ``local``: the same without a mesh, with compile times (the training schedules are gradient
    accumulation on one device).
+   ``v_shape``: V-Half (2 stages per device in a V) against 1F1B and interleaved 1F1B on the
+   same model (each device's share of 4 layers cut into 1 or 2 stages), activations larger
+   than parameters: temp bytes per device against ``m`` and their ratio to 1F1B's.
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
@@ -123,6 +126,54 @@ def memory(quick: bool) -> None:
     )
 
 
+V_WIDTH, V_MICRO, V_LAYERS = 64, 512, 4  # activations (128 KiB) well above a layer's parameters
+
+
+def v_stage(layers):
+    def stage(p, x, key):
+        for j in range(layers):
+            x = jnp.tanh(x @ p["w"][j] + p["b"][j])
+        return x
+
+    return stage
+
+
+def v_shape(quick: bool) -> None:
+    """V-Half against 1F1B and interleaved 1F1B on one model: each device's share is ``V_LAYERS``
+    layers, one stage of them (1F1B) or two of half of them (interleaved, V-Half)."""
+    section("V-Half against 1F1B on the same model: temp bytes per device against m")
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    ms = (8,) if quick else (8, 16, 32)
+    got, rows = {}, []
+    for ckpt in ("always", "never"):
+        for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
+            S, per = N * v, V_LAYERS // v
+            row = [f"{name} {ckpt}"]
+            for m in ms:
+                pipe = pj.pipeline(
+                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt
+                )
+                params = {
+                    "w": normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5),
+                    "b": normal((S, per, V_WIDTH), 1, 0.1),
+                }
+                x, t = normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3)
+                got[(name, ckpt, m)] = temp_bytes(pipe.value_and_grad(sq), params, x, t)
+                row.append(kib(got[(name, ckpt, m)]))
+            row += [f"{got[(name, ckpt, m)] / got[('1f1b', ckpt, m)]:.3f}" for m in ms]
+            row.append(f"{got[(name, ckpt, ms[-1])] / got[(name, ckpt, 8)]:.2f}x")
+            rows.append(row)
+    print(
+        f"{N} devices, each holding {V_LAYERS} tanh dense layers ({V_WIDTH} wide, float32) as one "
+        f"stage (1f1b) or two (interleaved v=2, v-half); micro-batches of {V_MICRO} rows (one "
+        f"activation: {kib(V_MICRO * V_WIDTH * 4)} KiB). KiB per device; '/ 1f1b': against 1F1B with "
+        "the same checkpoint mode."
+    )
+    print()
+    heads = ["schedule", *(f"m={m}" for m in ms), *(f"/ 1f1b m={m}" for m in ms), f"m={ms[-1]} / m=8"]
+    print(table(heads, rows, align="l" + "r" * (2 * len(ms) + 1)))
+
+
 def local(quick: bool) -> None:
     """The same steps without a mesh: one device, where the training schedules are gradient
     accumulation (F and B of micro-batch ``i`` before ``i + 1``) and GPipe is
@@ -197,7 +248,7 @@ def sharded_memory(quick: bool) -> None:
 def slots(quick: bool) -> None:
     section("Slots: executed F/B/W per device (counted in the program) against the table")
     rows = []
-    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
         for m in (4, 8) if quick else (4, 8, 16):
             pipe, _, args = setup(m, name, repeats=v)
             counts = train.slot_counts(pipe, sq, *args)
@@ -207,9 +258,13 @@ def slots(quick: bool) -> None:
             f, b, w = 1.0, 1.0, 1.0  # equal costs: ZB's B and W are each half of 1F1B's B
             if name == "zb-h1":
                 bubble, theory = table_.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(N, m, f, b, w)
-            else:  # a stage of the interleaved schedule is 1/v of a device's share
+            else:  # a stage of the interleaved schedule (and of the V) is 1/v of a device's share
                 bubble = table_.bubble_fraction(f / v, (b + w) / v)
-                theory = sched.circular_bubble_fraction(N, m, v)
+                theory = (
+                    sched.v_half_bubble_fraction(N, m)
+                    if name == "v-half"
+                    else sched.circular_bubble_fraction(N, m, v)
+                )
             rows.append(
                 [
                     name if v == 1 else f"{name} v={v}",
@@ -217,7 +272,7 @@ def slots(quick: bool) -> None:
                     " ".join("/".join(str(int(c)) for c in row) for row in counts),
                     bool((counts == expect).all()),
                     table_.num_ticks,
-                    table_.stash_slots(),
+                    table_.stash_pool()[0] if table_.placement == "v" else table_.stash_slots(),
                     f"{bubble:.4f}",
                     f"{theory:.4f}",
                 ]
@@ -226,7 +281,8 @@ def slots(quick: bool) -> None:
         "F/B/W per device 0..3; bubble: the table's lockstep idle fraction with costs F = 1, "
         "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
         "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
-        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1. stash: slots per stage held."
+        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1, (n-1)/(m+n-1) for v-half. stash: slots per stage held (v-half: one pool "
+        "per device for both its stages)."
     )
     print()
     print(
@@ -310,6 +366,7 @@ def predicted(quick: bool) -> None:
 SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
+    "v_shape": v_shape,
     "local": local,
     "slots": slots,
     "compile": compile_time,
@@ -322,7 +379,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run with small sizes")
     ap.add_argument("--section", choices=sorted(SECTIONS), action="append")
     args = ap.parse_args(argv)
-    header("Training schedules (1f1b, zb-h1) against GPipe", args.quick)
+    header("Training schedules (1f1b, zb-h1, interleaved-1f1b, v-half) against GPipe", args.quick)
     for name in args.section or list(SECTIONS):
         SECTIONS[name](args.quick)
 

@@ -51,6 +51,8 @@ from pipejax._src.schedules.tables import gpipe_bubble_fraction as gpipe_bubble_
 from pipejax._src.schedules.tables import interleaved_one_f_one_b as interleaved_one_f_one_b_schedule
 from pipejax._src.schedules.tables import one_f_one_b as one_f_one_b_schedule
 from pipejax._src.schedules.tables import sequential as sequential_schedule
+from pipejax._src.schedules.tables import v_half as v_half_schedule
+from pipejax._src.schedules.tables import v_half_bubble_fraction as v_half_bubble_fraction
 from pipejax._src.schedules.tables import zb_h1 as zb_h1_schedule
 from pipejax._src.schedules.tables import zb_h1_bubble_fraction as zb_h1_bubble_fraction
 from pipejax._src.schedules.timeline import inputs_held as timeline_inputs_held
@@ -110,6 +112,8 @@ __all__ = [
     "stage_key",
     "timeline_inputs_held",
     "to_layers",
+    "v_half_bubble_fraction",
+    "v_half_schedule",
     "weighted_mean",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",

@@ -11,7 +11,7 @@ import pytest
 import pipejax as pj
 
 S, D = 4, 3  # stages, features
-SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)]
 CHUNKS = 4  # batch 10 -> micro-batches of 3, 3, 3, 1 (+ 2 padding rows); batch 12 -> 4 of 3
 MICRO = 3
 
@@ -364,7 +364,7 @@ def test_weights_from_outputs_with_aux_loss_refused(schedule, repeats):
     close(loss, gpipe_loss)
 
 
-@pytest.mark.parametrize("schedule", ["circular", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["circular", "interleaved-1f1b", "v-half"])
 def test_data_axis(schedule):
     """With a data axis each data shard records its own micro-batches: the same aux and grads."""
     mesh = jax.make_mesh((2, 2), ("data", "stage"))

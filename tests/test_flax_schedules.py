@@ -52,7 +52,8 @@ def data():
 
 
 # (mesh devices or None, schedule, pipeline options): each training schedule with and without a
-# mesh across the two adapters; interleaved on a mesh runs 4 stages on 2 devices (repeats=2)
+# mesh across the two adapters; interleaved on a mesh runs 4 stages on 2 devices (repeats=2), and
+# so does V-Half (two stages per device in a V)
 CASES = {
     "1f1b-mesh": (2, {"schedule": "1f1b", "balance": [2, 2]}),
     "zb-h1-none": (None, {"schedule": "zb-h1", "balance": [1, 2, 1]}),
@@ -61,6 +62,7 @@ CASES = {
     "zb-h1-mesh": (2, {"schedule": "zb-h1", "balance": [2, 2], "checkpoint": "never"}),
     "interleaved-none": (None, {"schedule": "interleaved-1f1b", "balance": [1, 1, 1, 1]}),
     "gpipe-none": (None, {"schedule": "gpipe", "balance": [1, 2, 1], "checkpoint": "never"}),
+    "v-half-mesh": (2, {"schedule": "v-half", "balance": [1, 1, 1, 1]}),
 }
 
 
@@ -95,7 +97,7 @@ def linen_layers():
     return [nn.Dense(6, param_dtype=F), Block(), Block(), nn.Dense(2, param_dtype=F)]
 
 
-@pytest.mark.parametrize("case", ["1f1b-mesh", "zb-h1-none", "interleaved-mesh", "gpipe-none"])
+@pytest.mark.parametrize("case", ["1f1b-mesh", "zb-h1-none", "interleaved-mesh", "gpipe-none", "v-half-mesh"])
 def test_linen_schedules_match_gpipe_forward(case):
     opts = options(case)
     x, t = data()
@@ -197,7 +199,7 @@ def nnx_layers(seed=0):
     ]
 
 
-@pytest.mark.parametrize("case", ["1f1b-none", "zb-h1-mesh", "interleaved-none"])
+@pytest.mark.parametrize("case", ["1f1b-none", "zb-h1-mesh", "interleaved-none", "v-half-mesh"])
 def test_nnx_schedules_match_gpipe_forward(case):
     opts = options(case)
     x, t = data()

@@ -112,6 +112,47 @@ def test_stash_is_flat_in_m():
     assert {sched.one_f_one_b(4, m).stash_slots() for m in (7, 8, 64, 512)} == {7}
 
 
+@pytest.mark.parametrize(("n", "m"), [(1, 3), (2, 1), (2, 2), (2, 5), (3, 7), (4, 3), (4, 8), (4, 32)])
+def test_v_half_table_is_valid(n, m):
+    """The V: device d holds stages d and 2 n - 1 - d; every activation (and cotangent) is read
+    the tick after it was made, the turn (stage n - 1 to n) on device n - 1 itself; the last
+    stage, on device 0, runs B right after F; the bubble and step are 1F1B's with stages of half
+    the cost; a device holds at most 2 n stage inputs (half a 1F1B stage each), flat in m."""
+    s = sched.v_half(n, m)
+    S = 2 * n
+    assert (s.placement, s.repeats, s.num_stages) == ("v", 2, S)
+    fs, bs = s.stages("F"), s.stages("B")
+    F, B = {}, {}
+    for ticks, table, stages in ((F, s.forward, fs), (B, s.backward, bs)):
+        for t, d in itertools.product(range(s.num_ticks), range(n)):
+            if table[t, d] >= 0:
+                j = int(stages[t, d])
+                assert d == (j if j < n else S - 1 - j), f"stage {j} on device {d}"
+                assert (j, int(table[t, d])) not in ticks
+                ticks[(j, int(table[t, d]))] = t
+    every = {(j, i) for j in range(S) for i in range(m)}
+    assert set(F) == set(B) == every
+    for j, i in every:
+        if j + 1 < S:
+            assert F[(j + 1, i)] == F[(j, i)] + 1 and B[(j, i)] == B[(j + 1, i)] + 1
+    assert all(B[(S - 1, i)] == F[(S - 1, i)] for i in range(m))
+    assert s.slots()["F"].tolist() == s.slots()["B"].tolist() == [2 * m] * n
+    np.testing.assert_allclose(s.bubble_fraction(1.0, 2.0), pj.v_half_bubble_fraction(n, m))
+    np.testing.assert_allclose(s.bubble_fraction(1.0, 2.0), sched.gpipe_bubble_fraction(n, m))
+    one = sched.one_f_one_b(n, m)
+    assert s.step_time(0.5, 1.0) == pytest.approx(one.step_time(1.0, 2.0))
+    size, slot = s.stash_pool()
+    assert size == s.in_flight().max() <= 2 * n
+    if m >= n:
+        assert size == 2 * n
+    for kind, table in (("F", s.forward), ("B", s.backward)):  # every slot has its pool slot
+        assert ((slot[kind] >= 0) == (table >= 0)).all() and slot[kind].max() < size
+
+
+def test_v_half_stash_is_flat_in_m():
+    assert {sched.v_half(4, m).stash_pool()[0] for m in (8, 16, 32, 256)} == {8}
+
+
 # --- the table helpers against naive references --------------------------------------------------
 #
 # The helpers are linear in the table's size; these references are the first, direct versions
@@ -368,12 +409,17 @@ def _composed_hessian(repeats, batch):
 
 @pytest.mark.parametrize(
     ("name", "placement", "checkpoint"),
-    [("1f1b", "explicit", "always"), ("zb-h1", "none", "never"), ("interleaved-1f1b", "explicit", "never")],
+    [
+        ("1f1b", "explicit", "always"),
+        ("zb-h1", "none", "never"),
+        ("interleaved-1f1b", "explicit", "never"),
+        ("v-half", "explicit", "always"),
+    ],
 )
 def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
     """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
     stages, params, v = STAGES, models.token_params(), 1
-    if name == "interleaved-1f1b":  # 4 stages on 2 devices
+    if name in ("interleaved-1f1b", "v-half"):  # 4 stages on 2 devices
         stages, params, v = STAGES4, _params4(), 2
     batch, chunks = (8, 4) if v == 2 else (5, 3)  # interleaved: 4 micro-batches, a multiple of 2
     x, labels = models.token_inputs(batch), _labels(batch)
@@ -565,7 +611,7 @@ def test_pipeline_schedule_is_the_table_the_schedule_runs():
     """`Pipeline.schedule(batch)` gives a training schedule's own table (what value_and_grad
     runs), and the forward call's table with `training=False`; GPipe has no training table."""
     f = lambda p, x: x * p
-    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
         apply = pj.pipeline([f] * 4, chunks=4, schedule=name, repeats=repeats)
         table = apply.schedule(8)
         assert table.trains and table.name == name

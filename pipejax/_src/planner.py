@@ -136,7 +136,7 @@ def plan_pipeline(
     the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Every tick
     of the SPMD loop also sends, bubble or not, its table's
     :attr:`~pipejax.Schedule.sends_per_tick` messages (one for a forward table, two for a
-    training table), one after the other, each the largest
+    training table, four for V-Half's, which sends each both ways), one after the other, each the largest
     activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
     ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
@@ -161,7 +161,7 @@ def plan_pipeline(
         ``pj.partition(layers, balance, stateful=True)``'s stages (state grouped as parameters).
         Its costs are the layers' on ``x`` with every row real; ``memory="compiled"`` only.
       schedules: the schedules to sweep, among ``"gpipe"``, ``"circular"``, ``"1f1b"``,
-        ``"zb-h1"`` and ``"interleaved-1f1b"``; default all of them (``memory="estimate"``:
+        ``"zb-h1"``, ``"interleaved-1f1b"`` and ``"v-half"``; default all of them (``memory="estimate"``:
         the first four, those :func:`pipejax.memory_estimate` covers).
       chunks: the ``chunks`` to sweep; default the powers of two up to the batch (at most 64).
       checkpoints: the modes to sweep, among ``"always"``, ``"never"`` and ``"except_last"``.
@@ -269,7 +269,7 @@ def plan_pipeline(
     sweep = []
     for name in schedules:
         kind = KINDS[name]
-        v = repeats if kind.takes_repeats else 1
+        v = repeats if kind.takes_repeats else kind.resolve_repeats(1)  # a V: 2
         S = n * v
         if S > len(layers):
             continue
@@ -283,6 +283,7 @@ def plan_pipeline(
         for c, mode, overlap in itertools.product(chunks, checkpoints, overlaps):
             try:
                 kind.check_checkpoint(mode)  # "except_last": the forward schedules' drain only
+                kind.check_overlap(overlap)  # a V reads every message the tick it arrives
             except ValueError:
                 continue
             micro = microbatch.plan(batch, c)

@@ -159,8 +159,10 @@ class Schedule:
     def sends_per_tick(self) -> int:
         """The messages (``ppermute`` s) the loop sends on every tick, bubble or not: one for a
         forward table (activations on; autodiff's reversed ticks send the cotangents back), two
-        for a training table (activations on, cotangents back), none on one device."""
-        return 0 if self.num_devices == 1 else 2 if self.trains else 1
+        for a training table (activations on, cotangents back), twice as many for a V (each
+        sent both ways, down and up the V), none on one device."""
+        sends = 0 if self.num_devices == 1 else 2 if self.trains else 1
+        return 2 * sends if self.placement == "v" else sends
 
     def stages(self, kind: str = "F") -> np.ndarray:
         """int32[ticks, num_devices]: the stage of each ``kind`` slot."""

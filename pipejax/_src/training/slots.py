@@ -357,11 +357,11 @@ def _v_turn(axis, n: int):
     stage ``2 n - 1 - d`` there, so row 1 goes to device ``n - 1 - d`` (one ``ppermute`` of
     half the parameters at the start of the step, and of their gradients at its end; the same
     move is its own inverse)."""
-    mirror = [(d, n - 1 - d) for d in range(n) if d != n - 1 - d]
+    mirror = [(d, n - 1 - d) for d in range(n)]  # (the middle device of an odd n keeps its row)
 
     def turn(rows):
         def one(a):
-            up = lax.ppermute(a[1:], axis, mirror) if mirror else a[1:]
+            up = lax.ppermute(a[1:], axis, mirror) if n > 1 else a[1:]
             return jnp.concatenate([a[:1], up])
 
         return jax.tree.map(one, rows)
