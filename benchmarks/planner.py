@@ -39,7 +39,7 @@ import pipejax as pj  # noqa: E402
 from benchmarks._common import header, section  # noqa: E402
 
 CHUNKS = (2, 8)
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
 MODES = ("always", "never")  # (the planner's mode sweep covers except_last too)
 HEADROOM = 1.25
 
@@ -116,7 +116,7 @@ def main() -> None:
             chunks=CHUNKS, checkpoints=MODES, headroom=HEADROOM, layer_state=state[0] if state else None
         )
         if args.quick:
-            options.update(memory="estimate", schedules=SCHEDULES[:-1], checkpoints=("always",))
+            options.update(memory="estimate", schedules=SCHEDULES[:4], checkpoints=("always",))
         else:
             options.update(schedules=SCHEDULES)
         loose = pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e9, **options)

@@ -281,8 +281,8 @@ def slots(quick: bool) -> None:
         "F/B/W per device 0..3; bubble: the table's lockstep idle fraction with costs F = 1, "
         "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
         "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
-        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1, (n-1)/(m+n-1) for v-half. stash: slots per stage held (v-half: one pool "
-        "per device for both its stages)."
+        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1, (n-1)/(m+n-1) for v-half. stash: slots per "
+        "stage held (v-half: one pool per device for both its stages)."
     )
     print()
     print(

@@ -42,7 +42,14 @@ def run_quick(script: str, *args: str) -> str:
         ("invertible.py", ("Memory and time against depth", "constant / linear time", "drift")),
         (
             "schedules.py",
-            ("Memory: compiled temp bytes", "V-Half against 1F1B", "Without a mesh", "Slots:", "Compile time", "Predicted"),
+            (
+                "Memory: compiled temp bytes",
+                "V-Half against 1F1B",
+                "Without a mesh",
+                "Slots:",
+                "Compile time",
+                "Predicted",
+            ),
         ),
         (
             "maxtext_style.py",

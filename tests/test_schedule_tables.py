@@ -42,6 +42,34 @@ def test_actions_rebuild_every_training_table(t):
         np.testing.assert_array_equal(u.stage[k], t.stage[k])
 
 
+@pytest.mark.parametrize(("n", "m"), [(1, 2), (2, 3), (4, 8)])
+def test_actions_rebuild_the_v_table(n, m):
+    t = pj.v_half_schedule(n, m)
+    u = pj.schedule_from_actions(_actions(t), num_devices=n, num_micro=m, repeats=2, placement="v")
+    assert u.placement == "v" and u.stash_pool()[0] == t.stash_pool()[0]
+    for k in t.kinds:
+        np.testing.assert_array_equal(u.micro[k], t.micro[k])
+        np.testing.assert_array_equal(u.stage[k], t.stage[k])
+
+
+def test_v_tables_are_checked_by_the_same_rules():
+    t = pj.v_half_schedule(2, 3)
+    with pytest.raises(
+        ValueError, match=r"names a stage its device does not hold: device d holds the stages d and 3 - d"
+    ):
+        t.replace(stage={k: (t.stage[k] + 2) % 4 for k in t.kinds})
+    with pytest.raises(ValueError, match=r"needs `repeats=2` and `hop=1`, but got `repeats=2` and `hop=2`"):
+        t.replace(hop=2)
+    with pytest.raises(ValueError, match=r"`placement` must be 'ring' .* or 'v'"):
+        t.replace(placement="u")
+    with pytest.raises(
+        ValueError, match=r"names a stage its device does not hold: device d holds the stages d, d \+ 2"
+    ):
+        t.replace(placement="ring")  # the V's stages 2 and 3 are on devices 1 and 0
+    with pytest.raises(ValueError, match=r"needs `repeats=2`.*but got `repeats=1`"):
+        pj.schedule_from_actions([(0, 0, "F", 0), (0, 0, "B", 0)], num_devices=1, num_micro=1, placement="v")
+
+
 def test_one_type_for_forward_and_training_tables():
     g, o = pj.gpipe_schedule(3, 4), pj.one_f_one_b_schedule(3, 4)
     assert type(g) is type(o) is pj.Schedule is pj.TrainingSchedule
@@ -215,6 +243,39 @@ def test_a_user_table_equal_to_1f1b_gives_1f1b_program():
     (text, got), (text_user, got_user) = runs["1f1b"], runs["user_1f1b"]
     assert text == text_user
     jax.tree.map(np.testing.assert_array_equal, got, got_user)
+
+
+def user_v(num_devices, num_micro):
+    """V-Half written as a list of actions: chunk 1 of device d is stage 2 n - 1 - d."""
+    t = pj.v_half_schedule(num_devices, num_micro)
+    return pj.schedule_from_actions(
+        _actions(t), num_devices=num_devices, num_micro=num_micro, repeats=2, name="user-v", placement="v"
+    )
+
+
+def test_a_user_v_table_gives_v_half_program():
+    mesh = jax.make_mesh((2,), ("stage",))
+    params, x, t = _problem(4)
+    runs = {}
+    for schedule, repeats in (("v-half", 1), (user_v, 2)):  # v-half: 2 stages per device anyway
+        pipe = pj.pipeline([_stage] * 4, chunks=4, mesh=mesh, schedule=schedule, repeats=repeats)
+        step = jax.jit(pipe.value_and_grad(_loss))
+        runs[pipe.schedule_name] = (step.lower(params, x, t).as_text(), step(params, x, t))
+    (text, got), (text_user, got_user) = runs["v-half"], runs["user_v"]
+    assert text == text_user
+    jax.tree.map(np.testing.assert_array_equal, got, got_user)
+
+
+def test_v_half_refuses_what_it_cannot_run():
+    mesh = jax.make_mesh((2,), ("stage",))
+    with pytest.raises(ValueError, match=r"`overlap=True` is not available for `schedule='v-half'`"):
+        pj.pipeline([_stage] * 4, mesh=mesh, schedule="v-half", overlap=True)
+    with pytest.raises(ValueError, match=r"so `repeats` is 2, but got `repeats=3`"):
+        pj.pipeline([_stage] * 6, schedule="v-half", repeats=3)
+    with pytest.raises(ValueError, match=r"The 'v-half' schedule with `repeats=2` needs a number of stages"):
+        pj.pipeline([_stage] * 3, schedule="v-half")
+    with pytest.raises(ValueError, match=r"`mesh` axis 'stage' has size 2, but .* 6 stages"):
+        pj.pipeline([_stage] * 6, mesh=mesh, schedule="v-half")
 
 
 def test_a_user_table_trains_as_gpipe_and_is_checked_for_its_shape():

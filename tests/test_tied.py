@@ -129,7 +129,9 @@ def test_placed_params(data, schedule):
     _close(from_stages(g.unpack()), g_ref)
 
 
-@pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("v-half", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("v-half", 2)]
+)
 def test_homogeneous_stages(schedule, repeats):
     """Homogeneous stages: the stage picks the row of the stacked leaf; rows 0 and 3 of ``w``
     are one weight: the model with row 3 replaced by row 0. With ``repeats=2`` on 2 devices the

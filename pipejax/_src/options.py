@@ -73,7 +73,9 @@ def check_schedule(schedule, repeats, num_stages):
         raise ValueError(f"`schedule` must be one of {kinds}, but got {schedule!r}.")
     else:
         kind = SCHEDULES[schedule]
-    repeats = kind.resolve_repeats(checks.count(repeats, "repeats", what="the number of stages each device holds"))
+    repeats = kind.resolve_repeats(
+        checks.count(repeats, "repeats", what="the number of stages each device holds")
+    )
     if not kind.takes_repeats and repeats != 1 and not kind.v_shape:
         raise ValueError(
             f"`repeats={repeats}` needs `schedule='circular'` or `'interleaved-1f1b'`: the "

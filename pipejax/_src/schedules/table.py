@@ -273,7 +273,7 @@ class Schedule:
         >>> size, tables.v_half(2, 2).in_flight().max(axis=0).tolist()
         (4, [3, 4])
         """
-        stage, micro, first, last = self._held()
+        stage, _, first, last = self._held()
         device = self.device_of(stage)
         slot_of = np.empty(len(stage), np.int32)
         free_at = [[] for _ in range(self.num_devices)]  # per device: the tick each slot frees
@@ -420,10 +420,11 @@ def _check_fields(s: Schedule) -> None:
             f"`placement` must be 'ring' (stage j on device j mod D) or 'v' (the V-shaped tables: "
             f"device d holds stages d and 2 D - 1 - d), but got {s.placement!r}."
         )
-    if s.placement == "v" and checks.integer(s.repeats) != 2:
+    if s.placement == "v" and (checks.integer(s.repeats) != 2 or hop != 1):
         raise ValueError(
-            f"A V-shaped table (`placement='v'`) holds two stages per device, so it needs "
-            f"`repeats=2`, but got `repeats={s.repeats!r}`."
+            f"A V-shaped table (`placement='v'`) holds two stages per device and reads every "
+            f"message the tick it arrives, so it needs `repeats=2` and `hop=1`, but got "
+            f"`repeats={s.repeats!r}` and `hop={hop}`."
         )
     if not isinstance(s.micro, Mapping) or not isinstance(s.stage, Mapping):
         raise TypeError("`micro` and `stage` must be dicts from slot kind ('F', 'B', 'W') to int tables.")
@@ -542,7 +543,9 @@ def _check_stashes(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
     stage, micro, first, last = s._held()
     if s.placement == "ring":  # (a V's pool gives every held input a free slot: `stash_pool`)
         K = s.stash_slots()
-        _refuse_overlap(s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)")
+        _refuse_overlap(
+            s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)"
+        )
     if "W" in ticks:
         b = ticks["B"]
         _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")

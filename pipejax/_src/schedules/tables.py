@@ -217,9 +217,10 @@ def v_half(num_devices: int, num_micro: int) -> Schedule:
 
     Examples:
       >>> s = v_half(2, 2)
-      >>> print(s.render())  # doctest: +NORMALIZE_WHITESPACE
-      device 0 | F0s0 .    | .    .    | F1s0 .    | F0s3 B0s3 | .    .    | F1s3 B1s3 | .    B0s0 | .    .    | .    B1s0 |
-      device 1 | .    .    | F0s1 .    | F0s2 .    | F1s1 .    | F1s2 B0s2 | .    B0s1 | .    B1s2 | .    B1s1 | .    .    |
+      >>> s.forward.T.tolist()  # micro-batch of each device's F slot at each tick
+      [[0, -1, 1, 0, -1, 1, -1, -1, -1], [-1, 0, 0, 1, 1, -1, -1, -1, -1]]
+      >>> s.stages("F")[s.forward[:, 0] >= 0, 0].tolist()  # device 0: stage 0 down, stage 3 up
+      [0, 0, 3, 3]
       >>> s.in_flight().max(axis=0).tolist(), s.stash_pool()[0]
       ([3, 4], 4)
     """
