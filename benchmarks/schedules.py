@@ -16,9 +16,10 @@ Sections (markdown tables):
    ``sharded``: the same with ``param_specs`` (tensor-parallel stages on a (stage, model) mesh).
    ``local``: the same without a mesh, with compile times (the training schedules are gradient
    accumulation on one device).
-   ``v_shape``: V-Half (2 stages per device in a V) against 1F1B and interleaved 1F1B on the
-   same model (each device's share of 4 layers cut into 1 or 2 stages), activations larger
-   than parameters: temp bytes per device against ``m`` and their ratio to 1F1B's.
+   ``v_shape``: V-Half and ZB-V (2 stages per device in a V) against 1F1B, ZB-H1 and
+   interleaved 1F1B on the same model (each device's share of 4 layers cut into 1 or 2
+   stages), activations larger than parameters: temp bytes per device against ``m`` and their
+   ratio to 1F1B's.
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
@@ -141,12 +142,12 @@ def v_stage(layers):
 def v_shape(quick: bool) -> None:
     """V-Half against 1F1B and interleaved 1F1B on one model: each device's share is ``V_LAYERS``
     layers, one stage of them (1F1B) or two of half of them (interleaved, V-Half)."""
-    section("V-Half against 1F1B on the same model: temp bytes per device against m")
+    section("V-Half and ZB-V against 1F1B on the same model: temp bytes per device against m")
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     ms = (8,) if quick else (8, 16, 32)
     got, rows = {}, []
     for ckpt in ("always", "never"):
-        for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
+        for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)):
             S, per = N * v, V_LAYERS // v
             row = [f"{name} {ckpt}"]
             for m in ms:
@@ -165,7 +166,7 @@ def v_shape(quick: bool) -> None:
             rows.append(row)
     print(
         f"{N} devices, each holding {V_LAYERS} tanh dense layers ({V_WIDTH} wide, float32) as one "
-        f"stage (1f1b) or two (interleaved v=2, v-half); micro-batches of {V_MICRO} rows (one "
+        f"stage (1f1b, zb-h1) or two (interleaved v=2, v-half, zb-v); micro-batches of {V_MICRO} rows (one "
         f"activation: {kib(V_MICRO * V_WIDTH * 4)} KiB). KiB per device; '/ 1f1b': against 1F1B with "
         "the same checkpoint mode."
     )
@@ -248,7 +249,7 @@ def sharded_memory(quick: bool) -> None:
 def slots(quick: bool) -> None:
     section("Slots: executed F/B/W per device (counted in the program) against the table")
     rows = []
-    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)):
         for m in (4, 8) if quick else (4, 8, 16):
             pipe, _, args = setup(m, name, repeats=v)
             counts = train.slot_counts(pipe, sq, *args)
@@ -258,6 +259,9 @@ def slots(quick: bool) -> None:
             f, b, w = 1.0, 1.0, 1.0  # equal costs: ZB's B and W are each half of 1F1B's B
             if name == "zb-h1":
                 bubble, theory = table_.bubble_fraction(f, b, w), sched.zb_h1_bubble_fraction(N, m, f, b, w)
+            elif name == "zb-v":  # stages of half the cost: ZB-H1's bubble
+                bubble = table_.bubble_fraction(f / v, b / v, w / v)
+                theory = sched.zb_h1_bubble_fraction(N, m, f, b, w)
             else:  # a stage of the interleaved schedule (and of the V) is 1/v of a device's share
                 bubble = table_.bubble_fraction(f / v, (b + w) / v)
                 theory = (
@@ -281,8 +285,8 @@ def slots(quick: bool) -> None:
         "F/B/W per device 0..3; bubble: the table's lockstep idle fraction with costs F = 1, "
         "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
         "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
-        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1, (n-1)/(m+n-1) for v-half. stash: slots per "
-        "stage held (v-half: one pool per device for both its stages)."
+        "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1 and zb-v, (n-1)/(m+n-1) for v-half. stash: "
+        "slots per stage held (v-half, zb-v: one pool per device for both its stages)."
     )
     print()
     print(
@@ -379,7 +383,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run with small sizes")
     ap.add_argument("--section", choices=sorted(SECTIONS), action="append")
     args = ap.parse_args(argv)
-    header("Training schedules (1f1b, zb-h1, interleaved-1f1b, v-half) against GPipe", args.quick)
+    header("Training schedules (1f1b, zb-h1, interleaved-1f1b, v-half, zb-v) against GPipe", args.quick)
     for name in args.section or list(SECTIONS):
         SECTIONS[name](args.quick)
 

@@ -55,6 +55,7 @@ from pipejax._src.schedules.tables import v_half as v_half_schedule
 from pipejax._src.schedules.tables import v_half_bubble_fraction as v_half_bubble_fraction
 from pipejax._src.schedules.tables import zb_h1 as zb_h1_schedule
 from pipejax._src.schedules.tables import zb_h1_bubble_fraction as zb_h1_bubble_fraction
+from pipejax._src.schedules.tables import zb_v as zb_v_schedule
 from pipejax._src.schedules.timeline import inputs_held as timeline_inputs_held
 from pipejax._src.training.loss import LossSums as LossSums
 from pipejax._src.training.loss import weighted_mean as weighted_mean
@@ -117,4 +118,5 @@ __all__ = [
     "weighted_mean",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",
+    "zb_v_schedule",
 ]

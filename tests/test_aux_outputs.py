@@ -11,7 +11,15 @@ import pytest
 import pipejax as pj
 
 S, D = 4, 3  # stages, features
-SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)]
+SCHEDULES = [
+    ("gpipe", 1),
+    ("circular", 2),
+    ("1f1b", 1),
+    ("zb-h1", 1),
+    ("interleaved-1f1b", 2),
+    ("v-half", 2),
+    ("zb-v", 2),
+]
 CHUNKS = 4  # batch 10 -> micro-batches of 3, 3, 3, 1 (+ 2 padding rows); batch 12 -> 4 of 3
 MICRO = 3
 

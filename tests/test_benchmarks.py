@@ -44,7 +44,7 @@ def run_quick(script: str, *args: str) -> str:
             "schedules.py",
             (
                 "Memory: compiled temp bytes",
-                "V-Half against 1F1B",
+                "V-Half and ZB-V against 1F1B",
                 "Without a mesh",
                 "Slots:",
                 "Compile time",

@@ -23,7 +23,7 @@ import pytest
 
 import pipejax as pj
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
 TOL = {"rtol": 1e-12}
 B = 8
 
@@ -33,7 +33,7 @@ def scale(p, x, key):
 
 
 def four(schedule):
-    repeats = 2 if schedule in ("circular", "interleaved-1f1b", "v-half") else 1
+    repeats = 2 if schedule in ("circular", "interleaved-1f1b", "v-half", "zb-v") else 1
     return pj.pipeline([scale] * 4, chunks=4, schedule=schedule, repeats=repeats), [1.0, 2.0, 0.5, 1.0]
 
 

@@ -107,24 +107,24 @@ def test_pipeline_equals_composition(cfg):
 
 # --- every schedule: drawn schedules, repeats and data axes -----------------------------------
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
 
 
 @st.composite
 def training_configs(draw):
     """A schedule, its repeats (stages per device: 2 or 3 for circular and interleaved 1F1B, 2 for
-    V-Half), a
+    V-Half and ZB-V), a
     data axis or not, and a stage mesh or not; then stages, chunks and a batch as above."""
     name = draw(st.sampled_from(SCHEDULES))
     repeats = draw(st.sampled_from([2, 3])) if name in ("circular", "interleaved-1f1b") else 1
-    repeats = 2 if name == "v-half" else repeats  # a V: two stages per device
+    repeats = 2 if name in ("v-half", "zb-v") else repeats  # a V: two stages per device
     data = draw(st.booleans())
     mesh = data or draw(st.booleans())
     devices = draw(st.integers(1, 2 if data or repeats == 3 else 4))
     num_stages = devices * repeats
     modes = (
         ["always", "never"]
-        if name in ("1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+        if name in ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
         else ["always", "except_last"]
     )
     return {
@@ -178,6 +178,7 @@ def _pinned(name, repeats, data, devices, homogeneous, checkpoint):
 @example(_pinned("circular", 2, data=True, devices=2, homogeneous=True, checkpoint="except_last"))
 @example(_pinned("zb-h1", 1, data=True, devices=2, homogeneous=False, checkpoint="always"))
 @example(_pinned("v-half", 2, data=False, devices=3, homogeneous=False, checkpoint="never"))
+@example(_pinned("zb-v", 2, data=True, devices=3, homogeneous=False, checkpoint="always"))
 def test_value_and_grad_equals_composition_under_every_schedule(cfg):
     """``Pipeline.value_and_grad`` under a drawn schedule equals ``jax.value_and_grad`` of the
     composed stages on the whole batch (the loss: the mean of per-example losses); a drawn

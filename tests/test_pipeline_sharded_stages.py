@@ -320,7 +320,7 @@ def SQ(y, t):
 def _training_case(name, layout):
     """``(pipe, gpipe, params, x, targets)``: 4 homogeneous MLP stages (2 devices x 2 repeats for
     interleaved 1F1B), split for tensor parallelism (``"model"``) or FSDP (``"data"``)."""
-    n, repeats = (2, 2) if name in ("interleaved-1f1b", "v-half") else (2, 1)
+    n, repeats = (2, 2) if name in ("interleaved-1f1b", "v-half", "zb-v") else (2, 1)
     if layout == "tensor":
         mesh, specs, data = mesh_of((2, 2), ("stage", "model")), MLP_SPECS, None
     else:
@@ -337,10 +337,10 @@ def _training_case(name, layout):
 
 @pytest.mark.parametrize("layout", ["tensor", "fsdp"])
 def test_training_schedules_with_param_specs_match_gpipe(layout):
-    """1F1B, ZB-H1, interleaved 1F1B and V-Half against GPipe's (circular's) autodiff, each reference
+    """1F1B, ZB-H1, interleaved 1F1B, V-Half and ZB-V against GPipe's (circular's) autodiff, each reference
     computed once for the schedules it serves (a compile each)."""
     refs = {}
-    for name in ("1f1b", "zb-h1", "interleaved-1f1b", "v-half"):
+    for name in ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v"):
         pipe, gpipe, params, x, t = _training_case(name, layout)
         placed = pipe.place(params)
         loss, grads = jax.jit(pipe.value_and_grad(SQ))(placed, x, t)

@@ -10,9 +10,10 @@ compares the loss and gradients with a reference that does not pipeline the back
   the composition in ``test_pipeline_contract.py``.
 
 Schedules: ``gpipe``, ``circular`` (2 stages per device), ``1f1b``, ``zb-h1``,
-``interleaved-1f1b`` and ``v-half`` (2 stages per device). Features: ``mesh=None`` and a mesh; a data axis;
-``context=`` side inputs; per-example keys; heterogeneous and homogeneous stages; a token-weighted
-loss normalised by the batch's total weight (the loss contract); a ``jax.checkpoint`` policy.
+``interleaved-1f1b``, ``v-half`` and ``zb-v`` (2 stages per device). Features: ``mesh=None``
+and a mesh; a data axis; ``context=`` side inputs; per-example keys; heterogeneous and
+homogeneous stages; a token-weighted loss normalised by the batch's total weight (the loss
+contract); a ``jax.checkpoint`` policy.
 The cells on a mesh run inside ``jax.set_mesh`` (eagerly and under ``jax.jit``), the context the
 docs recommend for eager autodiff on an Explicit mesh.
 ``param_specs`` (tensor and FSDP) under every schedule is in ``test_pipeline_sharded_stages.py``.
@@ -42,10 +43,10 @@ import pipejax as pj
 from tests import models
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
-TRAINING = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half")
-REPEATS = {"circular": 2, "interleaved-1f1b": 2, "v-half": 2}
-GPIPE_OF = {"circular": "circular", "interleaved-1f1b": "circular", "v-half": "circular"}
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
+TRAINING = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
+REPEATS = {"circular": 2, "interleaved-1f1b": 2, "v-half": 2, "zb-v": 2}
+GPIPE_OF = {"circular": "circular", "interleaved-1f1b": "circular", "v-half": "circular", "zb-v": "circular"}
 S, BATCH, CHUNKS, W = 4, 8, 4, 3  # 4 stages, micro-batches of 2
 
 
@@ -176,7 +177,7 @@ def test_grid(name, feature, kind):
 @functools.cache
 def grid_reference(kind, feature, num_stages):
     """``jax.value_and_grad`` of the composed model's loss for a cell of `test_grid`; it depends
-    on the cell's stages and feature, not its schedule, so it is computed once for the 6."""
+    on the cell's stages and feature, not its schedule, so it is computed once for the 7."""
     _, _, params, x = model(kind)
     _, _, t, tokens, context = inputs()
     if num_stages == 2:
@@ -297,7 +298,7 @@ def test_never_with_weakly_typed_scalar_parameters():
     x, t = jnp.linspace(-1.0, 1.0, BATCH), jnp.linspace(0.0, 1.0, BATCH)
     sq = lambda y, t: (y - t) ** 2
     want = pj.pipeline([affine] * S, chunks=CHUNKS).value_and_grad(sq)(params, x, t)
-    for name in ("1f1b", "zb-h1", "v-half"):
+    for name in ("1f1b", "zb-h1", "v-half", "zb-v"):
         got = pj.pipeline([affine] * S, chunks=CHUNKS, schedule=name, checkpoint="never")
         models.assert_trees_close(got.value_and_grad(sq)(params, x, t), want, **TOL)
 

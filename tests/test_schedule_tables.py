@@ -42,9 +42,11 @@ def test_actions_rebuild_every_training_table(t):
         np.testing.assert_array_equal(u.stage[k], t.stage[k])
 
 
-@pytest.mark.parametrize(("n", "m"), [(1, 2), (2, 3), (4, 8)])
-def test_actions_rebuild_the_v_table(n, m):
-    t = pj.v_half_schedule(n, m)
+@pytest.mark.parametrize(
+    ("n", "m", "name"), [(1, 2, "v-half"), (2, 3, "zb-v"), (4, 8, "v-half"), (4, 8, "zb-v")]
+)
+def test_actions_rebuild_the_v_table(n, m, name):
+    t = pj.v_half_schedule(n, m) if name == "v-half" else pj.zb_v_schedule(n, m)
     u = pj.schedule_from_actions(_actions(t), num_devices=n, num_micro=m, repeats=2, placement="v")
     assert u.placement == "v" and u.stash_pool()[0] == t.stash_pool()[0]
     for k in t.kinds:

@@ -149,6 +149,31 @@ def test_v_half_table_is_valid(n, m):
         assert ((slot[kind] >= 0) == (table >= 0)).all() and slot[kind].max() < size
 
 
+@pytest.mark.parametrize(("n", "m"), [(1, 2), (2, 3), (3, 5), (4, 8), (4, 32)])
+def test_zb_v_table_is_valid(n, m):
+    """ZB-V: V-Half's F slots; B the input cotangent only, at V-Half's ticks; W of micro-batch i
+    on every device at 2 i + 4 n - 2 (way down) and 2 i + 4 n - 3 (way up), at or after its B;
+    the step and bubble of ZB-H1 with stages of half the cost; both pools flat in m."""
+    s, v = sched.zb_v(n, m), sched.v_half(n, m)
+    assert s.kinds == ("F", "B", "W") and s.placement == "v"
+    for k in ("F", "B"):
+        np.testing.assert_array_equal(s.micro[k], v.micro[k])
+        np.testing.assert_array_equal(s.stage[k], v.stage[k])
+    for t, d in itertools.product(range(s.num_ticks), range(n)):
+        i, j = int(s.weight[t, d]), int(s.stages("W")[t, d])
+        if i >= 0:
+            assert t == 2 * i + 4 * n - 2 - (j >= n) and d == (j if j < n else 2 * n - 1 - j)
+    assert s.slots()["W"].tolist() == [2 * m] * n
+    f, b, w = 1.0, 1.3, 0.7
+    zb = sched.zb_h1(n, m)
+    assert s.step_time(f / 2, b / 2, w / 2) == pytest.approx(zb.step_time(f, b, w))
+    np.testing.assert_allclose(s.bubble_fraction(0.5, 0.5, 0.5), sched.zb_h1_bubble_fraction(n, m, 1, 1, 1))
+    size, _ = s.stash_pool()
+    assert size == s.in_flight().max()
+    if m >= n:
+        assert size == 3 * n - 1 and s.cotangent_pool()[0] == n
+
+
 def test_v_half_stash_is_flat_in_m():
     assert {sched.v_half(4, m).stash_pool()[0] for m in (8, 16, 32, 256)} == {8}
 
@@ -414,12 +439,13 @@ def _composed_hessian(repeats, batch):
         ("zb-h1", "none", "never"),
         ("interleaved-1f1b", "explicit", "never"),
         ("v-half", "explicit", "always"),
+        ("zb-v", "explicit", "never"),
     ],
 )
 def test_hvp_equals_hessian_of_composition(name, placement, checkpoint):
     """``jax.jvp`` of the (loss, grads) function: forward-over-reverse through the schedule."""
     stages, params, v = STAGES, models.token_params(), 1
-    if name in ("interleaved-1f1b", "v-half"):  # 4 stages on 2 devices
+    if name in ("interleaved-1f1b", "v-half", "zb-v"):  # 4 stages on 2 devices
         stages, params, v = STAGES4, _params4(), 2
     batch, chunks = (8, 4) if v == 2 else (5, 3)  # interleaved: 4 micro-batches, a multiple of 2
     x, labels = models.token_inputs(batch), _labels(batch)
@@ -611,7 +637,7 @@ def test_pipeline_schedule_is_the_table_the_schedule_runs():
     """`Pipeline.schedule(batch)` gives a training schedule's own table (what value_and_grad
     runs), and the forward call's table with `training=False`; GPipe has no training table."""
     f = lambda p, x: x * p
-    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2)):
+    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)):
         apply = pj.pipeline([f] * 4, chunks=4, schedule=name, repeats=repeats)
         table = apply.schedule(8)
         assert table.trains and table.name == name

@@ -177,14 +177,14 @@ def pipeline(
         checkpoint modes and with or without a mesh.
       schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
         or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"``,
-        ``"interleaved-1f1b"`` (with ``repeats``) or ``"v-half"`` (two stages per device in a V,
-        ``num_stages / 2`` devices), which :meth:`Pipeline.value_and_grad` runs (the forward call
+        ``"interleaved-1f1b"`` (with ``repeats``), ``"v-half"`` or ``"zb-v"`` (two stages per
+        device in a V, ``num_stages / 2`` devices), which :meth:`Pipeline.value_and_grad` runs (the forward call
         alone runs the GPipe or circular table); or a function ``(num_devices,
         num_micro) -> pj.Schedule`` that returns a training table you wrote
         (:func:`pipejax.schedule_from_actions`; docs/pipeline_tables.md), run as those are.
       repeats: with ``schedule="circular"`` or ``"interleaved-1f1b"``, the number ``v >= 1`` of
         stages each device holds; ``num_stages`` must be a multiple of it. ``1`` for GPipe;
-        ``"v-half"`` holds 2 (``1``, the default, or ``2``).
+        the V schedules hold 2 (``1``, the default, or ``2``).
       data_axis_name: the name of a second mesh axis to split the micro-batches over (data x
         pipeline parallelism), or ``None``. The number of micro-batches, ``ceil(B / ceil(B /
         chunks))``, must be a multiple of its size. Parameters are replicated over it; ``y`` comes

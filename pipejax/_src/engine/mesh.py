@@ -263,10 +263,10 @@ class MeshDevices:
                     carry = carry._replace(sending=sending)
                 if v_shape:  # down or up the V, or the turn on the device itself
                     fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
-                    inbox, received = _deliver(message, fsrc, axis, D), _deliver(sent, bsrc, axis, D)
+                    received, inbox = _deliver(sent, bsrc, axis, D), _deliver(message, fsrc, axis, D)
                 else:
-                    inbox = shift(message, axis, D, ring=ctx.v > 1)
                     received = shift(sent, axis, D, ring=ctx.v > 1, back=True)
+                    inbox = shift(message, axis, D, ring=ctx.v > 1)
                 carry = carry._replace(back=slots.arrive(back, received))
                 return (carry._replace(inbox=inbox), queue, drain), None
 

@@ -26,9 +26,12 @@ def rows(schedule):
     if schedule.trains:
         w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
         columns = [schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B")]
-        if schedule.placement == "v":  # and a V table's sources and stash slots (`v_row`)
+        if schedule.placement == "v":  # and a V table's sources and pool slots (`v_row`)
             _, pool = schedule.stash_pool()
             columns += [_sources(schedule, "F"), _sources(schedule, "B"), pool["F"], pool["B"]]
+            if schedule.weight is not None:  # W: its stash slot and stage, its cotangent's slots
+                _, cot = schedule.cotangent_pool()
+                columns += [pool["W"], schedule.stages("W"), cot["B"], cot["W"]]
         return table(*columns)
     return table(schedule.table, schedule.stages(), tick)
 
@@ -69,8 +72,11 @@ def back_row(row, D: int):
 def v_row(row, D: int):
     """A V table's row of :func:`rows` as ``(F source[D], B source[D], F stash slot[D], B stash
     slot[D])``: where the next tick's F and B read their messages from, and the pool slot F
-    writes and B reads (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`)."""
-    return tuple(row[5 * D + 1 + k * D : 5 * D + 1 + (k + 1) * D] for k in range(4))
+    writes and B reads (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`); with W
+    slots also ``(W stash slot[D], W stage[D], B cotangent slot[D], W cotangent slot[D])``, the
+    slots of :meth:`~pipejax._src.schedules.table.Schedule.cotangent_pool`."""
+    k = (row.shape[0] - 5 * D - 1) // D
+    return tuple(row[5 * D + 1 + j * D : 5 * D + 1 + (j + 1) * D] for j in range(k))
 
 
 def loop_delay(schedule: Schedule) -> int:

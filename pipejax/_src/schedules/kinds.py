@@ -7,7 +7,7 @@ schedule names. Two families:
 
 - :class:`ForwardSchedule` (GPipe, circular): a forward table only; autodiff runs it backwards,
   so any JAX transformation differentiates the forward call.
-- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B, V-Half): a training table whose F, B and W
+- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B, V-Half, ZB-V): a training table whose F, B and W
   slots :meth:`pipejax.Pipeline.value_and_grad` runs; the forward call (inference) runs the
   forward table, and differentiating it is refused (:meth:`BackwardSchedule.guard_forward`).
 
@@ -225,5 +225,6 @@ SCHEDULES: dict[str, Kind] = {
         BackwardSchedule("zb-h1", takes_repeats=False),
         BackwardSchedule("interleaved-1f1b", takes_repeats=True, groups_of_n=True),
         BackwardSchedule("v-half", takes_repeats=False, v_shape=True),
+        BackwardSchedule("zb-v", takes_repeats=False, v_shape=True),
     )
 }

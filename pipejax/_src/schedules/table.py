@@ -274,6 +274,21 @@ class Schedule:
         (4, [3, 4])
         """
         stage, _, first, last = self._held()
+        return self._pool(stage, first, last, self.kinds)
+
+    def cotangent_pool(self) -> tuple[int, dict[str, np.ndarray]]:
+        """``(size, slot)`` as :meth:`stash_pool`, for the output cotangents a table with W slots
+        keeps from each B to its W (``slot["B"]`` where B writes, ``slot["W"]`` where W reads):
+        the V tables' pool (a ring table keeps a ring of ``n``)."""
+        if "W" not in self.kinds:
+            raise ValueError(f"The {self.name!r} table has no W slots, so it keeps no cotangents for them.")
+        stage, _, _, _ = self._held()
+        return self._pool(stage, _ticks(self, "B"), _ticks(self, "W"), ("B", "W"))
+
+    def _pool(self, stage, first, last, kinds) -> tuple[int, dict[str, np.ndarray]]:
+        """Interval colouring per device of values held from tick ``first`` to ``last`` (both
+        included; one per (stage, micro-batch), in ``_held``'s order): ``(the most slots a device
+        needs, {kind: int32[ticks, n] the slot of each of the ``kinds``' slots, -1 idle})``."""
         device = self.device_of(stage)
         slot_of = np.empty(len(stage), np.int32)
         free_at = [[] for _ in range(self.num_devices)]  # per device: the tick each slot frees
@@ -285,7 +300,7 @@ class Schedule:
             pool[s], slot_of[k] = last[k], s
         size = max(1, max(len(p) for p in free_at))
         out = {}
-        for kind in self.kinds:  # `_held`'s input j m + i is stage j's on micro-batch i
+        for kind in kinds:  # `_held`'s input j m + i is stage j's on micro-batch i
             m, j = self.micro[kind], self.stage[kind]
             out[kind] = np.where(m >= 0, slot_of[j * self.num_micro + np.maximum(m, 0)], -1).astype(np.int32)
         return size, out
@@ -451,10 +466,11 @@ def _check_fields(s: Schedule) -> None:
             a.flags.writeable = False
             tables[k] = a
         object.__setattr__(s, field, tables)
-    if "W" in kinds and s.repeats != 1:
+    if "W" in kinds and s.repeats != 1 and s.placement != "v":
         raise ValueError(
-            f"The {s.name!r} table has W slots and `repeats={s.repeats}`; the loop's W slot runs "
-            "the device's one stage, so W slots need `repeats=1`."
+            f"The {s.name!r} table has W slots and `repeats={s.repeats}`; on a ring the loop's W "
+            "slot runs the device's one stage, so W slots need `repeats=1` (or a V table, "
+            "`placement='v'`, whose pools give each W its stage's inputs)."
         )
 
 
@@ -546,7 +562,7 @@ def _check_stashes(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
         _refuse_overlap(
             s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)"
         )
-    if "W" in ticks:
+    if "W" in ticks and s.placement == "ring":  # (a V's cotangents wait in a pool: `cotangent_pool`)
         b = ticks["B"]
         _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")
 

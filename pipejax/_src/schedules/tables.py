@@ -194,7 +194,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 # ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
 # with a deeper stash.)
 
-TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
 
 
 def v_half(num_devices: int, num_micro: int) -> Schedule:
@@ -224,17 +224,53 @@ def v_half(num_devices: int, num_micro: int) -> Schedule:
       >>> s.in_flight().max(axis=0).tolist(), s.stash_pool()[0]
       ([3, 4], 4)
     """
+    return _v_table("v-half", num_devices, num_micro)
+
+
+def zb_v(num_devices: int, num_micro: int) -> Schedule:
+    """The V-shaped zero-bubble table: :func:`v_half`'s F slots, B slots that compute the input
+    cotangent only, and W slots (the parameter cotangent) deferred as ZB-H1 defers them: the W
+    of micro-batch ``i`` runs at tick ``2 i + 4 n - 2`` on the way-down stage of every device
+    and at ``2 i + 4 n - 3`` on the way-up one, the tick of (or after) the last B of ``i`` on
+    the device, so the drain's ticks carry the W's that 1F1B's B slots would hold.
+
+    Same ticks as V-Half (``2 m + 4 n - 3``); with F, B and W slots of ``f / 2``, ``b / 2`` and
+    ``w / 2`` the step is ZB-H1's, ``(m + n - 1)(f + b) + m w`` (its bubble,
+    :func:`zb_h1_bubble_fraction`). A device keeps each stage input from its F to its W: about
+    ``3 n`` half stages, where ZB-H1 keeps up to ``2 n - 1`` whole ones; and about ``n`` output
+    cotangents from B to W (ZB-H1: a ring of ``n``), both in pools shared by the two stages
+    (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`, ``cotangent_pool``). The
+    published ZB-V (Qi et al. 2024) reaches about zero bubble with F = B = W by running
+    several F slots back to back on device 0 in the fill; in lockstep ticks, where every
+    message is read the tick it arrives, the fill stays 1F1B's.
+
+    Examples:
+      >>> s = zb_v(4, 8)
+      >>> s.num_ticks, s.stash_pool()[0], s.cotangent_pool()[0]
+      (29, 11, 4)
+      >>> s.bubble_fraction(0.5, 0.5, 0.5) == zb_h1_bubble_fraction(4, 8, 1.0, 1.0, 1.0)
+      True
+    """
+    return _v_table("zb-v", num_devices, num_micro, weights=True)
+
+
+def _v_table(name: str, num_devices: int, num_micro: int, weights: bool = False) -> Schedule:
+    """The V tables: F of stage ``j`` at ``2 i + j``, B at ``2 i + 4 n - 2 - j``, and (``weights``)
+    W at ``2 i + 4 n - 2`` (way down) or ``2 i + 4 n - 3`` (way up), on device ``j`` or
+    ``2 n - 1 - j``."""
     n, m = _counts(num_devices=num_devices, num_micro=num_micro)
     S, ticks = 2 * n, 2 * m + 4 * n - 3
     j = np.arange(S)
     device = np.where(j < n, j, S - 1 - j)
-    micro = {k: np.full((ticks, n), -1, np.int32) for k in ("F", "B")}
-    stage = {k: np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy() for k in ("F", "B")}
+    kinds = ("F", "B", "W") if weights else ("F", "B")
+    micro = {k: np.full((ticks, n), -1, np.int32) for k in kinds}
+    stage = {k: np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy() for k in kinds}
     for i in range(m):
-        for kind, t in (("F", 2 * i + j), ("B", 2 * i + 2 * S - 2 - j)):
-            micro[kind][t, device] = i
-            stage[kind][t, device] = j
-    return Schedule("v-half", micro, stage, m, repeats=2, placement="v")
+        when = {"F": 2 * i + j, "B": 2 * i + 2 * S - 2 - j, "W": 2 * i + 4 * n - 2 - (j >= n)}
+        for kind in kinds:
+            micro[kind][when[kind], device] = i
+            stage[kind][when[kind], device] = j
+    return Schedule(name, micro, stage, m, repeats=2, placement="v")
 
 
 def v_half_bubble_fraction(num_devices: int, num_micro: int) -> float:
@@ -340,12 +376,12 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         kinds = ", ".join(repr(k) for k in TRAINING_KINDS)
         raise ValueError(f"`name` must be one of {kinds}, but got {name!r}.")
     num_stages, num_micro, repeats = _counts(num_stages=num_stages, num_micro=num_micro, repeats=repeats)
-    if name == "v-half" and (repeats != 2 or hop != 1):
+    if name in ("v-half", "zb-v") and (repeats != 2 or hop != 1):
         raise ValueError(
-            f"'v-half' holds two stages per device and reads every message the tick it arrives, so "
+            f"{name!r} holds two stages per device and reads every message the tick it arrives, so "
             f"it needs `repeats=2` and `hop=1`, but got `repeats={repeats}` and `hop={hop}`."
         )
-    if name not in ("interleaved-1f1b", "v-half") and repeats != 1:
+    if name not in ("interleaved-1f1b", "v-half", "zb-v") and repeats != 1:
         raise ValueError(
             f"`repeats={repeats}` needs `name='interleaved-1f1b'`; {name!r} runs one stage per device."
         )
@@ -357,8 +393,8 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         )
     if name == "interleaved-1f1b":
         return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats, hop=hop)
-    if name == "v-half":
-        return v_half(num_stages // 2, num_micro)
+    if name in ("v-half", "zb-v"):
+        return _v_table(name, num_stages // 2, num_micro, weights=name == "zb-v")
     return _training_table(name, num_stages, num_micro, hop)
 
 

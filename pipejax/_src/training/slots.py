@@ -107,6 +107,8 @@ class _MeshSlots(_Slots):
         self.pool = table.placement == "v"
         self.K = table.stash_pool()[0] if self.pool else table.stash_slots()
         self.zb = table.weight is not None
+        # the output cotangents W reads: a ring of n (slot b mod n), or a V's pool
+        self.G = table.cotangent_pool()[0] if self.zb and self.pool else self.n
         self.variant_of = jnp.asarray(index, jnp.int32)
         self.saved_layouts, self.sbox = None, None  # laid out on the device (`on_device`)
         self.loss_dtype = grad.loss_dtype(variants[-1])
@@ -205,7 +207,7 @@ class _MeshSlots(_Slots):
         return _Back(
             self.msg_zeros(),
             self.s_zeros(((1 if self.pool else self.repeats) * self.K,)),
-            self.msg_zeros(lead=(self.n,)) if self.zb else None,
+            self.msg_zeros(lead=(self.G,)) if self.zb else None,
             _zeros_like(self.prows),
             self.loss0,
             jnp.zeros((3,), jnp.int32),
@@ -225,12 +227,12 @@ class _MeshSlots(_Slots):
         f, fs = engine.at(row, d, n)
         b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
         _, _, dloss, saved, c0 = out
-        if self.pool:  # the V's pool: the table gives each stage input its slot
-            fk, bk = (engine.at_device(a, d) for a in engine.v_row(row, n)[2:])
-        else:  # a ring of K slots per stage
-            fk, bk = (fs // n) * K + f % K, (bs // n) * K + b % K
-        stash = engine.put(dev.stash, saved, fk, f >= 0)
-        xb = engine.take(stash, bk)
+        # where F puts what it keeps and B (W) reads it: a V's pools, the table giving each stage
+        # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
+        # device's one stage, a ring of n cotangents). (Each index is computed where it is used.)
+        pool = [engine.at_device(a, d) for a in engine.v_row(row, n)[2:]] if self.pool else None
+        stash = engine.put(dev.stash, saved, pool[0] if pool else (fs // n) * K + f % K, f >= 0)
+        xb = engine.take(stash, pool[1] if pool else (bs // n) * K + b % K)
 
         def b_branch(v):
             def run(rows_p, xb, g, b, grow):
@@ -259,29 +261,31 @@ class _MeshSlots(_Slots):
         acc = dev.grad if zb else _set_row(dev.grad, bs // n, grow)
         gstash, c2 = dev.gstash, zero
         if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
+            # W's stage and its row (a ring's W: the one stage, static)
+            ws, wr = (pool[3], pool[3] // n) if pool else (d, 0)
             if gstash is not None:  # (the last stage seeds its own)
-                gstash = engine.put(gstash, dev.bin, b % n, b >= 0)
-            xw = engine.take(stash, w % K)
-            gw = None if gstash is None else engine.take(gstash, w % n)
+                gstash = engine.put(gstash, dev.bin, pool[4] if pool else b % n, b >= 0)
+            xw = engine.take(stash, pool[2] if pool else w % K)
+            gw = None if gstash is None else engine.take(gstash, pool[5] if pool else w % n)
 
             def w_branch(v):
                 def run(rows_p, xw, gw, w, acc):
                     g = None if v.last else self.stages.unpack(gw, v.y_layout)
                     _, dp = grad.pull(
                         v,
-                        self.row(rows_p, 0),
+                        self.row(rows_p, wr),
                         self.s_unpack(xw, v),
                         g,
-                        *grad.inputs(w, d),
+                        *grad.inputs(w, ws),
                         wrt_params=True,
                         wrt_input=False,
                     )
-                    return _add_row(acc, 0, dp), one
+                    return _add_row(acc, wr, dp), one
 
                 return run
 
             w_idle = lambda rows_p, xw, gw, w, acc: (acc, zero)
-            acc, c2 = self.dispatch(w >= 0, d, w_branch, w_idle, rows_p, xw, gw, w, acc)
+            acc, c2 = self.dispatch(w >= 0, ws, w_branch, w_idle, rows_p, xw, gw, w, acc)
         counts = dev.counts + jnp.stack([c0, c1, c2])
         new = dev._replace(stash=stash, gstash=gstash, grad=acc, loss=dev.loss + dloss, counts=counts)
         return new, dx
