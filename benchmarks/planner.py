@@ -39,7 +39,7 @@ import pipejax as pj  # noqa: E402
 from benchmarks._common import header, section  # noqa: E402
 
 CHUNKS = (2, 8)
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
 MODES = ("always", "never")  # (the planner's mode sweep covers except_last too)
 HEADROOM = 1.25
 

@@ -178,7 +178,7 @@ def _pinned(name, repeats, data, devices, homogeneous, checkpoint):
 @example(_pinned("circular", 2, data=True, devices=2, homogeneous=True, checkpoint="except_last"))
 @example(_pinned("zb-h1", 1, data=True, devices=2, homogeneous=False, checkpoint="always"))
 @example(_pinned("v-half", 2, data=False, devices=3, homogeneous=False, checkpoint="never"))
-@example(_pinned("zb-v", 2, data=True, devices=3, homogeneous=False, checkpoint="always"))
+@example(_pinned("zb-v", 2, data=True, devices=2, homogeneous=False, checkpoint="always"))
 def test_value_and_grad_equals_composition_under_every_schedule(cfg):
     """``Pipeline.value_and_grad`` under a drawn schedule equals ``jax.value_and_grad`` of the
     composed stages on the whole batch (the loss: the mean of per-example losses); a drawn
