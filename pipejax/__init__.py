@@ -40,9 +40,9 @@ from pipejax._src.planner import Candidate as PlanCandidate
 from pipejax._src.planner import PipelinePlan as PipelinePlan
 from pipejax._src.planner import plan_pipeline as plan_pipeline
 from pipejax._src.random import dropout as dropout
-from pipejax._src.schedules.table import Action as ScheduleAction
+from pipejax._src.schedules.actions import Action as ScheduleAction
+from pipejax._src.schedules.actions import from_actions as schedule_from_actions
 from pipejax._src.schedules.table import Schedule as Schedule
-from pipejax._src.schedules.table import from_actions as schedule_from_actions
 from pipejax._src.schedules.tables import TrainingSchedule as TrainingSchedule  # = Schedule; not in __all__
 from pipejax._src.schedules.tables import circular as circular_schedule
 from pipejax._src.schedules.tables import circular_bubble_fraction as circular_bubble_fraction

@@ -178,8 +178,8 @@ def pipeline(
       schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
         or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"``,
         ``"interleaved-1f1b"`` (with ``repeats``), ``"v-half"`` or ``"zb-v"`` (two stages per
-        device in a V, ``num_stages / 2`` devices), which :meth:`Pipeline.value_and_grad` runs (the forward call
-        alone runs the GPipe or circular table); or a function ``(num_devices,
+        device in a V, ``num_stages / 2`` devices), which :meth:`Pipeline.value_and_grad` runs
+        (the forward call alone runs the GPipe or circular table); or a function ``(num_devices,
         num_micro) -> pj.Schedule`` that returns a training table you wrote
         (:func:`pipejax.schedule_from_actions`; docs/pipeline_tables.md), run as those are.
       repeats: with ``schedule="circular"`` or ``"interleaved-1f1b"``, the number ``v >= 1`` of

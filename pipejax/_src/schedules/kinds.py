@@ -177,7 +177,7 @@ class BackwardSchedule:
 class TableSchedule(BackwardSchedule):
     """A schedule a user writes: ``build(num_devices, num_micro)`` returns its training table (a
     :class:`~pipejax._src.schedules.table.Schedule` with B slots, e.g. from
-    :func:`~pipejax._src.schedules.table.from_actions`), checked as every built-in table is. It
+    :func:`~pipejax._src.schedules.actions.from_actions`), checked as every built-in table is. It
     runs as the built-in training schedules do: a table equal to 1F1B's gives 1F1B's programs."""
 
     build: Callable[[int, int], Any] = None
