@@ -136,7 +136,7 @@ def plan_pipeline(
     the loop's own work; ``benchmarks/gpu.py``'s step / scan column measures it). Every tick
     of the SPMD loop also sends, bubble or not, its table's
     :attr:`~pipejax.Schedule.sends_per_tick` messages (one for a forward table, two for a
-    training table, four for V-Half's, which sends each both ways), one after the other, each the largest
+    training table), one after the other, each the largest
     activation that crosses one of the candidate's stage boundaries, for one micro-batch, over
     ``bandwidth``, plus ``latency``. Without overlap a tick lasts its compute and then its
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the

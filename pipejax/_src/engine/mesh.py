@@ -263,7 +263,9 @@ class MeshDevices:
                     carry = carry._replace(sending=sending)
                 if v_shape:  # down or up the V, or the turn on the device itself
                     fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
-                    received, inbox = _deliver(sent, bsrc, axis, D), _deliver(message, fsrc, axis, D)
+                    odd = split_row(row, D)[2] % 2  # the tick's parity picks the pairs that swap
+                    received = _deliver(sent, bsrc, 1 - odd, axis, D)
+                    inbox = _deliver(message, fsrc, odd, axis, D)
                 else:
                     received = shift(sent, axis, D, ring=ctx.v > 1, back=True)
                     inbox = shift(message, axis, D, ring=ctx.v > 1)
@@ -372,12 +374,22 @@ class MeshDevices:
         return recomputed(put)(row, queue, slot, moved, y)
 
 
-def _deliver(tree, source, axis_name, D: int):
-    """What a device of a V table receives: ``tree`` as the device before it sent it
-    (``source == LEFT``), as the device after it did (``RIGHT``), or its own (the V's turn). Two
-    sends a tick, one each way; a device reads one of them."""
+def _deliver(tree, source, start, axis_name, D: int):
+    """What a device of a V table receives: ``tree`` from the neighbour it is paired with, or its
+    own (``source`` is neither ``LEFT`` nor ``RIGHT``: the V's turn). The devices ``(d, d + 1)``
+    with ``d`` of parity ``start`` swap their values, one ``ppermute`` a tick: the table's
+    check keeps every V message on such a pair (activations to ``d + 1`` and cotangents to
+    ``d - 1`` when ``t - d`` is even, the other ways when it is odd), so each device receives
+    what it reads from the neighbour that sent it. ``start`` is the same on every device (the
+    tick's parity), so the branch is uniform."""
     if tree is None:
         return None
-    left, right = shift(tree, axis_name, D), shift(tree, axis_name, D, back=True)
-    pick = lambda a, b, own: jnp.where(source == LEFT, a, jnp.where(source == RIGHT, b, own))
-    return jax.tree.map(pick, left, right, tree)
+    swap = lambda first: lambda x: lax.ppermute(x, axis_name, _pairs(first, D))
+    got = lax.cond(start == 0, swap(0), swap(1), tree) if D > 1 else tree
+    pick = lambda a, own: jnp.where((source == LEFT) | (source == RIGHT), a, own)
+    return jax.tree.map(pick, got, tree)
+
+
+def _pairs(first: int, D: int) -> list[tuple[int, int]]:
+    """The permutation that swaps the devices ``(d, d + 1)`` for ``d = first, first + 2, ...``."""
+    return [p for d in range(first, D - 1, 2) for p in ((d, d + 1), (d + 1, d))]

@@ -147,10 +147,9 @@ class Schedule:
     def sends_per_tick(self) -> int:
         """The messages (``ppermute`` s) the loop sends on every tick, bubble or not: one for a
         forward table (activations on; autodiff's reversed ticks send the cotangents back), two
-        for a training table (activations on, cotangents back), twice as many for a V (each
-        sent both ways, down and up the V), none on one device."""
-        sends = 0 if self.num_devices == 1 else 2 if self.trains else 1
-        return 2 * sends if self.placement == "v" else sends
+        for a training table (activations on, cotangents back; a V's go down or up the V by the
+        tick's parity), none on one device."""
+        return 0 if self.num_devices == 1 else 2 if self.trains else 1
 
     def stages(self, kind: str = "F") -> np.ndarray:
         """int32[ticks, num_devices]: the stage of each ``kind`` slot."""
@@ -321,6 +320,8 @@ def check(s: Schedule) -> None:
         if after in ticks:
             _refuse_order(s, before, after, ticks[before], ticks[after])
     _check_messages(s, ticks)
+    if s.placement == "v":
+        _check_v_parity(s, ticks)
     if s.trains:
         _check_stashes(s, ticks)
 
@@ -460,6 +461,39 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
                 f"the loop delivers a message {hop} tick{'s' * (hop != 1)} after it is sent and the "
                 f"next slot reads it then ({late} on the loop back to device 0). Run it at tick "
                 f"{arrive}."
+            )
+
+
+def _check_v_parity(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
+    """A V table's sends follow the tick's parity: at tick ``t`` device ``d`` sends activations
+    down the V (to ``d + 1``) and cotangents back (to ``d - 1``) when ``t - d`` is even, and the
+    other ways when it is odd, so one swap of neighbouring devices per tick and message kind
+    carries every message (the pairs ``(d, d + 1)`` with ``d`` of the tick's parity for
+    activations, of the other parity for cotangents)."""
+    S, m, n = s.num_stages, s.num_micro, s.num_devices
+    j = np.arange(S)[:, None]
+    # `on`: the message goes to device d + 1 (activations on the way down, cotangents on the way up)
+    for kind, src, on in (("F", j[:-1], j[:-1] < n - 1), ("B", j[1:], j[1:] >= n + 1)):
+        if S == 2:
+            return
+        turn = (src == n - 1) if kind == "F" else (src == n)  # stays on its device
+        sent = ticks[kind].reshape(S, m)[src[:, 0]]
+        device = s.device_of(src)
+        even = (sent - device) % 2 == 0
+        want = on if kind == "F" else ~on  # activations to d + 1, cotangents to d - 1: t - d even
+        bad = (even != want) & ~turn
+        if bad.any():
+            r, i = (int(x) for x in np.argwhere(bad)[0])
+            stage, t, d = int(src[r, 0]), int(sent[r, i]), int(device[r, 0])
+            to = d + 1 if bool(on[r, 0]) else d - 1
+            what = "activation" if kind == "F" else "cotangent"
+            raise ValueError(
+                f"The {s.name!r} table's {kind} slot of stage {stage} on micro-batch {i} at tick {t} "
+                f"(device {d}) sends its {what} to device {to} on a tick where t - d = {t - d} is "
+                f"{'even' if t % 2 == d % 2 else 'odd'}; a V table sends activations to device d + 1 "
+                "and cotangents to d - 1 when t - d is even, and the other ways when it is odd, so "
+                "one swap of neighbours per tick carries every message. Move that micro-batch's "
+                "slots by one tick (e.g. micro-batch i entering at tick 2 i)."
             )
 
 
