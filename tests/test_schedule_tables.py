@@ -68,6 +68,13 @@ def test_v_tables_are_checked_by_the_same_rules():
         ValueError, match=r"names a stage its device does not hold: device d holds the stages d, d \+ 2"
     ):
         t.replace(placement="ring")  # the V's stages 2 and 3 are on devices 1 and 0
+    late = [(d, tick + 1, k, i, c) for d, tick, k, i, c in _actions(pj.v_half_schedule(2, 1))]
+    with pytest.raises(
+        ValueError,
+        match=r"stage 0 on micro-batch 0 at tick 1 \(device 0\) sends its activation to device 1 on a "
+        r"tick where t - d = 1 is odd",
+    ):
+        pj.schedule_from_actions(late, num_devices=2, num_micro=1, repeats=2, placement="v")
     with pytest.raises(ValueError, match=r"needs `repeats=2`.*but got `repeats=1`"):
         pj.schedule_from_actions([(0, 0, "F", 0), (0, 0, "B", 0)], num_devices=1, num_micro=1, placement="v")
 
