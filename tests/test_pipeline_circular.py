@@ -349,7 +349,7 @@ def test_errors():
         pj.pipeline(stages, schedule="circular", repeats=2.0)
     with pytest.raises(ValueError, match=r"multiple of 3 .*has 4 stages.*Use 3 stages"):
         pj.pipeline(stages, schedule="circular", repeats=3)
-    with pytest.raises(ValueError, match=r"'circular', .*'interleaved-1f1b', but got 'interleaved'"):
+    with pytest.raises(ValueError, match=r"'circular', .*'interleaved-1f1b'.*, but got 'interleaved'"):
         pj.pipeline(stages, schedule="interleaved")
     with pytest.raises(TypeError, match=r"`schedule` must be one of"):
         pj.pipeline(stages, schedule=None)
