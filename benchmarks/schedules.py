@@ -20,6 +20,8 @@ Sections (markdown tables):
    interleaved 1F1B on the same model (each device's share of 4 layers cut into 1 or 2
    stages), activations larger than parameters: temp bytes per device against ``m`` and their
    ratio to 1F1B's.
+   ``head``: a last stage with a wide head and its loss: its residuals kept apart from the
+   stash (as the engine does where that pays) against one container for every stage.
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
@@ -173,6 +175,86 @@ def v_shape(quick: bool) -> None:
     print()
     heads = ["schedule", *(f"m={m}" for m in ms), *(f"/ 1f1b m={m}" for m in ms), f"m={ms[-1]} / m=8"]
     print(table(heads, rows, align="l" + "r" * (2 * len(ms) + 1)))
+
+
+HEAD_VOCAB, HEAD_MICRO = 2048, 128  # a head whose logits (1 MiB a micro-batch) outweigh a block's
+
+
+def head(quick: bool) -> None:
+    """The last stage's residuals kept apart from the stash (``slots._MeshSlots.on_device``),
+    against the one container for every stage that the engine keeps where that does not pay
+    (forced here by patching ``Schedule.last_stage_in_one_tick``), on a model whose last
+    stage carries a wide head and its cross-entropy: temp bytes, compile and step time, in one
+    process (step times: medians of per-round ratios of interleaved rounds)."""
+    from benchmarks._common import ratio_stats
+    from pipejax._src.schedules.table import Schedule
+
+    section("A wide head's residuals out of the stash: apart against one container (never, dots)")
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    m, rounds = (4, 3) if quick else (8, 15)
+
+    def xent(y, t):
+        return -jnp.take_along_axis(jax.nn.log_softmax(y), t[:, None], axis=-1)[:, 0]
+
+    def build(name, ckpt, v):
+        S, per = N * v, V_LAYERS // v
+        body = v_stage(per)
+        stages = [body] * (S - 1) + [lambda p, x, key: body(p, x, key) @ p["h"]]
+        params = [
+            {"w": normal((per, V_WIDTH, V_WIDTH), s, V_WIDTH**-0.5), "b": normal((per, V_WIDTH), 50 + s, 0.1)}
+            for s in range(S)
+        ]
+        params[-1]["h"] = normal((V_WIDTH, HEAD_VOCAB), 99, V_WIDTH**-0.5)
+        x = normal((m * HEAD_MICRO, V_WIDTH), 2)
+        t = jnp.asarray(np.random.default_rng(3).integers(0, HEAD_VOCAB, m * HEAD_MICRO), jnp.int32)
+        pipe = pj.pipeline(
+            stages, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=POLICIES.get(ckpt, ckpt)
+        )
+        t0 = time.perf_counter()
+        compiled = jax.jit(pipe.value_and_grad(xent)).lower(params, x, t).compile()
+        return compiled, time.perf_counter() - t0, (params, x, t)
+
+    rows = []
+    names = (
+        (("1f1b", 1), ("zb-h1", 1))
+        if quick
+        else (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2))
+    )
+    for name, v in names:
+        for ckpt in ("never", "dots"):
+            apart, c_apart, args = build(name, ckpt, v)
+            original = Schedule.last_stage_in_one_tick
+            Schedule.last_stage_in_one_tick = lambda self: False
+            try:
+                together, c_together, _ = build(name, ckpt, v)
+            finally:
+                Schedule.last_stage_in_one_tick = original
+            temps = [c.memory_analysis().temp_size_in_bytes for c in (together, apart)]
+            times = interleaved_times({"together": together, "apart": apart}, args, rounds)
+            med, q1, q3 = ratio_stats(times["apart"], times["together"])
+            rows.append(
+                [
+                    f"{name} {ckpt}",
+                    *(kib(t) for t in temps),
+                    f"{temps[1] / temps[0]:.3f}",
+                    f"{c_together:.2f}",
+                    f"{c_apart:.2f}",
+                    f"{np.median(times['together']) * 1e3:.1f}",
+                    f"{med:.2f}x ({q1:.2f}-{q3:.2f})",
+                ]
+            )
+    print(
+        f"{N} devices; {V_LAYERS} tanh dense layers ({V_WIDTH} wide) per device as 1 stage "
+        f"(1f1b, zb-h1) or 2 (interleaved v=2, v-half); the last stage adds a {HEAD_VOCAB}-wide "
+        f"head and a cross-entropy; m={m} micro-batches of {HEAD_MICRO} rows. Temp KiB per "
+        "device; compile: trace + lower + compile, seconds; step: median ms of the "
+        "one-container program, and the per-round ratio apart / together (quartiles). ZB "
+        "tables defer the last stage's W, so nothing changes there."
+    )
+    print()
+    heads = ["schedule", "together KiB", "apart KiB", "apart / together", "compile together s"]
+    heads += ["compile apart s", "step together ms", "step apart / together"]
+    print(table(heads, rows, align="l" + "r" * 7))
 
 
 def local(quick: bool) -> None:
@@ -371,6 +453,7 @@ SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
     "v_shape": v_shape,
+    "head": head,
     "local": local,
     "slots": slots,
     "compile": compile_time,

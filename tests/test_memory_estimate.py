@@ -54,6 +54,23 @@ def test_estimate_within_10_percent_of_xla(schedule, checkpoint):
     assert abs(est.total / temp - 1) <= 0.10, (est, temp)
 
 
+def test_estimate_keeps_the_last_stage_apart_as_the_engine_does():
+    """With one tanh layer a stage ``R = 3 A`` (the input, ``tanh`` and ``1 - tanh``): 1F1B's 7
+    slots' share of the loss's residual (``7 O``) outweighs one more entry of the last stage's
+    residuals (``R + O = 4 A``), so the engine hands those straight to B and no slot holds the
+    loss's part; the estimate's stash is ``K R``, within 10 % of XLA (XLA: 82.1 -> 71.4 KiB)."""
+    mesh = jax.make_mesh((4,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    layer = lambda p, h, key: jnp.tanh(h @ p)
+    pipe = pj.pipeline(layer, num_stages=4, chunks=8, checkpoint="never", mesh=mesh, schedule="1f1b")
+    params = pipe.place(0.1 * jax.random.normal(jax.random.key(0), (4, WIDTH, WIDTH), jnp.float32))
+    x = jax.random.normal(jax.random.key(1), (8 * MICRO, WIDTH), jnp.float32)
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    est = pj.memory_estimate(pipe, params, x)
+    a = WIDTH * MICRO * 4
+    assert (est.residual_bytes, est.output_bytes, est.stash) == (3 * a, a, 7 * 3 * a)
+    assert abs(est.total / xla_temp_bytes(pipe, params, x) - 1) <= 0.10
+
+
 def test_terms_follow_the_schedule():
     """1F1B's stash is flat in m from m = n - 1 on; GPipe's grows by A per micro-batch."""
     a = WIDTH * MICRO * 4

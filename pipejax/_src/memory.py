@@ -222,9 +222,11 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     gpipe     except_last   (T - n) A + n R    R + 2 A          M O      g
     circular  as gpipe      as gpipe           R + 2 A          M O      2 L A, g
     1f1b      "always"      K A                R + 4 A                   g
-    1f1b      "never"       K (R + O)          3 (R + O) + 4 A           g
+    1f1b      "never"       K (R + O) (1)      3 (R + O) + 4 A           g
     zb-h1     as 1f1b       as 1f1b + n A      as 1f1b                   g
     ========  ============  =================  ===============  =======  ==============
+
+    (1) ``K R`` where ``K O > R + O``: the last stage's residuals are then kept apart (see below).
 
     ``g = P`` when one stage's parameters ``P`` outweigh the residuals the tick's backward frees
     (``R``; 1F1B ``"never"``: ``3 (R + O)``), else 0: XLA puts the tick's parameter cotangent in
@@ -234,8 +236,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     stage input (``"always"``) or its residuals (``"never"``), and a backward tick holds one
     stage's residuals (recomputed, or read) with the cotangent it receives and the one it sends;
     1F1B keeps ``K`` slots, a tick receives and sends an activation and a cotangent, and with
-    ``"never"`` a slot holds the last stage's loss residual too (one container for every stage)
-    and exists three times in a tick (F's residuals, their packed copy, B's read). The circular
+    ``"never"`` a slot holds the last stage's loss residual too (one container for every stage),
+    unless the ``K`` slots' share of it outweighs one more entry of the last stage's residuals:
+    then F hands those straight to B in the tick (1F1B runs both in one tick) and no slot holds
+    them. A slot exists three times in a tick (F's residuals, their packed copy, B's read). The circular
     schedule also carries device 0's loop buffer of ``L`` activations waiting for their next
     round (``L = m - n + 1`` when ``m > n``; none when ``m <= n``, when a micro-batch starts its
     next round the tick it arrives) and its cotangent. ZB-H1 stashes ``n`` output cotangents for
@@ -312,7 +316,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     if pipe.plan.schedule.owns_backward:
         k = table.stash_slots()
         slot = a if pipe.checkpoint == "always" else r + o
-        stash = k * slot + (n * a if name == "zb-h1" else 0)
+        # the last stage's residuals kept apart, as the engine does where that pays: a table that
+        # runs its F and B in one tick hands them straight to B, and every slot shrinks to R
+        apart = pipe.checkpoint != "always" and table.last_stage_in_one_tick() and k * o > slot
+        stash = k * (r if apart else slot) + (n * a if name == "zb-h1" else 0)
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0
     else:

@@ -241,6 +241,14 @@ class Schedule:
         )
         return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
 
+    def last_stage_in_one_tick(self) -> bool:
+        """Whether the last stage runs F and its last use (B, or W) of every micro-batch in one
+        tick (1F1B, interleaved 1F1B, V-Half; not the ZB tables, which defer its W): then what
+        its F keeps goes straight to its B within the tick, and no stash slot need hold it."""
+        stage, _, first, last = self._held()
+        mine = stage == self.num_stages - 1
+        return bool((first[mine] == last[mine]).all())
+
     def stash_slots(self) -> int:
         """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
         in flight on one stage (``2 n - 1`` for "1f1b" with ``m >= n``, whatever ``m``)."""
