@@ -45,6 +45,7 @@ def run_quick(script: str, *args: str) -> str:
             (
                 "Memory: compiled temp bytes",
                 "V-Half and ZB-V against 1F1B",
+                "A wide head's residuals out of the stash",
                 "Without a mesh",
                 "Slots:",
                 "Compile time",

@@ -178,27 +178,33 @@ def test_v_half_stash_is_flat_in_m():
     assert {sched.v_half(4, m).stash_pool()[0] for m in (8, 16, 32, 256)} == {8}
 
 
-
-def test_last_stage_in_one_tick():
-    """Where the last stage's F and its last use (B, or W) share a tick, the engine hands what
-    F keeps straight to B (``slots._MeshSlots``); the ZB tables defer the last stage's W."""
+def test_last_stage_slots():
+    """The last stage's own ring (``slots._MeshSlots``): none where its F and its last use (B,
+    or W) share a tick, F handing what it keeps straight to B; ``n`` where ZB defers its W."""
     for n, m in ((2, 4), (4, 8), (3, 7)):
-        assert sched.one_f_one_b(n, m).last_stage_in_one_tick()
-        assert sched.v_half(n, m).last_stage_in_one_tick()
-        assert not sched.zb_h1(n, m).last_stage_in_one_tick()
-        assert not sched.zb_v(n, m).last_stage_in_one_tick()
-    assert sched.interleaved_one_f_one_b(4, 8, 2).last_stage_in_one_tick()
-    # a user table whose last stage runs B a tick after F
+        assert sched.one_f_one_b(n, m).last_stage_slots() == 0
+        assert sched.v_half(n, m).last_stage_slots() == 0
+        assert sched.zb_h1(n, m).last_stage_slots() == n
+        assert sched.zb_v(n, m).last_stage_slots() == n
+    assert sched.interleaved_one_f_one_b(4, 8, 2).last_stage_slots() == 0
+    assert sched.one_f_one_b(1, 4).last_stage_slots() == 0  # one device: every stage is the last
+    # a user table whose last stage runs B a tick after F: one slot holds it
     late = pj.schedule_from_actions(
         [(0, 0, "F", 0), (1, 1, "F", 0), (1, 2, "B", 0), (0, 3, "B", 0)], num_devices=2, num_micro=1
     )
-    assert not late.last_stage_in_one_tick()
-    assert sched.one_f_one_b(1, 4).last_stage_in_one_tick()  # one device: every stage is the last
-
-# --- the table helpers against naive references --------------------------------------------------
-#
-# The helpers are linear in the table's size; these references are the first, direct versions
-# (a scan of the table per held input: quadratic in m), kept as the specification.
+    assert late.last_stage_slots() == 1
+    for s in _random_training_tables():  # the ring holds every last-stage input apart
+        size = s.last_stage_slots()
+        stage, micro, first, last = s._held()
+        mine = (stage == s.num_stages - 1) & (first < last)
+        if size == 0:
+            assert not mine.any()
+            continue
+        assert size >= s.in_flight(per_stage=True)[:, -1].max() or size == s.num_micro
+        for i in np.flatnonzero(mine):
+            for j in np.flatnonzero(mine):
+                if i != j and micro[i] % size == micro[j] % size:
+                    assert last[i] < first[j] or last[j] < first[i], (s.name, size)
 
 
 def _naive_in_flight(s, per_stage=False):

@@ -226,7 +226,8 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     zb-h1     as 1f1b       as 1f1b + n A      as 1f1b                   g
     ========  ============  =================  ===============  =======  ==============
 
-    (1) ``K R`` where ``K O > R + O``: the last stage's residuals are then kept apart (see below).
+    (1) ``K R + K_last (R + O)`` where ``K O > (K_last + 1)(R + O)``: the last stage's residuals
+    are then kept apart, in ``K_last`` slots of their own (1F1B: none; ZB-H1: ``n``; below).
 
     ``g = P`` when one stage's parameters ``P`` outweigh the residuals the tick's backward frees
     (``R``; 1F1B ``"never"``: ``3 (R + O)``), else 0: XLA puts the tick's parameter cotangent in
@@ -237,9 +238,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     stage's residuals (recomputed, or read) with the cotangent it receives and the one it sends;
     1F1B keeps ``K`` slots, a tick receives and sends an activation and a cotangent, and with
     ``"never"`` a slot holds the last stage's loss residual too (one container for every stage),
-    unless the ``K`` slots' share of it outweighs one more entry of the last stage's residuals:
-    then F hands those straight to B in the tick (1F1B runs both in one tick) and no slot holds
-    them. A slot exists three times in a tick (F's residuals, their packed copy, B's read). The circular
+    unless the ``K`` slots' share of it outweighs ``K_last + 1`` entries of the last stage's
+    residuals: then those go to ``K_last`` slots of their own and one entry in the tick (1F1B
+    runs the last stage's F and B in one tick: ``K_last = 0``, F hands them straight to B). A
+    slot exists three times in a tick (F's residuals, their packed copy, B's read). The circular
     schedule also carries device 0's loop buffer of ``L`` activations waiting for their next
     round (``L = m - n + 1`` when ``m > n``; none when ``m <= n``, when a micro-batch starts its
     next round the tick it arrives) and its cotangent. ZB-H1 stashes ``n`` output cotangents for
@@ -316,10 +318,12 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     if pipe.plan.schedule.owns_backward:
         k = table.stash_slots()
         slot = a if pipe.checkpoint == "always" else r + o
-        # the last stage's residuals kept apart, as the engine does where that pays: a table that
-        # runs its F and B in one tick hands them straight to B, and every slot shrinks to R
-        apart = pipe.checkpoint != "always" and table.last_stage_in_one_tick() and k * o > slot
-        stash = k * (r if apart else slot) + (n * a if name == "zb-h1" else 0)
+        # the last stage's residuals kept apart, as the engine does where that pays: every slot
+        # shrinks to R, and the last stage's take L slots of their own (1F1B: none, F hands
+        # them straight to B) and one entry in the tick
+        last = table.last_stage_slots()
+        apart = pipe.checkpoint != "always" and k * o > (last + 1) * slot
+        stash = (k * r + last * slot if apart else k * slot) + (n * a if name == "zb-h1" else 0)
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0
     else:

@@ -241,13 +241,26 @@ class Schedule:
         )
         return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
 
-    def last_stage_in_one_tick(self) -> bool:
-        """Whether the last stage runs F and its last use (B, or W) of every micro-batch in one
-        tick (1F1B, interleaved 1F1B, V-Half; not the ZB tables, which defer its W): then what
-        its F keeps goes straight to its B within the tick, and no stash slot need hold it."""
-        stage, _, first, last = self._held()
+    def last_stage_slots(self) -> int:
+        """The ring slots (slot = micro-batch mod the size) the last stage's stashed inputs need
+        in a stash of their own: 0 where the table runs the last stage's F and its last use (B,
+        or W) of every micro-batch in one tick (1F1B, interleaved 1F1B, V-Half), so that what F
+        keeps goes straight to B; else the fewest slots that hold its inputs in flight apart
+        (ZB-H1 and ZB-V defer its W: ``n``).
+
+        >>> from pipejax._src.schedules import tables
+        >>> tables.one_f_one_b(4, 8).last_stage_slots(), tables.zb_h1(4, 8).last_stage_slots()
+        (0, 4)
+        """
+        stage, micro, first, last = self._held()
         mine = stage == self.num_stages - 1
-        return bool((first[mine] == last[mine]).all())
+        micro, first, last = micro[mine], first[mine], last[mine]
+        if (first == last).all():
+            return 0
+        for size in range(max(1, int(self.in_flight(per_stage=True)[:, -1].max())), self.num_micro):
+            if not len(_clashes(micro % size, first, last)[0]):  # no two held at once share a slot
+                return size
+        return self.num_micro  # a slot per micro-batch
 
     def stash_slots(self) -> int:
         """The ring-buffer slots a device keeps per stage it holds: the most micro-batches ever
@@ -518,11 +531,19 @@ def _check_stashes(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
         _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")
 
 
+def _clashes(group, first, last) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, order)``: values held from tick ``first`` to ``last`` (both included) in slots
+    ``group``, sorted by slot and first tick (``order``); ``k`` where the ``k``-th of them and the
+    next share a slot while both are held (a clash with any later one shows between neighbours)."""
+    order = np.lexsort((first, group))
+    g, f, lt = group[order], first[order], last[order]
+    return np.flatnonzero((g[1:] == g[:-1]) & (f[1:] <= lt[:-1])), order
+
+
 def _refuse_overlap(s, stage, micro, first, last, size, what) -> None:
     group = stage.astype(np.int64) * size + micro % size
-    order = np.lexsort((first, group))
+    clash, order = _clashes(group, first, last)
     g, f, lt, i = group[order], first[order], last[order], micro[order]
-    clash = np.flatnonzero((g[1:] == g[:-1]) & (f[1:] <= lt[:-1]))
     if len(clash):
         c = clash[np.argmin(f[clash + 1])]
         j = int(g[c] // size)

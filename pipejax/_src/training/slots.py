@@ -99,6 +99,8 @@ class _MeshSlots(_Slots):
     nothing), and messages, stashes and stats travel in the containers of the engine's stage
     objects (``stages``)."""
 
+    keep_last_apart = True  # False: one container for every stage (benchmarks compare the two)
+
     def __init__(self, grad, table, stages, variants, index, axes):
         self.grad, self.stages, self.variants, self.axes = grad, stages, variants, axes
         self.n, self.repeats = table.num_devices, table.repeats  # stage s is row s // n of a device
@@ -110,10 +112,10 @@ class _MeshSlots(_Slots):
         # the output cotangents W reads: a ring of n (slot b mod n), or a V's pool
         self.G = table.cotangent_pool()[0] if self.zb and self.pool else self.n
         self.variant_of = jnp.asarray(index, jnp.int32)
-        # a table that runs the last stage's F and B (and W) in one tick hands what its F keeps
-        # straight to its B: the stash holds the other stages' only, whose residuals are smaller
-        # where the last stage's include its loss's (or a head's)
-        self.direct = table.last_stage_in_one_tick()
+        # the last stage's residuals (its loss's, a head's) kept apart from the other stages'
+        # (`on_device`): in a ring of L slots of their own, or (L = 0: its F and B, or W, in one
+        # tick) handed by F straight to B
+        self.L, self.S = table.last_stage_slots(), table.num_stages
         # laid out on the device (`on_device`): the stash's container, and the last stage's
         self.saved_layouts, self.sbox, self.dbox = None, None, None
         self.loss_dtype = grad.loss_dtype(variants[-1])
@@ -143,15 +145,15 @@ class _MeshSlots(_Slots):
             new.sbox = Container.for_layouts(new.saved_layouts)
             pairs = list(zip(self.variants, new.saved_layouts, strict=True))
             stashed = [lay for v, lay in pairs if not v.last]
-            if self.direct and stashed:
+            if self.keep_last_apart and stashed:
                 direct = [lay for v, lay in pairs if v.last]
                 sbox, dbox = Container.for_layouts(stashed), Container.for_layouts(direct)
-                # apart where it pays: every stash slot shrinks to the other stages' size, and a
-                # tick's F hands B one more entry, the last stage's (a wide head and its loss:
-                # 1F1B's temp bytes 28.3 -> 12.2 MiB; a squared error's: 7 slots of 2 KiB
-                # against a 22.5 KiB entry, 249.4 -> 255.0 KiB, so kept in the stash)
+                # apart where it pays: every stash slot shrinks to the other stages' size, and the
+                # last stage's entries take L slots and one entry F hands B (W) in the tick (a wide
+                # head and its loss: 1F1B's temp bytes 0.66x; a squared error's: 7 slots of 2 KiB
+                # against a 22.5 KiB entry, 249.4 -> 255.0 KiB, so kept in the one container)
                 slots = (1 if self.pool else self.repeats) * self.K
-                if slots * (new.sbox.nbytes() - sbox.nbytes()) > dbox.nbytes():
+                if slots * (new.sbox.nbytes() - sbox.nbytes()) > (self.L + 1) * dbox.nbytes():
                     new.sbox, new.dbox = sbox, dbox
         return new
 
@@ -245,6 +247,7 @@ class _MeshSlots(_Slots):
             _zeros_like(self.prows),
             self.loss0,
             jnp.zeros((3,), jnp.int32),
+            self.dbox.zeros((self.L,)) if self.dbox is not None and self.L else None,
         )
 
     def back(self, dev: _Back, out, row, d):
@@ -263,13 +266,22 @@ class _MeshSlots(_Slots):
         _, _, dloss, saved, c0 = out
         # the last stage's entry of this tick's F goes to B (W) beside the stash entry it reads
         saved, direct = saved if self.dbox is not None else (saved, None)
-        with_direct = lambda entry: entry if direct is None else (entry, direct)
+        lstash = dev.lstash
+        if lstash is not None:  # the last stage's own ring (slot: micro-batch mod L)
+            lstash = engine.put(lstash, direct, f % self.L, (f >= 0) & (fs == self.S - 1))
+
+        def with_last(entry, i):
+            """What B (W) of micro-batch ``i`` reads: the stash entry, and the last stage's."""
+            if direct is None:
+                return entry
+            return entry, (direct if lstash is None else engine.take(lstash, i % self.L))
+
         # where F puts what it keeps and B (W) reads it: a V's pools, the table giving each stage
         # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
         # device's one stage, a ring of n cotangents). (Each index is computed where it is used.)
         pool = [engine.at_device(a, d) for a in engine.v_row(row, n)[2:]] if self.pool else None
         stash = engine.put(dev.stash, saved, pool[0] if pool else (fs // n) * K + f % K, f >= 0)
-        xb = with_direct(engine.take(stash, pool[1] if pool else (bs // n) * K + b % K))
+        xb = with_last(engine.take(stash, pool[1] if pool else (bs // n) * K + b % K), b)
 
         def b_branch(v):
             def run(rows_p, xb, g, b, grow):
@@ -302,7 +314,7 @@ class _MeshSlots(_Slots):
             ws, wr = (pool[3], pool[3] // n) if pool else (d, 0)
             if gstash is not None:  # (the last stage seeds its own)
                 gstash = engine.put(gstash, dev.bin, pool[4] if pool else b % n, b >= 0)
-            xw = with_direct(engine.take(stash, pool[2] if pool else w % K))
+            xw = with_last(engine.take(stash, pool[2] if pool else w % K), w)
             gw = None if gstash is None else engine.take(gstash, pool[5] if pool else w % n)
 
             def w_branch(v):
@@ -324,7 +336,9 @@ class _MeshSlots(_Slots):
             w_idle = lambda rows_p, xw, gw, w, acc: (acc, zero)
             acc, c2 = self.dispatch(w >= 0, ws, w_branch, w_idle, rows_p, xw, gw, w, acc)
         counts = dev.counts + jnp.stack([c0, c1, c2])
-        new = dev._replace(stash=stash, gstash=gstash, grad=acc, loss=dev.loss + dloss, counts=counts)
+        new = dev._replace(
+            stash=stash, gstash=gstash, grad=acc, loss=dev.loss + dloss, counts=counts, lstash=lstash
+        )
         return new, dx
 
 
@@ -509,6 +523,7 @@ class _Back(NamedTuple):
     grad: Any  # parameter cotangents, one row per stage the device holds
     loss: Any  # f[2]: the (loss, weight) sums of the micro-batches the device's last stage ran
     counts: Any  # int[3]: F, B and W slots run
+    lstash: Any = None  # the last stage's entries kept apart, L slots (None: none, or none apart)
 
 
 # --- small exact helpers ---------------------------------------------------------------------
