@@ -567,16 +567,20 @@ def layouts(quick: bool) -> None:
 def schedule_tables(n: int, m: int, v: int = 2, hop: int = 1) -> dict[str, object]:
     """pipejax's tables of every schedule for ``n`` devices and ``m`` micro-batches (``v`` chunks
     per device for the circular and interleaved ones), built by its public constructors;
-    ``hop=2``: the tables of ``overlap=True`` (interleaved 1F1B needs ``m`` a multiple of ``2 n``)."""
+    ``hop=2``: the tables of ``overlap=True`` (interleaved 1F1B needs ``m`` a multiple of ``2 n``),
+    which the V tables (two stages a device in a V) do not take."""
     import pipejax as pj
 
-    return {
+    tables = {
         "gpipe": pj.gpipe_schedule(n, m, hop=hop),
         f"circular v={v}": pj.circular_schedule(n, m, v, hop=hop),
         "1f1b": pj.one_f_one_b_schedule(n, m, hop=hop),
         "zb-h1": pj.zb_h1_schedule(n, m, hop=hop),
         f"interleaved-1f1b v={v}": pj.interleaved_one_f_one_b_schedule(n, m, v, hop=hop),
     }
+    if hop == 1:
+        tables.update({"v-half": pj.v_half_schedule(n, m), "zb-v": pj.zb_v_schedule(n, m)})
+    return tables
 
 
 def trains(table) -> bool:
@@ -602,11 +606,16 @@ def lockstep(quick: bool) -> None:
             for name, sched in schedule_tables(n, m).items():
                 v = sched.repeats
                 c = 1.0 / v  # f = b = w = 1 for a device's share of the model: 1/v per stage
-                plain, over = sim.ticks(sched, c, c, c), sim.ticks(sched, c, c, c, overlap=True)
+                plain, expect = sim.ticks(sched, c, c, c), table_step(sched, c, c, c)
+                if name not in built:  # a V table: no overlap=True (its turn and parity rule)
+                    row = [n, m, name, len(plain.compute), f"{plain.step():g}", f"{expect:g}"]
+                    row += [plain.step() == expect, f"{1 - plain.work / (n * plain.step()):.3f}"]
+                    rows.append([*row, "-", "-", "not built"])
+                    continue
+                over = sim.ticks(sched, c, c, c, overlap=True)
                 # the re-timed table against pipejax's own hop-2 table (at 2 m, both for m and 2 m)
                 again = sim.ticks(schedule_tables(n, 2 * m)[name], c, c, c, overlap=True)
                 own = sim.ticks(built[name], c, c, c, overlap=True)
-                expect = table_step(sched, c, c, c)
                 rows.append(
                     [
                         n,
@@ -636,7 +645,8 @@ def lockstep(quick: bool) -> None:
         "re-timing with pipejax's own `overlap=True` tables (`hop=2`) at 2m micro-batches (the "
         "interleaved table needs a multiple of 2n): equal for GPipe, 1F1B and ZB-H1; the circular "
         "table spaces its rounds by max(m, 2n) slots and the interleaved one groups 2n "
-        "micro-batches, where the re-timing keeps the hop-1 table's order."
+        "micro-batches, where the re-timing keeps the hop-1 table's order. The V tables (v-half, "
+        "zb-v: two half stages a device) take no overlap=True."
     )
 
 
@@ -679,10 +689,11 @@ def bandwidth(quick: bool) -> None:
     print(
         f"Model: {LAYERS} decoder layers (width {WIDTH}, SwiGLU hidden {HIDDEN}, sequence {SEQ}), "
         f"n = {DEVICES} devices, m = {CHUNKS} micro-batches of {MICRO} sequences; gpipe, 1f1b and "
-        f"zb-h1 run {LAYERS // DEVICES} layers per stage, circular and interleaved 1F1B (v = 2) "
-        f"{LAYERS // (2 * DEVICES)}. Per layer and micro-batch at {ACHIEVED / 1e12:.0f} TFLOP/s "
-        f"achieved: F {f1 * 1e3:.2f} ms, B {b1 * 1e3:.2f} ms, W {w1 * 1e3:.2f} ms (analytic "
-        "FLOPs; 1F1B, interleaved 1F1B and autodiff run B + W in one slot); no recomputation. "
+        f"zb-h1 run {LAYERS // DEVICES} layers per stage, circular, interleaved 1F1B (v = 2), "
+        f"v-half and zb-v {LAYERS // (2 * DEVICES)}. Per layer and micro-batch at "
+        f"{ACHIEVED / 1e12:.0f} TFLOP/s achieved: F {f1 * 1e3:.2f} ms, B {b1 * 1e3:.2f} ms, "
+        f"W {w1 * 1e3:.2f} ms (analytic FLOPs; 1F1B, interleaved 1F1B, V-Half and autodiff run "
+        "B + W in one slot); no recomputation. "
         f"Message: one micro-batch's bfloat16 activation, {MESSAGE_BYTES / 1e6:.1f} MB, "
         "bytes / bandwidth + latency.\n"
     )
@@ -698,12 +709,18 @@ def bandwidth(quick: bool) -> None:
     for name, t in schedule_tables(DEVICES, CHUNKS).items():
         layers = LAYERS // t.num_stages
         costs = (layers * f1, layers * b1, layers * w1)
-        plans[name] = (sim.ticks(t, *costs), sim.ticks(built[name], *costs, overlap=True))
+        over = sim.ticks(built[name], *costs, overlap=True) if name in built else None
+        plans[name] = (sim.ticks(t, *costs), over)
     rows = []
     for name, (plain, over) in plans.items():
         for link, bw, lat in LINKS:
             msg = sim.message_time(MESSAGE_BYTES, bw, lat)
-            a, o = plain.step(msg), over.step(msg)
+            a = plain.step(msg)
+            if over is None:  # a V table: no overlap=True
+                rows.append([name, link, f"{msg * 1e3:.3f}", f"{a * 1e3:,.0f}", f"{a / plain.ideal:.3f}"])
+                rows[-1] += ["-", "-", "no overlap (not built)"]
+                continue
+            o = over.step(msg)
             rows.append(
                 [
                     name,
@@ -724,6 +741,9 @@ def bandwidth(quick: bool) -> None:
     print("\nWhere overlap wins:\n")
     rows = []
     for name, (plain, over) in plans.items():
+        if over is None:
+            rows.append([name, len(plain.compute), "-", plain.messages.max(), "not built", "not built"])
+            continue
         window = sim.overlap_wins(plain, over)
         if window is None:
             span, bws = "never", "never"
