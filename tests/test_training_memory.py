@@ -157,41 +157,49 @@ def test_gpipe_without_a_mesh_keeps_no_copy_of_the_stacked_parameters(checkpoint
 HEAD_VOCAB, HEAD_MICRO = 1024, 64
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_a_wide_head_stays_out_of_the_stash(monkeypatch, schedule):
+@pytest.mark.parametrize(
+    ("schedule", "repeats"), [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)]
+)
+def test_a_wide_head_stays_out_of_the_stash(monkeypatch, schedule, repeats):
     """With ``checkpoint="never"`` F keeps its stage's residuals for B, and the last stage's
     include its loss's: here a 1024-wide head's logits and softmax. Kept apart, they take
-    ``K_last`` slots of their own (1F1B runs the last stage's F and B in one tick: none, F hands
-    them to B; ZB-H1 defers its W: ``n``) and one entry in the tick, and the ``2 n - 1`` stash
-    slots are sized for the other stages: against the program whose one stash container serves
-    every stage (what the engine built before, here forced) the step saves at least
-    ``2 n - 3 - K_last`` micro-batches of logits (measured: 1F1B 4.78 -> 3.02 MiB). Both give
-    GPipe's loss and gradients."""
+    ``K_last`` slots of their own (1F1B, interleaved 1F1B and V-Half run the last stage's F and B
+    in one tick: none, F hands them to B; ZB-H1 and ZB-V defer its W: ``n``) and one entry in the
+    tick, and the stash's ``K`` slots are sized for the other stages: against the program whose
+    one stash container serves every stage (what the engine built before, here forced) the step
+    saves at least ``K - 2 - K_last`` micro-batches of logits (measured: 1F1B 4.78 -> 3.02 MiB).
+    Every schedule gives GPipe's loss and gradients."""
     from pipejax._src.training.slots import _MeshSlots
 
     mesh = jax.make_mesh((4,), ("stage",), axis_types=(AxisType.Auto,))
+    S = 4 * repeats
     head = lambda p, x, key: stage(p, x, key) @ p["h"]
     r = np.random.default_rng(3)
     normal = lambda *shape: jnp.asarray(r.normal(size=shape) / shape[-2] ** 0.5, jnp.float32)
-    params = [{"w": normal(2, WIDTH, WIDTH), "b": normal(2, 1, WIDTH)[:, 0]} for _ in range(4)]
+    params = [{"w": normal(2, WIDTH, WIDTH), "b": normal(2, 1, WIDTH)[:, 0]} for _ in range(S)]
     params[-1]["h"] = normal(WIDTH, HEAD_VOCAB)
     m = 8
     x = jnp.asarray(r.normal(size=(m * HEAD_MICRO, WIDTH)), jnp.float32)
     t = jnp.asarray(r.integers(0, HEAD_VOCAB, size=m * HEAD_MICRO), jnp.int32)
+    stages = [stage] * (S - 1) + [head]
 
     def xent(y, t):
         return -jnp.take_along_axis(jax.nn.log_softmax(y), t[:, None], axis=-1)[:, 0]
 
+    pipe = pj.pipeline(stages, chunks=m, schedule=schedule, repeats=repeats, mesh=mesh, checkpoint="never")
+
     def temp_and_step():
-        pipe = pj.pipeline([stage] * 3 + [head], chunks=m, schedule=schedule, mesh=mesh, checkpoint="never")
         compiled = jax.jit(pipe.value_and_grad(xent)).lower(params, x, t).compile()
         return compiled.memory_analysis().temp_size_in_bytes, compiled(params, x, t)
 
     temp, got = temp_and_step()
     monkeypatch.setattr(_MeshSlots, "keep_last_apart", False)
     together, _ = temp_and_step()
+    table = pipe.schedule(x.shape[0])
+    K = table.stash_pool()[0] if table.placement == "v" else table.stash_slots() * table.repeats
+    k_last = table.last_stage_slots()
+    assert k_last == (4 if schedule.startswith("zb") else 0)
     logits = HEAD_MICRO * HEAD_VOCAB * 4
-    k_last = {"1f1b": 0, "zb-h1": 4}[schedule]
-    assert together - temp >= (2 * 4 - 3 - k_last) * logits, (together, temp)
-    want = pj.pipeline([stage] * 3 + [head], chunks=m).value_and_grad(xent)(params, x, t)
+    assert together - temp >= (K - 2 - k_last) * logits, (together, temp, K, k_last)
+    want = pj.pipeline(stages, chunks=m).value_and_grad(xent)(params, x, t)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
