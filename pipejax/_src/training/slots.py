@@ -1,5 +1,5 @@
-"""The slots of a training table in the engine's one tick loop: 1F1B, ZB-H1 and interleaved
-1F1B (:func:`pipejax._src.schedules.tables.training`).
+"""The slots of a training table in the engine's one tick loop: 1F1B, ZB-H1, interleaved 1F1B,
+V-Half and ZB-V (:func:`pipejax._src.schedules.tables.training`).
 
 Their table runs in the loop of the forward schedules (:meth:`engine.MeshDevices.loop` on a
 mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_MeshSlots` or
@@ -9,8 +9,13 @@ mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_M
 * **F** (micro-batch ``i``, ``step``): the engine's tick delivers the device's input
   -- micro-batch ``i`` of ``x`` on stage 0, the activation the previous device sent otherwise --
   and the stage runs on it, keeping what B and W need in a ring buffer of
-  :meth:`~pipejax._src.schedules.table.Schedule.stash_slots` slots (slot ``i`` mod the size);
-  the last stage adds its micro-batch's loss terms to the sums.
+  :meth:`~pipejax._src.schedules.table.Schedule.stash_slots` slots (slot ``i`` mod the size;
+  a V table: one pool per device, :meth:`~pipejax._src.schedules.table.Schedule.stash_pool`);
+  the last stage adds its micro-batch's loss terms to the sums. Where it pays, the last stage's
+  residuals (its loss's, a head's) are kept apart, so the stash's slots are sized for the other
+  stages: handed straight to B in the tick, or kept in a ring of
+  :meth:`~pipejax._src.schedules.table.Schedule.last_stage_slots` slots of their own (decision
+  0033).
 * **B** (``back``): the stage's pullback is applied to the cotangent the next device
   sent: "1f1b" gets the parameter and the input cotangents, "zb-h1" the input cotangent only and
   stashes the output cotangent for W. Stage 0 computes no input cotangent.
