@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pipejax._src import checks, compat, microbatch, options
 from pipejax._src.engine import boundaries
 from pipejax._src.pipeline import Pipeline
+from pipejax._src.training.slots import last_apart_pays
 
 
 class Residual(NamedTuple):
@@ -318,11 +319,11 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     if pipe.plan.schedule.owns_backward:
         k = table.stash_slots()
         slot = a if pipe.checkpoint == "always" else r + o
-        # the last stage's residuals kept apart, as the engine does where that pays: every slot
-        # shrinks to R, and the last stage's take L slots of their own (1F1B: none, F hands
-        # them straight to B) and one entry in the tick
+        # the last stage's residuals kept apart by the engine's rule: every slot shrinks by O,
+        # and the last stage's take K_last slots of their own (1F1B: none, F hands them straight
+        # to B) and one entry in the tick
         last = table.last_stage_slots()
-        apart = pipe.checkpoint != "always" and k * o > (last + 1) * slot
+        apart = pipe.checkpoint != "always" and last_apart_pays(k, o, last, slot)
         stash = (k * r + last * slot if apart else k * slot) + (n * a if name == "zb-h1" else 0)
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0

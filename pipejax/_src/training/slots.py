@@ -118,9 +118,9 @@ class _MeshSlots(_Slots):
         self.G = table.cotangent_pool()[0] if self.zb and self.pool else self.n
         self.variant_of = jnp.asarray(index, jnp.int32)
         # the last stage's residuals (its loss's, a head's) kept apart from the other stages'
-        # (`on_device`): in a ring of L slots of their own, or (L = 0: its F and B, or W, in one
+        # (`on_device`): in a ring of K_last slots of their own, or (K_last = 0: its F and B, or W, in one
         # tick) handed by F straight to B
-        self.L, self.S = table.last_stage_slots(), table.num_stages
+        self.K_last, self.S = table.last_stage_slots(), table.num_stages
         # laid out on the device (`on_device`): the stash's container, and the last stage's
         self.saved_layouts, self.sbox, self.dbox = None, None, None
         self.loss_dtype = grad.loss_dtype(variants[-1])
@@ -153,12 +153,8 @@ class _MeshSlots(_Slots):
             if self.keep_last_apart and stashed:
                 direct = [lay for v, lay in pairs if v.last]
                 sbox, dbox = Container.for_layouts(stashed), Container.for_layouts(direct)
-                # apart where it pays: every stash slot shrinks to the other stages' size, and the
-                # last stage's entries take L slots and one entry F hands B (W) in the tick (a wide
-                # head and its loss: 1F1B's temp bytes 0.66x; a squared error's: 7 slots of 2 KiB
-                # against a 22.5 KiB entry, 249.4 -> 255.0 KiB, so kept in the one container)
                 slots = (1 if self.pool else self.repeats) * self.K
-                if slots * (new.sbox.nbytes() - sbox.nbytes()) > (self.L + 1) * dbox.nbytes():
+                if last_apart_pays(slots, new.sbox.nbytes() - sbox.nbytes(), self.K_last, dbox.nbytes()):
                     new.sbox, new.dbox = sbox, dbox
         return new
 
@@ -252,7 +248,7 @@ class _MeshSlots(_Slots):
             _zeros_like(self.prows),
             self.loss0,
             jnp.zeros((3,), jnp.int32),
-            self.dbox.zeros((self.L,)) if self.dbox is not None and self.L else None,
+            self.dbox.zeros((self.K_last,)) if self.dbox is not None and self.K_last else None,
         )
 
     def back(self, dev: _Back, out, row, d):
@@ -272,14 +268,14 @@ class _MeshSlots(_Slots):
         # the last stage's entry of this tick's F goes to B (W) beside the stash entry it reads
         saved, direct = saved if self.dbox is not None else (saved, None)
         lstash = dev.lstash
-        if lstash is not None:  # the last stage's own ring (slot: micro-batch mod L)
-            lstash = engine.put(lstash, direct, f % self.L, (f >= 0) & (fs == self.S - 1))
+        if lstash is not None:  # the last stage's own ring (slot: micro-batch mod K_last)
+            lstash = engine.put(lstash, direct, f % self.K_last, (f >= 0) & (fs == self.S - 1))
 
         def with_last(entry, i):
             """What B (W) of micro-batch ``i`` reads: the stash entry, and the last stage's."""
             if direct is None:
                 return entry
-            return entry, (direct if lstash is None else engine.take(lstash, i % self.L))
+            return entry, (direct if lstash is None else engine.take(lstash, i % self.K_last))
 
         # where F puts what it keeps and B (W) reads it: a V's pools, the table giving each stage
         # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
@@ -528,7 +524,18 @@ class _Back(NamedTuple):
     grad: Any  # parameter cotangents, one row per stage the device holds
     loss: Any  # f[2]: the (loss, weight) sums of the micro-batches the device's last stage ran
     counts: Any  # int[3]: F, B and W slots run
-    lstash: Any = None  # the last stage's entries kept apart, L slots (None: none, or none apart)
+    lstash: Any = None  # the last stage's entries kept apart, K_last slots (None: none, or none apart)
+
+
+def last_apart_pays(slots: int, saved_per_slot: float, k_last: int, last_entry: float) -> bool:
+    """Whether keeping the last stage's residuals apart from the stash saves memory: each of the
+    stash's ``slots`` shrinks by ``saved_per_slot`` bytes, and the last stage's entries take
+    ``k_last`` slots of their own and one entry F hands on in the tick, ``last_entry`` bytes
+    each (decision 0033). Decided here for the engine (:meth:`_MeshSlots.on_device`, on the
+    containers' bytes) and for ``pj.memory_estimate`` (on its terms). A wide head and its loss:
+    1F1B's temp bytes 0.66x; a squared error's: 7 slots of 2 KiB against a 22.5 KiB entry,
+    249.4 -> 255.0 KiB apart, so kept in the one container."""
+    return slots * saved_per_slot > (k_last + 1) * last_entry
 
 
 # --- small exact helpers ---------------------------------------------------------------------
