@@ -148,29 +148,36 @@ def v_shape(quick: bool) -> None:
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     ms = (8,) if quick else (8, 16, 32)
     got, rows = {}, []
+    plain = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2))
+    runs = [(name, v, False) for name, v in plain]
+    if not quick:  # sends that overlap compute: a deeper stash (V: a larger pool)
+        runs += [("1f1b", 1, True), ("v-half", 2, True), ("zb-v", 2, True)]
     for ckpt in ("always", "never"):
-        for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)):
+        for name, v, overlap in runs:
             S, per = N * v, V_LAYERS // v
-            row = [f"{name} {ckpt}"]
+            row = [f"{name} {ckpt}{', overlap' if overlap else ''}"]
             for m in ms:
                 pipe = pj.pipeline(
-                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt
-                )
+                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh,
+                    checkpoint=ckpt, overlap=overlap,
+                )  # fmt: skip
                 params = {
                     "w": normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5),
                     "b": normal((S, per, V_WIDTH), 1, 0.1),
                 }
                 x, t = normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3)
-                got[(name, ckpt, m)] = temp_bytes(pipe.value_and_grad(sq), params, x, t)
-                row.append(kib(got[(name, ckpt, m)]))
-            row += [f"{got[(name, ckpt, m)] / got[('1f1b', ckpt, m)]:.3f}" for m in ms]
-            row.append(f"{got[(name, ckpt, ms[-1])] / got[(name, ckpt, 8)]:.2f}x")
+                key = (name, ckpt, m, overlap)
+                got[key] = temp_bytes(pipe.value_and_grad(sq), params, x, t)
+                row.append(kib(got[key]))
+            row += [f"{got[(name, ckpt, m, overlap)] / got[('1f1b', ckpt, m, False)]:.3f}" for m in ms]
+            row.append(f"{got[(name, ckpt, ms[-1], overlap)] / got[(name, ckpt, 8, overlap)]:.2f}x")
             rows.append(row)
     print(
         f"{N} devices, each holding {V_LAYERS} tanh dense layers ({V_WIDTH} wide, float32) as one "
         f"stage (1f1b, zb-h1) or two (interleaved v=2, v-half, zb-v); micro-batches of {V_MICRO} rows (one "
         f"activation: {kib(V_MICRO * V_WIDTH * 4)} KiB). KiB per device; '/ 1f1b': against 1F1B with "
-        "the same checkpoint mode."
+        "the same checkpoint mode (without overlap; 'overlap': `overlap=True`, sends that overlap "
+        "compute)."
     )
     print()
     heads = ["schedule", *(f"m={m}" for m in ms), *(f"/ 1f1b m={m}" for m in ms), f"m={ms[-1]} / m=8"]

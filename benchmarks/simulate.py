@@ -567,8 +567,7 @@ def layouts(quick: bool) -> None:
 def schedule_tables(n: int, m: int, v: int = 2, hop: int = 1) -> dict[str, object]:
     """pipejax's tables of every schedule for ``n`` devices and ``m`` micro-batches (``v`` chunks
     per device for the circular and interleaved ones), built by its public constructors;
-    ``hop=2``: the tables of ``overlap=True`` (interleaved 1F1B needs ``m`` a multiple of ``2 n``),
-    which the V tables (two stages a device in a V) do not take."""
+    ``hop=2``: the tables of ``overlap=True`` (interleaved 1F1B needs ``m`` a multiple of ``2 n``)."""
     import pipejax as pj
 
     tables = {
@@ -577,9 +576,9 @@ def schedule_tables(n: int, m: int, v: int = 2, hop: int = 1) -> dict[str, objec
         "1f1b": pj.one_f_one_b_schedule(n, m, hop=hop),
         "zb-h1": pj.zb_h1_schedule(n, m, hop=hop),
         f"interleaved-1f1b v={v}": pj.interleaved_one_f_one_b_schedule(n, m, v, hop=hop),
+        "v-half": pj.v_half_schedule(n, m, hop=hop),
+        "zb-v": pj.zb_v_schedule(n, m, hop=hop),
     }
-    if hop == 1:
-        tables.update({"v-half": pj.v_half_schedule(n, m), "zb-v": pj.zb_v_schedule(n, m)})
     return tables
 
 
@@ -607,11 +606,6 @@ def lockstep(quick: bool) -> None:
                 v = sched.repeats
                 c = 1.0 / v  # f = b = w = 1 for a device's share of the model: 1/v per stage
                 plain, expect = sim.ticks(sched, c, c, c), table_step(sched, c, c, c)
-                if name not in built:  # a V table: no overlap=True (its turn and parity rule)
-                    row = [n, m, name, len(plain.compute), f"{plain.step():g}", f"{expect:g}"]
-                    row += [plain.step() == expect, f"{1 - plain.work / (n * plain.step()):.3f}"]
-                    rows.append([*row, "-", "-", "not built"])
-                    continue
                 over = sim.ticks(sched, c, c, c, overlap=True)
                 # the re-timed table against pipejax's own hop-2 table (at 2 m, both for m and 2 m)
                 again = sim.ticks(schedule_tables(n, 2 * m)[name], c, c, c, overlap=True)
@@ -645,8 +639,9 @@ def lockstep(quick: bool) -> None:
         "re-timing with pipejax's own `overlap=True` tables (`hop=2`) at 2m micro-batches (the "
         "interleaved table needs a multiple of 2n): equal for GPipe, 1F1B and ZB-H1; the circular "
         "table spaces its rounds by max(m, 2n) slots and the interleaved one groups 2n "
-        "micro-batches, where the re-timing keeps the hop-1 table's order. The V tables (v-half, "
-        "zb-v: two half stages a device) take no overlap=True."
+        "micro-batches, where the re-timing keeps the hop-1 table's order; the V tables (v-half, "
+        "zb-v) put their way-down slots on even ticks and the way-up ones on odd ticks, so that "
+        "each tick's messages go one way, where the re-timing keeps the hop-1 table's ticks."
     )
 
 
@@ -709,18 +704,12 @@ def bandwidth(quick: bool) -> None:
     for name, t in schedule_tables(DEVICES, CHUNKS).items():
         layers = LAYERS // t.num_stages
         costs = (layers * f1, layers * b1, layers * w1)
-        over = sim.ticks(built[name], *costs, overlap=True) if name in built else None
-        plans[name] = (sim.ticks(t, *costs), over)
+        plans[name] = (sim.ticks(t, *costs), sim.ticks(built[name], *costs, overlap=True))
     rows = []
     for name, (plain, over) in plans.items():
         for link, bw, lat in LINKS:
             msg = sim.message_time(MESSAGE_BYTES, bw, lat)
-            a = plain.step(msg)
-            if over is None:  # a V table: no overlap=True
-                rows.append([name, link, f"{msg * 1e3:.3f}", f"{a * 1e3:,.0f}", f"{a / plain.ideal:.3f}"])
-                rows[-1] += ["-", "-", "no overlap (not built)"]
-                continue
-            o = over.step(msg)
+            a, o = plain.step(msg), over.step(msg)
             rows.append(
                 [
                     name,
@@ -741,9 +730,6 @@ def bandwidth(quick: bool) -> None:
     print("\nWhere overlap wins:\n")
     rows = []
     for name, (plain, over) in plans.items():
-        if over is None:
-            rows.append([name, len(plain.compute), "-", plain.messages.max(), "not built", "not built"])
-            continue
         window = sim.overlap_wins(plain, over)
         if window is None:
             span, bws = "never", "never"

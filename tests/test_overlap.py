@@ -15,7 +15,10 @@ from jax.extend import core as jcore
 import pipejax as pj
 from pipejax._src.schedules import tables as sched
 
-SCHEDULES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+SCHEDULES = [
+    ("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2),
+    ("v-half", 2), ("zb-v", 2),
+]  # fmt: skip
 COMPUTE = {"dot_general", "tanh"}  # the stage's own work
 
 
@@ -92,15 +95,27 @@ def _loop_bodies(jaxpr):
             yield from _loop_bodies(j)
 
 
+def _permutes(eqn) -> bool:
+    return eqn.primitive.name == "ppermute" or any(_permutes(e) for j in _subjaxprs(eqn) for e in j.eqns)
+
+
+def _is_send(eqn) -> bool:
+    """A ``ppermute``, or a ``cond`` that picks one (a V table's: the tick's parity picks the
+    neighbours) and computes nothing else."""
+    return eqn.primitive.name == "ppermute" or (
+        eqn.primitive.name == "cond" and _permutes(eqn) and not _computes(eqn)
+    )
+
+
 def _sends(body) -> list[tuple[bool, bool]]:
-    """``(sends this tick's compute, feeds this tick's compute)`` for each ppermute of ``body``."""
+    """``(sends this tick's compute, feeds this tick's compute)`` for each send of ``body``."""
     computed = set()  # values that depend on the stage's work in this body
     for eqn in body.eqns:
         if _computes(eqn) or any(v in computed for v in eqn.invars if isinstance(v, jcore.Var)):
             computed.update(eqn.outvars)
     out = []
     for i, eqn in enumerate(body.eqns):
-        if eqn.primitive.name != "ppermute":
+        if not _is_send(eqn):
             continue
         reached, feeds = set(eqn.outvars), False
         for later in body.eqns[i + 1 :]:

@@ -43,12 +43,16 @@ def test_actions_rebuild_every_training_table(t):
 
 
 @pytest.mark.parametrize(
-    ("n", "m", "name"), [(1, 2, "v-half"), (2, 3, "zb-v"), (4, 8, "v-half"), (4, 8, "zb-v")]
-)
-def test_actions_rebuild_the_v_table(n, m, name):
-    t = pj.v_half_schedule(n, m) if name == "v-half" else pj.zb_v_schedule(n, m)
-    u = pj.schedule_from_actions(_actions(t), num_devices=n, num_micro=m, repeats=2, placement="v")
-    assert u.placement == "v" and u.stash_pool()[0] == t.stash_pool()[0]
+    ("n", "m", "name", "hop"),
+    [
+        (1, 2, "v-half", 1), (2, 3, "zb-v", 1), (4, 8, "v-half", 1), (4, 8, "zb-v", 1),
+        (3, 5, "v-half", 2), (4, 8, "zb-v", 2),
+    ],
+)  # fmt: skip
+def test_actions_rebuild_the_v_table(n, m, name, hop):
+    t = (pj.v_half_schedule if name == "v-half" else pj.zb_v_schedule)(n, m, hop=hop)
+    u = pj.schedule_from_actions(_actions(t), num_devices=n, num_micro=m, repeats=2, placement="v", hop=hop)
+    assert u.placement == "v" and u.hop == hop and u.stash_pool()[0] == t.stash_pool()[0]
     for k in t.kinds:
         np.testing.assert_array_equal(u.micro[k], t.micro[k])
         np.testing.assert_array_equal(u.stage[k], t.stage[k])
@@ -60,8 +64,21 @@ def test_v_tables_are_checked_by_the_same_rules():
         ValueError, match=r"names a stage its device does not hold: device d holds the stages d and 3 - d"
     ):
         t.replace(stage={k: (t.stage[k] + 2) % 4 for k in t.kinds})
-    with pytest.raises(ValueError, match=r"needs `repeats=2` and `hop=1`, but got `repeats=2` and `hop=2`"):
-        t.replace(hop=2)
+    with pytest.raises(
+        ValueError, match=r"needs `repeats=2` and `hop` 1 or 2, but got `repeats=2` and `hop=0`"
+    ):
+        t.replace(hop=0)
+    with pytest.raises(ValueError, match=r"arrives at tick 2: the loop delivers a message 2 ticks after"):
+        t.replace(hop=2)  # the one-tick table's messages read a tick early
+    # hop 2: every slot a tick later (an idle first tick) keeps the hops but sends each message
+    # on a tick of the wrong parity
+    two = pj.v_half_schedule(2, 3, hop=2)
+    late = lambda tables: {k: np.concatenate([np.full_like(a[:1], -1), a]) for k, a in tables.items()}
+    stages = {k: np.concatenate([a[:1], a]) for k, a in two.stage.items()}
+    with pytest.raises(
+        ValueError, match=r"made on an odd tick; with `hop=2` a V table sends the activations made on an even"
+    ):
+        two.replace(micro=late(two.micro), stage=stages)
     with pytest.raises(ValueError, match=r"`placement` must be 'ring' .* or 'v'"):
         t.replace(placement="u")
     with pytest.raises(
@@ -277,8 +294,7 @@ def test_a_user_v_table_gives_v_half_program():
 
 def test_v_half_refuses_what_it_cannot_run():
     mesh = jax.make_mesh((2,), ("stage",))
-    with pytest.raises(ValueError, match=r"`overlap=True` is not available for `schedule='v-half'`"):
-        pj.pipeline([_stage] * 4, mesh=mesh, schedule="v-half", overlap=True)
+    assert pj.pipeline([_stage] * 4, mesh=mesh, schedule="v-half", overlap=True).schedule(8).hop == 2
     with pytest.raises(ValueError, match=r"so `repeats` is 2, but got `repeats=3`"):
         pj.pipeline([_stage] * 6, schedule="v-half", repeats=3)
     with pytest.raises(ValueError, match=r"The 'v-half' schedule with `repeats=2` needs a number of stages"):

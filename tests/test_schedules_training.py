@@ -174,6 +174,46 @@ def test_zb_v_table_is_valid(n, m):
         assert size == 3 * n - 1 and s.cotangent_pool()[0] == n
 
 
+@pytest.mark.parametrize(("n", "m"), [(1, 3), (2, 5), (3, 4), (4, 8)])
+def test_v_tables_with_two_tick_hops(n, m):
+    """Sends that overlap compute on a V: a message between devices is read two ticks after it
+    was made, the turn's one tick after; way-down slots on even ticks and way-up slots on odd
+    ones, so each tick's activations (and cotangents) all go one way; the step of the one-tick
+    table, and pools flat in m."""
+    S = 2 * n
+    for s in (sched.v_half(n, m, hop=2), sched.zb_v(n, m, hop=2)):
+        assert s.hop == 2 and s.num_ticks == 2 * m + 8 * n - 7
+        F, B = _v_ticks(s, "F"), _v_ticks(s, "B")
+        for i in range(m):
+            for j in range(S - 1):
+                gap = 1 if j == n - 1 else 2
+                assert F[j + 1, i] - F[j, i] == gap and B[j, i] - B[j + 1, i] == gap
+            assert B[S - 1, i] == F[S - 1, i]
+            for kind, t in (("F", F), ("B", B)):  # down on even ticks, up on odd ones
+                assert all(t[j, i] % 2 == (j >= n) for j in range(S)), kind
+        if s.weight is not None:
+            W = _v_ticks(s, "W")
+            assert (W >= B).all()
+    # the ticks the hops add hold no slot: with stages of equal cost the step is the one-tick
+    # table's (an idle tick of a training table costs nothing), under 1F1B's with the same hops
+    v, zb = sched.v_half(n, m, hop=2), sched.zb_v(n, m, hop=2)
+    assert v.step_time(0.5, 1.0) == sched.v_half(n, m).step_time(0.5, 1.0)
+    assert zb.step_time(0.5, 0.7, 0.3) == pytest.approx(sched.zb_v(n, m).step_time(0.5, 0.7, 0.3))
+    assert v.step_time(0.5, 1.0) <= sched.one_f_one_b(n, m, hop=2).step_time(1.0, 2.0)
+    big = 8 * n
+    assert sched.v_half(n, big, hop=2).stash_pool()[0] == sched.v_half(n, 4 * big, hop=2).stash_pool()[0]
+    assert sched.zb_v(n, big, hop=2).stash_pool()[0] == sched.zb_v(n, 4 * big, hop=2).stash_pool()[0]
+
+
+def _v_ticks(s, kind):
+    """int[S, m]: the tick of each (stage, micro-batch)'s ``kind`` slot, read off the table."""
+    out = np.full((s.num_stages, s.num_micro), -1)
+    for t, d in zip(*np.nonzero(s.micro[kind] >= 0), strict=True):
+        out[s.stages(kind)[t, d], s.micro[kind][t, d]] = t
+    assert (out >= 0).all()
+    return out
+
+
 def test_v_half_stash_is_flat_in_m():
     assert {sched.v_half(4, m).stash_pool()[0] for m in (8, 16, 32, 256)} == {8}
 

@@ -93,7 +93,6 @@ class Plan:
         per_example_keys = checks.check_bool(per_example_keys, "per_example_keys")
         stateful = checks.check_bool(stateful, "stateful")
         overlap = checks.check_bool(overlap, "overlap")
-        schedule.check_overlap(overlap)
         return cls(
             stages, homogeneous, num_stages, schedule, repeats, num_devices, chunks, checkpoint, mesh,
             axis_name, data_axis_name, data_size, per_example_keys, stateful, param_specs, tied, aux,

@@ -283,7 +283,6 @@ def plan_pipeline(
         for c, mode, overlap in itertools.product(chunks, checkpoints, overlaps):
             try:
                 kind.check_checkpoint(mode)  # "except_last": the forward schedules' drain only
-                kind.check_overlap(overlap)  # a V reads every message the tick it arrives
             except ValueError:
                 continue
             micro = microbatch.plan(batch, c)

@@ -257,11 +257,17 @@ class MeshDevices:
                     drain = self._drain(drain, stages.output(d, out[0]), pushes, row, d)
                 # B and W (a training table); their input cotangents go one device back
                 back, sent = slots.back(carry.back, out, row, d)
-                message = out[0]
+                message = own = out[0]
+                own_sent = sent
                 if overlap:  # send what the last tick made (a carry) while this tick computes
                     (message, sent), sending = c.sending, (message, sent)
                     carry = carry._replace(sending=sending)
-                if v_shape:  # down or up the V, or the turn on the device itself
+                if v_shape and overlap:  # a shift each way; the turn (own) takes one tick
+                    fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
+                    odd = split_row(row, D)[2] % 2 == 1  # made on an even tick: down the V
+                    received = _shift_v(sent, bsrc, ~odd, own_sent, axis, D)
+                    inbox = _shift_v(message, fsrc, odd, own, axis, D)
+                elif v_shape:  # down or up the V, or the turn on the device itself
                     fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
                     odd = split_row(row, D)[2] % 2  # the tick's parity picks the pairs that swap
                     received = _deliver(sent, bsrc, 1 - odd, axis, D)
@@ -388,6 +394,22 @@ def _deliver(tree, source, start, axis_name, D: int):
     got = lax.cond(start == 0, swap(0), swap(1), tree) if D > 1 else tree
     pick = lambda a, own: jnp.where((source == LEFT) | (source == RIGHT), a, own)
     return jax.tree.map(pick, got, tree)
+
+
+def _shift_v(tree, source, forward, own, axis_name, D: int):
+    """What a device of a V table receives when sends overlap compute (``hop = 2``): ``tree`` (the
+    last tick's messages) from the neighbour that sent it, all moving to ``d + 1`` where
+    ``forward`` (the same on every device: the tick's parity), else to ``d - 1``, one
+    ``ppermute``; or ``own``, this tick's message of the device itself, where ``source`` is
+    neither ``LEFT`` nor ``RIGHT`` (the V's turn, one tick)."""
+    if tree is None:
+        return None
+    send = lambda pairs: lambda x: lax.ppermute(x, axis_name, pairs)
+    on = send([(d, d + 1) for d in range(D - 1)])
+    back = send([(d + 1, d) for d in range(D - 1)])
+    got = lax.cond(forward, on, back, tree) if D > 1 else tree
+    pick = lambda a, o: jnp.where((source == LEFT) | (source == RIGHT), a, o)
+    return jax.tree.map(pick, got, own)
 
 
 def _pairs(first: int, D: int) -> list[tuple[int, int]]:

@@ -44,9 +44,6 @@ class ForwardSchedule:
         """Every checkpoint mode and policy applies."""
         return checkpoint
 
-    def check_overlap(self, overlap: bool) -> None:
-        """Sends may overlap compute (a hop of two ticks)."""
-
     def resolve_repeats(self, repeats: int) -> int:
         """``repeats`` as given (checked against :attr:`takes_repeats` by the options)."""
         return repeats
@@ -74,7 +71,7 @@ class BackwardSchedule:
     name: str
     takes_repeats: bool  # several stages per device (interleaved 1F1B)
     groups_of_n: bool = False  # micro-batches go round the ring in groups of n (interleaved 1F1B)
-    v_shape: bool = False  # two stages per device in a V (placement "v"), no `overlap`
+    v_shape: bool = False  # two stages per device in a V (placement "v")
 
     owns_backward = True
     default_checkpoint = "always"
@@ -92,17 +89,6 @@ class BackwardSchedule:
                 "as `jax.checkpoint_policies.dots_saveable` (what it saves)."
             )
         return checkpoint
-
-    def check_overlap(self, overlap: bool) -> None:
-        """A V-shaped table reads every message the tick it arrives (its two stages' slots fall on
-        ticks of opposite parity, which a hop of two ticks would make collide)."""
-        if overlap and self.v_shape:
-            raise ValueError(
-                f"`overlap=True` is not available for `schedule={self.name!r}`: its table reads every "
-                "message the tick it arrives (its way-down and way-up slots alternate on each "
-                "device, and a two-tick hop would put both on one tick). Use `overlap=False`, or "
-                "`schedule='1f1b'` / `'interleaved-1f1b'` with `overlap=True`."
-            )
 
     def resolve_repeats(self, repeats: int) -> int:
         """A V-shaped schedule holds two stages per device: ``repeats`` is 2 (1, the default,

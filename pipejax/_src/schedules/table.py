@@ -27,6 +27,8 @@ refusal naming the first offending slot. The rules are those of the engine's tic
   for the next chunk) may wait in a delay line, the same number of ticks for every micro-batch.
   A V table's messages go to the next device on the way down (chunk 0), stay on the device at
   the turn, and go to the previous device on the way up (chunk 1); cotangents the other way.
+  The turn's message takes one tick, whatever the hop; the others follow the tick's parity, so
+  that one ``ppermute`` per tick and message kind carries them all (:func:`_check_v_parity`).
 * **Stashes** (training tables). What F keeps for B and W sits in a ring of ``K`` slots per
   stage (:meth:`Schedule.stash_slots`), micro-batch ``i`` in slot ``i mod K``, so two
   micro-batches held at once on a stage must differ mod ``K``; W reads the cotangent B received
@@ -187,12 +189,14 @@ class Schedule:
     def tick_times(self, f=1.0, b=2.0, w=0.0) -> np.ndarray:
         """float[ticks]: the lockstep time of each tick, as long as its busiest device, which
         spends ``f`` on an F slot, ``b`` on a B slot and ``w`` on a W slot: one number each, or
-        one per stage (``num_stages`` of them). A tick on which no device works (the circular
-        table's last ticks with fewer micro-batches than devices) lasts the largest F slot: the
-        loop runs it, and stacked stages compute on bubbles."""
+        one per stage (``num_stages`` of them). A tick of a forward table on which no device works
+        (the circular table's last ticks with fewer micro-batches than devices) lasts the largest
+        F slot: the loop runs it, and stacked stages compute on bubbles. A training table's idle
+        slots compute nothing, so such a tick (the fill of a V table whose sends overlap compute,
+        on every other tick) lasts none."""
         costs = _costs(self.num_stages, f=f, b=b, w=w)
         cost = sum(np.where(self.micro[k] >= 0, costs[k][self.stage[k]], 0.0) for k in self.kinds).max(axis=1)
-        return np.where(cost > 0, cost, costs["F"].max())
+        return cost if self.trains else np.where(cost > 0, cost, costs["F"].max())
 
     def step_time(self, f=1.0, b=2.0, w=0.0) -> float:
         """The lockstep time of the table, the sum of :meth:`tick_times` (a table without W
@@ -366,11 +370,11 @@ def _check_fields(s: Schedule) -> None:
             f"`placement` must be 'ring' (stage j on device j mod D) or 'v' (the V-shaped tables: "
             f"device d holds stages d and 2 D - 1 - d), but got {s.placement!r}."
         )
-    if s.placement == "v" and (checks.integer(s.repeats) != 2 or hop != 1):
+    if s.placement == "v" and (checks.integer(s.repeats) != 2 or hop == 0):
         raise ValueError(
-            f"A V-shaped table (`placement='v'`) holds two stages per device and reads every "
-            f"message the tick it arrives, so it needs `repeats=2` and `hop=1`, but got "
-            f"`repeats={s.repeats!r}` and `hop={hop}`."
+            f"A V-shaped table (`placement='v'`) holds two stages per device and sends between "
+            f"devices, so it needs `repeats=2` and `hop` 1 or 2, but got `repeats={s.repeats!r}` "
+            f"and `hop={hop}`."
         )
     if not isinstance(s.micro, Mapping) or not isinstance(s.stage, Mapping):
         raise TypeError("`micro` and `stage` must be dicts from slot kind ('F', 'B', 'W') to int tables.")
@@ -459,20 +463,22 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
     S, m, n, hop = s.num_stages, s.num_micro, s.num_devices, s.hop
     if S == 1:
         return
-    # stage j + 1 starts the next chunk on device 0 (a ring; a V turns on its device)
+    # stage j + 1 starts the next chunk on device 0 (a ring; a V turns on its device, where the
+    # message takes one tick whatever the hop)
     back = ((np.arange(1, S) % n == 0) & (s.placement == "ring"))[:, None]
+    gap = np.where((np.arange(1, S) == n) & (s.placement == "v"), 1, hop)[:, None]
     for kind, sign in (("F", 1), ("B", -1)):
         if kind not in ticks:
             continue
         t = ticks[kind].reshape(S, m)
         sent, read = (t[:-1], t[1:]) if sign > 0 else (t[1:], t[:-1])
-        wait = read - sent - hop
+        wait = read - sent - gap
         delay = int(wait[np.broadcast_to(back, wait.shape)][0]) if back.any() and not s.trains else 0
         bad = np.where(back, wait != delay, wait != 0) if delay else wait != 0
         if delay < 0 or bad.any():
             j, i = (int(x) for x in np.argwhere(bad if bad.any() else wait < 0)[0])
             src, dst = (j, j + 1) if sign > 0 else (j + 1, j)
-            arrive = int(sent[j, i]) + hop
+            arrive = int(sent[j, i]) + int(gap[j, 0])
             late = "a delay line the same for every micro-batch" if not s.trains else "no wait"
             raise ValueError(
                 f"The {s.name!r} table runs the {kind} slot of stage {dst} on micro-batch {i} at "
@@ -486,11 +492,14 @@ def _check_messages(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
 
 
 def _check_v_parity(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
-    """A V table's sends follow the tick's parity: at tick ``t`` device ``d`` sends activations
-    down the V (to ``d + 1``) and cotangents back (to ``d - 1``) when ``t - d`` is even, and the
-    other ways when it is odd, so one swap of neighbouring devices per tick and message kind
-    carries every message (the pairs ``(d, d + 1)`` with ``d`` of the tick's parity for
-    activations, of the other parity for cotangents)."""
+    """A V table's sends follow the tick's parity, so one ``ppermute`` per tick and message kind
+    carries every message. ``hop = 1``: a message made at tick ``t`` on device ``d`` goes out
+    at once; activations go down the V (to ``d + 1``) and cotangents back (to ``d - 1``) when
+    ``t - d`` is even, and the other ways when it is odd (one swap of neighbouring devices: the
+    pairs ``(d, d + 1)`` with ``d`` of the tick's parity for activations, of the other parity
+    for cotangents). ``hop = 2``: it goes out at the next tick, with every message of its kind
+    that tick, all one way (a shift): activations to ``d + 1`` and cotangents to ``d - 1`` when
+    made on an even tick, the other ways when made on an odd one."""
     S, m, n = s.num_stages, s.num_micro, s.num_devices
     j = np.arange(S)[:, None]
     # `on`: the message goes to device d + 1 (activations on the way down, cotangents on the way up)
@@ -500,7 +509,7 @@ def _check_v_parity(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
         turn = (src == n - 1) if kind == "F" else (src == n)  # stays on its device
         sent = ticks[kind].reshape(S, m)[src[:, 0]]
         device = s.device_of(src)
-        even = (sent - device) % 2 == 0
+        even = (sent - (device if s.hop == 1 else 0)) % 2 == 0
         want = on if kind == "F" else ~on  # activations to d + 1, cotangents to d - 1: t - d even
         bad = (even != want) & ~turn
         if bad.any():
@@ -508,13 +517,25 @@ def _check_v_parity(s: Schedule, ticks: dict[str, np.ndarray]) -> None:
             stage, t, d = int(src[r, 0]), int(sent[r, i]), int(device[r, 0])
             to = d + 1 if bool(on[r, 0]) else d - 1
             what = "activation" if kind == "F" else "cotangent"
+            if s.hop == 1:
+                rule = (
+                    f"on a tick where t - d = {t - d} is {'even' if t % 2 == d % 2 else 'odd'}; a V "
+                    "table sends activations to device d + 1 and cotangents to d - 1 when t - d is "
+                    "even, and the other ways when it is odd, so one swap of neighbours per tick "
+                    "carries every message. Move that micro-batch's slots by one tick (e.g. "
+                    "micro-batch i entering at tick 2 i)."
+                )
+            else:
+                rule = (
+                    f"made on an {'even' if t % 2 == 0 else 'odd'} tick; with `hop=2` a V table "
+                    "sends the activations made on an even tick to device d + 1 and the cotangents "
+                    "to d - 1 (the other ways from an odd tick), so one shift per tick carries "
+                    "every message. Run the way-down slots on even ticks and the way-up slots on "
+                    "odd ones (e.g. `pj.v_half_schedule(n, m, hop=2)`)."
+                )
             raise ValueError(
                 f"The {s.name!r} table's {kind} slot of stage {stage} on micro-batch {i} at tick {t} "
-                f"(device {d}) sends its {what} to device {to} on a tick where t - d = {t - d} is "
-                f"{'even' if t % 2 == d % 2 else 'odd'}; a V table sends activations to device d + 1 "
-                "and cotangents to d - 1 when t - d is even, and the other ways when it is odd, so "
-                "one swap of neighbours per tick carries every message. Move that micro-batch's "
-                "slots by one tick (e.g. micro-batch i entering at tick 2 i)."
+                f"(device {d}) sends its {what} to device {to} {rule}"
             )
 
 

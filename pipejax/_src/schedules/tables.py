@@ -197,7 +197,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
 
 
-def v_half(num_devices: int, num_micro: int) -> Schedule:
+def v_half(num_devices: int, num_micro: int, *, hop: int = 1) -> Schedule:
     """The V-shaped 1F1B table: ``2 n`` stages on ``n`` devices, device ``d`` holding stage ``d``
     (the way down) and stage ``2 n - 1 - d`` (the way up), so the first and the last stage sit on
     device 0 and the V turns on device ``n - 1`` without a send (``placement="v"``).
@@ -215,6 +215,13 @@ def v_half(num_devices: int, num_micro: int) -> Schedule:
     1`` whole ones on device ``d`` (``2 n - 1`` on device 0). It is the V-Half schedule of Qi et
     al. ("Pipeline Parallelism with Controllable Memory", 2024) in the loop's lockstep ticks.
 
+    With ``hop = 2`` (sends that overlap compute) a message between devices is read two ticks
+    after it was made, the turn's one tick after (it stays on the device): stage ``j`` runs F
+    at ``2 i + 2 j`` on the way down and ``2 i + 2 j - 1`` on the way up, and every device's
+    way-down slots fall on even ticks, its way-up ones on odd ticks. Then all activations of a
+    tick go the same way (to ``d + 1`` when sent on an odd tick), and so do its cotangents (the
+    other way): ``2 m + 8 n - 7`` ticks.
+
     Examples:
       >>> s = v_half(2, 2)
       >>> s.forward.T.tolist()  # micro-batch of each device's F slot at each tick
@@ -224,10 +231,10 @@ def v_half(num_devices: int, num_micro: int) -> Schedule:
       >>> s.in_flight().max(axis=0).tolist(), s.stash_pool()[0]
       ([3, 4], 4)
     """
-    return _v_table("v-half", num_devices, num_micro)
+    return _v_table("v-half", num_devices, num_micro, hop=hop)
 
 
-def zb_v(num_devices: int, num_micro: int) -> Schedule:
+def zb_v(num_devices: int, num_micro: int, *, hop: int = 1) -> Schedule:
     """The V-shaped zero-bubble table: :func:`v_half`'s F slots, B slots that compute the input
     cotangent only, and W slots (the parameter cotangent) deferred as ZB-H1 defers them: the W
     of micro-batch ``i`` runs at tick ``2 i + 4 n - 2`` on the way-down stage of every device
@@ -242,7 +249,8 @@ def zb_v(num_devices: int, num_micro: int) -> Schedule:
     (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`, ``cotangent_pool``). The
     published ZB-V (Qi et al. 2024) reaches about zero bubble with F = B = W by running
     several F slots back to back on device 0 in the fill; in lockstep ticks, where every
-    message is read the tick it arrives, the fill stays 1F1B's.
+    message is read the tick it arrives, the fill stays 1F1B's. ``hop = 2``: as
+    :func:`v_half`'s, the W slots at the tick of (way down) and before (way up) stage 0's B.
 
     Examples:
       >>> s = zb_v(4, 8)
@@ -251,26 +259,32 @@ def zb_v(num_devices: int, num_micro: int) -> Schedule:
       >>> s.bubble_fraction(0.5, 0.5, 0.5) == zb_h1_bubble_fraction(4, 8, 1.0, 1.0, 1.0)
       True
     """
-    return _v_table("zb-v", num_devices, num_micro, weights=True)
+    return _v_table("zb-v", num_devices, num_micro, weights=True, hop=hop)
 
 
-def _v_table(name: str, num_devices: int, num_micro: int, weights: bool = False) -> Schedule:
-    """The V tables: F of stage ``j`` at ``2 i + j``, B at ``2 i + 4 n - 2 - j``, and (``weights``)
-    W at ``2 i + 4 n - 2`` (way down) or ``2 i + 4 n - 3`` (way up), on device ``j`` or
-    ``2 n - 1 - j``."""
+def _v_table(name: str, num_devices: int, num_micro: int, weights: bool = False, hop: int = 1) -> Schedule:
+    """The V tables, device ``j`` or ``2 n - 1 - j`` running stage ``j``: F at ``2 i + h j``,
+    less ``h - 1`` on the way up (``h = hop``; the turn takes one tick), the last stage's B right
+    after its F, every other B ``h`` ticks after the next stage's (the turn: one), and
+    (``weights``) W at the tick of stage 0's B (way down) or the one before (way up): for
+    ``hop = 1``, B at ``2 i + 4 n - 2 - j`` and W at ``2 i + 4 n - 2`` or ``2 i + 4 n - 3``."""
     n, m = _counts(num_devices=num_devices, num_micro=num_micro)
-    S, ticks = 2 * n, 2 * m + 4 * n - 3
-    j = np.arange(S)
+    hop = _hop(hop)
+    S, j = 2 * n, np.arange(2 * n)
+    up = (j >= n).astype(np.int64)
+    f = hop * j - (hop - 1) * up  # micro-batch 0's ticks
+    b = f[-1] + hop * (S - 1 - j) - (hop - 1) * (1 - up)
+    w = b[0] - up
+    ticks = 2 * (m - 1) + int(b[0]) + 1
     device = np.where(j < n, j, S - 1 - j)
     kinds = ("F", "B", "W") if weights else ("F", "B")
     micro = {k: np.full((ticks, n), -1, np.int32) for k in kinds}
     stage = {k: np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n)).copy() for k in kinds}
     for i in range(m):
-        when = {"F": 2 * i + j, "B": 2 * i + 2 * S - 2 - j, "W": 2 * i + 4 * n - 2 - (j >= n)}
-        for kind in kinds:
-            micro[kind][when[kind], device] = i
-            stage[kind][when[kind], device] = j
-    return Schedule(name, micro, stage, m, repeats=2, placement="v")
+        for kind, when in (("F", f), ("B", b), ("W", w))[: len(kinds)]:
+            micro[kind][2 * i + when, device] = i
+            stage[kind][2 * i + when, device] = j
+    return Schedule(name, micro, stage, m, repeats=2, hop=hop, placement="v")
 
 
 def v_half_bubble_fraction(num_devices: int, num_micro: int) -> float:
@@ -376,10 +390,9 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         kinds = ", ".join(repr(k) for k in TRAINING_KINDS)
         raise ValueError(f"`name` must be one of {kinds}, but got {name!r}.")
     num_stages, num_micro, repeats = _counts(num_stages=num_stages, num_micro=num_micro, repeats=repeats)
-    if name in ("v-half", "zb-v") and (repeats != 2 or hop != 1):
+    if name in ("v-half", "zb-v") and repeats != 2:
         raise ValueError(
-            f"{name!r} holds two stages per device and reads every message the tick it arrives, so "
-            f"it needs `repeats=2` and `hop=1`, but got `repeats={repeats}` and `hop={hop}`."
+            f"{name!r} holds two stages per device, so it needs `repeats=2`, but got `repeats={repeats}`."
         )
     if name not in ("interleaved-1f1b", "v-half", "zb-v") and repeats != 1:
         raise ValueError(
@@ -394,7 +407,7 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
     if name == "interleaved-1f1b":
         return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats, hop=hop)
     if name in ("v-half", "zb-v"):
-        return _v_table(name, num_stages // 2, num_micro, weights=name == "zb-v")
+        return _v_table(name, num_stages // 2, num_micro, weights=name == "zb-v", hop=hop)
     return _training_table(name, num_stages, num_micro, hop)
 
 
