@@ -264,7 +264,9 @@ class MeshDevices:
                     carry = carry._replace(sending=sending)
                 if v_shape and overlap:  # a shift each way; the turn (own) takes one tick
                     fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
-                    odd = split_row(row, D)[2] % 2 == 1  # made on an even tick: down the V
+                    # what goes out now was made last tick: activations made on an even tick
+                    # (sent on an odd one) go down the V, to d + 1, and cotangents to d - 1
+                    odd = split_row(row, D)[2] % 2 == 1
                     received = _shift_v(sent, bsrc, ~odd, own_sent, axis, D)
                     inbox = _shift_v(message, fsrc, odd, own, axis, D)
                 elif v_shape:  # down or up the V, or the turn on the device itself
