@@ -262,18 +262,17 @@ class MeshDevices:
                 if overlap:  # send what the last tick made (a carry) while this tick computes
                     (message, sent), sending = c.sending, (message, sent)
                     carry = carry._replace(sending=sending)
-                if v_shape and overlap:  # a shift each way; the turn (own) takes one tick
+                if v_shape:  # down or up the V, or the turn on the device itself
                     fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
-                    # what goes out now was made last tick: activations made on an even tick
-                    # (sent on an odd one) go down the V, to d + 1, and cotangents to d - 1
-                    odd = split_row(row, D)[2] % 2 == 1
-                    received = _shift_v(sent, bsrc, ~odd, own_sent, axis, D)
-                    inbox = _shift_v(message, fsrc, odd, own, axis, D)
-                elif v_shape:  # down or up the V, or the turn on the device itself
-                    fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
-                    odd = split_row(row, D)[2] % 2  # the tick's parity picks the pairs that swap
-                    received = _deliver(sent, bsrc, 1 - odd, axis, D)
-                    inbox = _deliver(message, fsrc, odd, axis, D)
+                    odd = split_row(row, D)[2] % 2  # the tick's parity picks where messages go
+                    if overlap:  # a shift each way; the turn (own) takes one tick. What goes out
+                        # now was made last tick: activations made on an even tick (sent on an
+                        # odd one) go down the V, to d + 1, and cotangents to d - 1
+                        received = _shift_v(sent, bsrc, odd == 0, own_sent, axis, D)
+                        inbox = _shift_v(message, fsrc, odd == 1, own, axis, D)
+                    else:  # the pairs that swap
+                        received = _deliver(sent, bsrc, 1 - odd, axis, D)
+                        inbox = _deliver(message, fsrc, odd, axis, D)
                 else:
                     received = shift(sent, axis, D, ring=ctx.v > 1, back=True)
                     inbox = shift(message, axis, D, ring=ctx.v > 1)
