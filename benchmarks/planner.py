@@ -11,8 +11,10 @@ Models (on 4 fake CPU devices, float32, a batch of 64): ``uniform``, 8 equal ``t
 running statistics). Each is planned over every schedule, ``chunks`` 2 and 8 and checkpoint
 ``"always"`` and ``"never"``, its bytes compiled; then the same sweep is chosen again under a
 budget halfway between the smallest candidate's bytes and the loose choice's
-(:meth:`pipejax.PipelinePlan.under`). Each sweep prints fastest first, the choice and the
-runner-up marked; steps are in flops (the layers' ``pj.layer_costs``), temp bytes per device.
+(:meth:`pipejax.PipelinePlan.under`). Each sweep prints fastest first (``exhaustive=True``:
+every candidate measured), the choice and the runner-up marked; steps are in flops (the layers'
+``pj.layer_costs``), temp bytes per device. A last table counts the candidates the default plan
+measures (only those its choice depends on) and its time, against the exhaustive sweep's.
 ``tests/test_planner.py`` checks these models' plans against a naive reference.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
@@ -36,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pipejax as pj  # noqa: E402
-from benchmarks._common import header, section  # noqa: E402
+from benchmarks._common import header, section, table  # noqa: E402
 
 CHUNKS = (2, 8)
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
@@ -101,6 +104,10 @@ def budgets(plan):
     return HEADROOM * (smallest + plan.best.temp_bytes) / 2
 
 
+def measured(plan) -> int:
+    return sum(c.temp_bytes is not None for c in plan.sweep)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, estimated bytes: a smoke run")
@@ -110,6 +117,7 @@ def main() -> None:
     models = {"uniform": uniform} if args.quick else {
         "uniform": uniform, "embedding_blocks_head": embedding_blocks_head, "stateful": stateful,
     }  # fmt: skip
+    rows = []
     for name, model in models.items():
         layers, params, x, *state = model()
         options = dict(
@@ -119,13 +127,42 @@ def main() -> None:
             options.update(memory="estimate", schedules=SCHEDULES[:4], checkpoints=("always",))
         else:
             options.update(schedules=SCHEDULES)
-        loose = pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e9, **options)
+        # as a user plans (bytes measured where the choice needs them), then the whole sweep
+        t0 = time.perf_counter()
+        lazy = pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e9, **options)
+        t1 = time.perf_counter()
+        loose = pj.plan_pipeline(
+            layers, params, x, mesh=mesh, memory_per_device=1e9, exhaustive=True, **options
+        )
+        t2 = time.perf_counter()
         tight_budget = budgets(loose)
         tight = loose.under(tight_budget, headroom=HEADROOM)
+        t3 = time.perf_counter()
+        lazy_tight = lazy.under(tight_budget, headroom=HEADROOM)
+        t4 = time.perf_counter()
+        for label, full, got, seconds in (
+            ("loose (1e9 bytes)", loose, lazy, (t1 - t0, t2 - t1)),
+            (f"tight ({tight_budget / 1024:,.1f} KiB)", tight, lazy_tight, (t4 - t3, None)),
+        ):
+            same = (got.best, got.runner_up) == (full.best, full.runner_up)
+            rows.append([
+                name, label, len(full.sweep), measured(got), f"{seconds[0]:.1f}",
+                "-" if seconds[1] is None else f"{seconds[1]:.1f}", same,
+            ])  # fmt: skip
         section(f"{name}: a loose budget (1e9 bytes)")
         print(loose.table())
         section(f"{name}: a tight budget ({tight_budget / 1024:,.1f} KiB, headroom {HEADROOM})")
         print(tight.table())
+    section("Measured as needed against the whole sweep")
+    print(
+        "Candidates measured by the default plan (bytes in order of the step, until two fit) and "
+        "its seconds, against the exhaustive sweep's (`exhaustive=True`); the tight plan is the "
+        "default plan's `under(budget)`, which measures only what the loose one had not. "
+        "'same choice': the best and the runner-up are the exhaustive sweep's."
+    )
+    print()
+    heads = ["model", "budget", "candidates", "measured", "seconds", "exhaustive seconds", "same choice"]
+    print(table(heads, rows, align="llrrrrl"))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ LONGEST_FIRST = (
     "test_benchmark_quick[hessian.py",
     "test_benchmark_quick[pipeline.py",
     "test_train_transformer_lm_short",
-    "test_planner_chooses_the_fastest_plan_that_fits",  # tests/test_planner.py, ~60-100 s each
+    "test_planner_chooses_the_fastest_plan_that_fits",  # tests/test_planner.py, ~20-30 s each
     "test_docs_code_runs[docs/invertible.md]",
     "test_without_wrappers_dropout_off_equals_the_model",  # tests/test_flax_gemma.py
     "test_per_example_keys_under_every_schedule",  # tests/test_schedule_grid.py, ~45-60 s each

@@ -62,7 +62,10 @@ def run_quick(script: str, *args: str) -> str:
         ),
         ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all of them")),
         ("decisions.py", ("Decision sites", "private members", "Import circles", "Files over 600 lines")),
-        ("planner.py", ("uniform: a loose budget", "uniform: a tight budget", "**chosen**", "runner-up")),
+        (
+            "planner.py",
+            ("uniform: a loose budget", "uniform: a tight budget", "**chosen**", "runner-up", "same choice"),
+        ),
     ],
 )
 def test_benchmark_quick(script, headings):

@@ -17,7 +17,6 @@ from benchmarks.planner import (
     HEADROOM,
     MODES,
     SCHEDULES,
-    budgets,
     embedding_blocks_head,
     stateful,
     uniform,
@@ -96,14 +95,15 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
             [_block] * len(c.balance), chunks=c.chunks, mesh=mesh, schedule=c.schedule, repeats=c.repeats
         ).schedule(x.shape[0])
         assert c.step == pytest.approx(_naive_step(table, c.schedule, c.checkpoint, f / m, b / m), rel=1e-9)
-    # a budget between the smallest and the loose choice's bytes forces a smaller choice
-    budget = budgets(loose)
+    # a budget just under the loose choice's bytes forces another choice (under() measures the
+    # candidates it then needs)
+    budget = HEADROOM * (loose.best.temp_bytes - 1)
     tight = loose.under(budget, headroom=HEADROOM)
-    for chosen in (loose, tight):
-        fits = [c for c in chosen.sweep if c.fits]
-        assert chosen.best == min(fits, key=lambda c: (c.step, c.temp_bytes))
-        assert chosen.runner_up == sorted(fits, key=lambda c: (c.step, c.temp_bytes))[1]
+    for chosen, limit in ((loose, 1e9), (tight, budget)):
+        _check_choice(chosen, limit)
     assert tight.best.temp_bytes * HEADROOM <= budget < loose.best.temp_bytes * HEADROOM
+    # the loose choice measured only the candidates it depends on
+    assert sum(c.temp_bytes is not None for c in loose.sweep) < len(loose.sweep) / 2
     # the chosen program's compiled temp bytes fit the budget
     best = tight.best
     part = pj.partition(layers, list(best.balance), stateful=state is not None)
@@ -120,6 +120,46 @@ def test_planner_chooses_the_fastest_plan_that_fits(model):
     compiled = jax.jit(lambda p, x, t, s: step(p, x, t, state=s)).lower(*args).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= budget
     print(tight.table())
+
+
+def _check_choice(plan, budget):
+    """``plan``'s best and runner-up are the fastest two that fit (ties: the smaller) among the
+    whole sweep: every candidate that could rank before them was measured."""
+    measured = [c for c in plan.sweep if c.temp_bytes is not None]
+    for c in measured:
+        assert c.fits == (c.temp_bytes * HEADROOM <= budget)
+    fits = sorted((c for c in measured if c.fits), key=lambda c: (c.step, c.temp_bytes))
+    assert (plan.best, plan.runner_up) == (fits[0], fits[1])
+    for c in plan.sweep:  # a candidate as fast as the runner-up was measured
+        assert c.temp_bytes is not None or c.step > plan.runner_up.step, c
+        assert (c.temp_bytes is None) == (c.fits is None)
+
+
+def test_planner_measures_what_the_choice_needs():
+    """The planner measures bytes in order of the step, until two candidates fit: under every
+    budget, its best and runner-up are an exhaustive sweep's, with the same bytes."""
+    layers, params, x = embedding_blocks_head()
+    mesh = jax.make_mesh((4,), ("stage",))
+    options = dict(
+        mesh=mesh, schedules=SCHEDULES[:4], chunks=(2, 4, 8), checkpoints=("always", "never", "except_last"),
+        memory="estimate", headroom=HEADROOM,
+    )  # fmt: skip
+    full = pj.plan_pipeline(layers, params, x, memory_per_device=1e12, exhaustive=True, **options)
+    assert all(c.temp_bytes is not None for c in full.sweep)
+    sizes = sorted({c.temp_bytes for c in full.sweep})
+    lazy = pj.plan_pipeline(layers, params, x, memory_per_device=1e12, **options)
+    assert sum(c.temp_bytes is not None for c in lazy.sweep) < len(lazy.sweep)
+    for size in sizes:  # each budget at which the choice can change, from the largest down
+        budget = HEADROOM * size
+        want = full.under(budget, headroom=HEADROOM)
+        got = lazy.under(budget, headroom=HEADROOM)
+        assert (got.best, got.runner_up) == (want.best, want.runner_up), size
+        bytes_of = {c._key: c.temp_bytes for c in want.sweep}
+        assert all(c.temp_bytes == bytes_of[c._key] for c in got.sweep if c.temp_bytes is not None)
+    nothing = lazy.under(HEADROOM * sizes[0] / 2, headroom=HEADROOM)  # nothing fits: all measured
+    assert nothing.best is None and all(c.fits is False for c in nothing.sweep)
+    with pytest.raises(TypeError, match=r"`exhaustive` must be True or False, but got int 1"):
+        pj.plan_pipeline(layers, params, x, memory_per_device=1e6, exhaustive=1, **options)
 
 
 def test_planner_weighs_the_links_and_overlap():

@@ -2,7 +2,7 @@
 a list of layers with on a mesh, within a memory budget per device (:func:`plan_pipeline`);
 stateful layers and a data axis included.
 
-It sweeps every candidate exhaustively and predicts, for each:
+It sweeps every candidate and predicts, for each:
 
 * **the step time**, from the layers' costs (:func:`pipejax.layer_costs`, XLA's flop counts by
   default) run through the candidate's own table in lockstep (:meth:`Schedule.tick_times`), with
@@ -13,13 +13,16 @@ It sweeps every candidate exhaustively and predicts, for each:
   :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled, but it reads 0.8-2.3 of XLA's
   bytes on stages of several layers; ``benchmarks/RESULTS.md``).
 
-and returns the fastest candidate that fits, with the runner-up and the whole sweep.
+and returns the fastest candidate that fits, with the runner-up and the whole sweep. Steps are
+cheap (a table and some sums) and bytes are not (a compile each), so only the bytes the choice
+depends on are measured: candidates in order of their step until two fit (and any tied with the
+second), unless ``exhaustive=True``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,8 +49,10 @@ class Candidate(NamedTuple):
     checkpoint: str
     balance: tuple[int, ...]  # layers per stage
     step: float  # the predicted step, in the cost unit (flops, or seconds with `by="time"`)
-    temp_bytes: int  # temp bytes per device: XLA's (memory="compiled") or pj.memory_estimate's
-    fits: bool  # temp_bytes * headroom <= memory_per_device
+    # temp bytes per device: XLA's (memory="compiled") or pj.memory_estimate's; None: not measured
+    # (a candidate slower than the two fastest that fit: the choice does not depend on it)
+    temp_bytes: int | None
+    fits: bool | None  # temp_bytes * headroom <= memory_per_device; None: not measured
     overlap: bool = False  # sends that overlap compute (pj.pipeline's overlap=)
 
     def options(self) -> dict[str, Any]:
@@ -62,38 +67,83 @@ class Candidate(NamedTuple):
             "overlap": self.overlap,
         }
 
+    @property
+    def _key(self) -> tuple:  # what names a candidate within one sweep (its balance follows)
+        return (self.schedule, self.repeats, self.chunks, self.checkpoint, self.overlap)
 
-class PipelinePlan(NamedTuple):
-    """What :func:`plan_pipeline` chose: ``best`` (``None`` when nothing fits), the
-    ``runner_up`` and the whole ``sweep``, fastest first."""
 
+class _Chosen(NamedTuple):
     best: Candidate | None
     runner_up: Candidate | None
     sweep: tuple[Candidate, ...]
 
+
+class PipelinePlan(_Chosen):
+    """What :func:`plan_pipeline` chose: ``best`` (``None`` when nothing fits), the
+    ``runner_up`` and the whole ``sweep``: the measured candidates that fit, fastest first
+    (ties: the smaller first), then those that do not, then those not measured (``temp_bytes``
+    and ``fits`` ``None``), each group fastest first.
+
+    A plan keeps what it needs to measure the candidates it has not (the layers, their
+    parameters and the batch), for :meth:`under`."""
+
     def under(self, memory_per_device: float, headroom: float = 1.0) -> PipelinePlan:
-        """The same sweep chosen again under another budget (nothing is measured again)."""
+        """The same sweep chosen again under another budget. Bytes measured before are not
+        measured again; a candidate the new choice depends on that was not measured is (a
+        tighter budget can need slower candidates' bytes)."""
         budget, headroom = _positive(memory_per_device, "memory_per_device"), _positive(headroom, "headroom")
-        sweep = [c._replace(fits=c.temp_bytes * headroom <= budget) for c in self.sweep]
-        sweep.sort(key=lambda c: (not c.fits, c.step, c.temp_bytes))
-        fitting = [c for c in sweep if c.fits]
-        return PipelinePlan(
-            fitting[0] if fitting else None, fitting[1] if len(fitting) > 1 else None, tuple(sweep)
-        )
+        return _choose(self.sweep, budget, headroom, getattr(self, "_measure", None))
 
     def table(self) -> str:
-        """The sweep as a markdown table, the choice marked."""
+        """The sweep as a markdown table, the choice marked ("-": not measured)."""
         lines = [
             "| schedule | v | chunks | checkpoint | overlap | balance | step | temp KiB | fits |",
             "|:--|--:|--:|:--|:--|:--|--:|--:|:--|",
         ]
         for c in self.sweep:
             mark = " **chosen**" if c == self.best else (" runner-up" if c == self.runner_up else "")
+            kib = "-" if c.temp_bytes is None else f"{c.temp_bytes / 1024:,.1f}"
+            fits = "-" if c.fits is None else c.fits
             lines.append(
                 f"| {c.schedule}{mark} | {c.repeats} | {c.chunks} | {c.checkpoint} | {c.overlap} | "
-                f"{list(c.balance)} | {c.step:.4g} | {c.temp_bytes / 1024:,.1f} | {c.fits} |"
+                f"{list(c.balance)} | {c.step:.4g} | {kib} | {fits} |"
             )
         return "\n".join(lines)
+
+
+def _choose(sweep, budget, headroom, measure=None, exhaustive=False) -> PipelinePlan:
+    """The fastest candidate of ``sweep`` that fits (ties: the smaller) and the runner-up.
+    Walks the candidates in order of their step, measuring (``measure(candidate) -> bytes``)
+    those without bytes, until two fit and the next is slower than the second: no candidate
+    left unmeasured can rank among the two. ``exhaustive``: measures every candidate."""
+    rows = list(sweep)
+    order = sorted(range(len(rows)), key=lambda i: rows[i].step)
+    fitting = []  # the steps of the candidates that fit, in walking order
+    for i in order:
+        c = rows[i]
+        if not exhaustive and len(fitting) >= 2 and c.step > fitting[1]:
+            break
+        if c.temp_bytes is None:
+            if measure is None:
+                raise ValueError(
+                    f"{c.schedule} (chunks={c.chunks}, {c.checkpoint}) was not measured and this plan "
+                    "cannot measure it (it was not made by pj.plan_pipeline). Plan again with "
+                    "`exhaustive=True`."
+                )
+            c = c._replace(temp_bytes=int(measure(c)))
+        rows[i] = c = c._replace(fits=c.temp_bytes * headroom <= budget)
+        if c.fits:
+            fitting.append(c.step)
+    rows = [c if c.temp_bytes is None else c._replace(fits=c.temp_bytes * headroom <= budget) for c in rows]
+    measured = sorted(
+        (c for c in rows if c.temp_bytes is not None), key=lambda c: (not c.fits, c.step, c.temp_bytes)
+    )
+    rest = sorted((c._replace(fits=None) for c in rows if c.temp_bytes is None), key=lambda c: c.step)
+    ok = [c for c in measured if c.fits]
+    plan = PipelinePlan(ok[0] if ok else None, ok[1] if len(ok) > 1 else None, tuple(measured + rest))
+    if measure is not None:
+        plan._measure = measure
+    return plan
 
 
 def plan_pipeline(
@@ -118,10 +168,11 @@ def plan_pipeline(
     memory: str = "compiled",
     loss_fn: Any = None,
     headroom: float = 1.0,
+    exhaustive: bool = False,
 ) -> PipelinePlan:
     """Chooses how to pipeline ``layers`` on ``mesh``'s stage axis within ``memory_per_device``.
 
-    An exhaustive sweep over ``schedules`` x ``chunks`` x ``checkpoints`` (``"except_last"``
+    A sweep over every candidate of ``schedules`` x ``chunks`` x ``checkpoints`` (``"except_last"``
     for the forward schedules only; the circular and interleaved 1F1B schedules with ``repeats``
     stages per device). A candidate its schedule cannot run is left out of the sweep: more
     stages than layers, or interleaved 1F1B with a number of micro-batches that is not a
@@ -142,7 +193,11 @@ def plan_pipeline(
     sends; with ``overlap=True`` (swept by ``overlaps``, on the candidate's ``hop=2`` table) the
     longer of the two. Its bytes are the temp bytes per device of its training step
     (``memory``); a candidate fits when ``headroom`` times them is at most
-    ``memory_per_device``.
+    ``memory_per_device``. Every candidate's step is predicted, but bytes are measured only where
+    the choice depends on them: in order of the step, until two candidates fit and the next is
+    slower than the second (with ``memory="compiled"``, a compile each; on the three models of
+    ``benchmarks/planner.py``, 2-3 of 26 candidates under a loose budget, 9-14 under a tight
+    one). The choice is the one an exhaustive sweep makes.
 
     Args:
       layers, layer_params: the layers (``layer(params, x, key)``) and their parameters, as for
@@ -177,10 +232,13 @@ def plan_pipeline(
       loss_fn: the per-example loss of the compiled step, ``loss_fn(y, targets)`` with targets
         of ``y``'s type; default the sum of squares of ``y`` along its last axis.
       headroom: the factor on the bytes before they are compared with the budget.
+      exhaustive: measure every candidate's bytes, not only those the choice needs (for a table
+        of the whole sweep; the choice is the same).
 
     Returns:
       A :class:`PipelinePlan`: ``best`` (the fastest candidate that fits; ties: the smaller),
-      ``runner_up`` and ``sweep``; ``under(budget)`` chooses again under another budget.
+      ``runner_up`` and ``sweep`` (``temp_bytes`` and ``fits`` ``None`` where not measured);
+      ``under(budget)`` chooses again under another budget, measuring only what it then needs.
 
     Raises:
       TypeError, ValueError: for an argument outside what it takes (each named).
@@ -217,6 +275,7 @@ def plan_pipeline(
     overlaps = _seq(overlaps, "overlaps")
     if not all(isinstance(o, bool) for o in overlaps):
         raise TypeError(f"`overlaps` must hold bools (values of `overlap=`), but got {overlaps!r}.")
+    exhaustive = checks.check_bool(exhaustive, "exhaustive")
     if by not in ("flops", "time"):
         raise ValueError(f"`by` must be 'flops' or 'time' (a step time), but got {by!r}.")
     if memory not in ("compiled", "estimate"):
@@ -266,7 +325,7 @@ def plan_pipeline(
     row_bytes = None  # the bytes of one example of each layer's output
     if bandwidth is not None:
         row_bytes = np.array(output_bytes(costed, costed_params, x)) / batch
-    sweep = []
+    sweep, measures = [], {}
     for name in schedules:
         kind = KINDS[name]
         v = repeats if kind.takes_repeats else kind.resolve_repeats(1)  # a V: 2
@@ -294,16 +353,33 @@ def plan_pipeline(
                 table = pipe.schedule(batch)
             except ValueError:  # interleaved 1F1B: m not a multiple of n; m not split by the data axis
                 continue
-            if memory == "estimate":
-                est = memory_estimate(pipe, params, x).total
-            else:
-                est = _compiled_bytes(pipe, params, x, loss_fn, state)
             message = latency  # the largest message: an activation at a stage boundary
             if row_bytes is not None:
                 message += max(row_bytes[offsets[1:-1] - 1], default=0.0) * micro.micro_size / bandwidth
             step = _step(table, mode, f_stage / m, b_stage / m, tick_cost, table.sends_per_tick * message)
-            sweep.append(Candidate(name, v, c, mode, tuple(cut), step, int(est), False, overlap))
-    return PipelinePlan(None, None, tuple(sweep)).under(budget, headroom)
+            candidate = Candidate(name, v, c, mode, tuple(cut), step, None, None, overlap)
+            sweep.append(candidate)
+            if memory == "estimate":
+                measure = lambda pipe=pipe, params=params: memory_estimate(pipe, params, x).total
+            else:
+                measure = lambda pipe=pipe, params=params, state=state: _compiled_bytes(
+                    pipe, params, x, loss_fn, state
+                )
+            measures[candidate._key] = measure
+    return _choose(sweep, budget, headroom, _Measures(measures), exhaustive)
+
+
+class _Measures:
+    """The bytes of a sweep's candidates, each measured once, when a choice first needs it."""
+
+    def __init__(self, measures: dict[tuple, Callable[[], int]]):
+        self._measures, self._bytes = measures, {}
+
+    def __call__(self, candidate: Candidate) -> int:
+        key = candidate._key
+        if key not in self._bytes:
+            self._bytes[key] = int(self._measures[key]())
+        return self._bytes[key]
 
 
 def _step(table, mode, f, b, tick_cost, link) -> float:
