@@ -223,14 +223,7 @@ def main() -> None:
     )
 
     section("Reads of Pipeline's private members below pipeline.py")
-    private = re.compile(r"\b[\w.]+\.(" + "|".join(sorted(pipeline_privates(files))) + r")\b")
-    reads = [
-        [name.removeprefix("pipejax/_src/"), str(i), m.group(0)]
-        for name, text in files.items()
-        if not name.endswith(("/pipeline.py",))
-        for i, line in code_lines(text)
-        for m in private.finditer(line.split("#", 1)[0])
-    ]
+    reads = [[name, str(i), read] for name, i, read in private_reads(files)]
     print(table(["file", "line", "read"], reads or [["(none)", "", ""]]))
 
     section("Import circles among pipejax._src modules")
@@ -238,11 +231,7 @@ def main() -> None:
     print(table(["modules in one circle"], [[" <-> ".join(c)] for c in found] or [["(none)"]]))
 
     section("Files over 600 lines")
-    big = [
-        [n.removeprefix("pipejax/_src/"), f"{t.count(chr(10)):,}"]
-        for n, t in files.items()
-        if t.count("\n") > 600
-    ]
+    big = [[n, f"{lines:,}"] for n, lines in long_files(files)]
     print(table(["file", "lines"], big or [["(none)", ""]]))
 
     section("Core lines (pipejax/_src without hessian/ and invertible/)")
@@ -250,8 +239,31 @@ def main() -> None:
     total = sum(t.count("\n") for t in core.values())
     code = sum(len(code_lines(t)) for t in core.values())
     print(table(["files", "lines", "code lines"], [[str(len(core)), f"{total:,}", f"{code:,}"]]))
-    loop = sum(len(re.findall(r"slots is None", t)) for n, t in core.items() if "/engine" in n)
-    print(f"\n`slots is None` in the tick loop (engine/): {loop}")
+    print(f"\n`slots is None` in the tick loop (engine/): {slots_is_none(files)}")
+
+
+def private_reads(files: dict[str, str]) -> list[tuple[str, int, str]]:
+    """``(file, line, read)`` for each read of a private member of ``Pipeline`` outside
+    ``pipeline.py``."""
+    private = re.compile(r"\b[\w.]+\.(" + "|".join(sorted(pipeline_privates(files))) + r")\b")
+    return [
+        (name.removeprefix("pipejax/_src/"), i, m.group(0))
+        for name, text in files.items()
+        if not name.endswith(("/pipeline.py",))
+        for i, line in code_lines(text)
+        for m in private.finditer(line.split("#", 1)[0])
+    ]
+
+
+def long_files(files: dict[str, str], limit: int = 600) -> list[tuple[str, int]]:
+    """The files of ``pipejax/_src`` over ``limit`` lines, and their lines."""
+    sizes = {n.removeprefix("pipejax/_src/"): t.count("\n") for n, t in files.items()}
+    return [(n, lines) for n, lines in sizes.items() if lines > limit]
+
+
+def slots_is_none(files: dict[str, str]) -> int:
+    """How often the tick loop (``engine/``) asks whether it runs a training table."""
+    return sum(len(re.findall(r"slots is None", t)) for n, t in files.items() if "/engine" in n)
 
 
 if __name__ == "__main__":
