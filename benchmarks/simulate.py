@@ -37,6 +37,11 @@ Sections (each prints markdown tables):
 7. ``one-device``: the per-stage costs of a small MLP measured on this CPU (F, F + B + W, F + B,
    F + W of one stage), summed over each schedule's table as the simulator does, against the
    training step measured with ``mesh=None`` (one device runs every stage) and a ``lax.scan``.
+8. ``floor``: the floor of one synchronous step with one stage per device and F = B = W,
+   ``3m + n - 1`` slot times, against lockstep ZB-H1 and 1F1B, and against ZB-H1's F and B
+   ticks with the W slots placed by an exact integer program (one W per device and tick, at or
+   after its B, at most ``ring`` cotangents held) or greedily without a bound
+   (``docs/decisions/0034-no-zb-h2.md``).
 """
 
 from __future__ import annotations
@@ -844,6 +849,126 @@ def one_device(quick: bool) -> None:
     )
 
 
+# --- 8. the floor of one step ----------------------------------------------------------------------
+
+
+def _zb_ticks(n: int, m: int) -> tuple[dict, dict]:
+    """ZB-H1's F and B ticks per (device, micro-batch): F at ``i + d``, B at ``i + 2(n - 1) - d``."""
+    f = {(d, i): i + d for d in range(n) for i in range(m)}
+    b = {(d, i): i + 2 * (n - 1) - d for d in range(n) for i in range(m)}
+    return f, b
+
+
+def _step_of(n, ticks_f, ticks_b, ticks_w) -> tuple[int, int, int]:
+    """The lockstep step of F, B and W ticks (each slot 1), and the most stage inputs (F to W)
+    and output cotangents (B to W) a device holds at once."""
+    last = max(ticks_w.values()) + 1
+    load = [[0] * n for _ in range(last)]
+    for ticks in (ticks_f, ticks_b, ticks_w):
+        for (d, _), t in ticks.items():
+            load[t][d] += 1
+
+    def held(start):
+        return max(
+            sum(start[d, i] <= t <= ticks_w[d, i] for (dd, i) in ticks_w if dd == d)
+            for d in range(n)
+            for t in range(last)
+        )
+
+    return sum(max(row) for row in load), held(ticks_f), held(ticks_b)
+
+
+def _greedy_w(n, m) -> dict:
+    """Each W in the first tick where its device is below the tick's busiest device (after every
+    F and B: one W a tick), in order: no bound on the cotangents held."""
+    f, b = _zb_ticks(n, m)
+    last = max(b.values())
+    load = {}
+    for ticks in (f, b):
+        for (d, _), t in ticks.items():
+            load[t, d] = load.get((t, d), 0) + 1
+    w, pending = {}, [[] for _ in range(n)]
+    for t in itertools.count():
+        for d in range(n):
+            pending[d] += [i for i in range(m) if b[d, i] == t]
+        busiest = max(1, max(load.get((t, d), 0) for d in range(n))) if t <= last else 1
+        for d in range(n):
+            if pending[d] and load.get((t, d), 0) < busiest:
+                w[d, pending[d].pop(0)] = t
+                load[t, d] = load.get((t, d), 0) + 1
+        if t >= last and not any(pending):
+            return w
+
+
+def _best_w(n, m, ring, extra=4) -> dict | None:
+    """The W ticks that minimise the lockstep step over ZB-H1's F and B ticks (an integer program,
+    scipy's HiGHS): one W per device and tick, each at or after its B, W of micro-batch ``i``
+    before B of ``i + ring`` (a ring of ``ring`` cotangents)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    f, b = _zb_ticks(n, m)
+    T = max(b.values()) + 1 + extra
+    fixed = np.zeros((T, n))
+    for ticks in (f, b):
+        for (d, _), t in ticks.items():
+            fixed[t, d] += 1
+    var = {(d, i, t): k for k, (d, i, t) in enumerate((d, i, t) for (d, i) in b for t in range(b[d, i], T))}
+    nw = len(var)
+    rows, lo, hi = lil_matrix((2 * len(b) + 2 * n * T, nw + T)), [], []
+
+    def row(entries, low, high):
+        for col, value in entries:
+            rows[len(lo), col] = value
+        lo.append(low)
+        hi.append(high)
+
+    for d, i in b:  # each W once; before B of i + ring
+        row([(var[d, i, t], 1) for t in range(b[d, i], T)], 1, 1)
+        if i + ring < m:
+            row([(var[d, i, t], t) for t in range(b[d, i], T)], -np.inf, b[d, i + ring] - 1)
+    for d in range(n):
+        for t in range(T):  # one W a tick; the tick lasts its busiest device
+            ws = [(var[d, i, t], 1) for i in range(m) if (d, i, t) in var]
+            row(ws, 0, 1)
+            row([(nw + t, 1)] + [(k, -1) for k, _ in ws], fixed[t, d], np.inf)
+    A = rows[: len(lo)].tocsr()
+    cost = np.r_[np.zeros(nw), np.ones(T)]
+    res = milp(
+        cost, constraints=LinearConstraint(A, lo, hi), integrality=np.r_[np.ones(nw), np.zeros(T)],
+        bounds=Bounds(0, np.r_[np.ones(nw), np.full(T, 3)]), options={"time_limit": 120},
+    )  # fmt: skip
+    if res.x is None:
+        return None
+    return {(d, i): t for (d, i, t), k in var.items() if res.x[k] > 0.5}
+
+
+def floor(quick: bool) -> None:
+    import pipejax as pj
+
+    section("The floor of one step: ZB-H1's ticks against 3m + n - 1 (F = B = W = 1)")
+    rows = []
+    for n, m in ((4, 8),) if quick else ((4, 8), (4, 16), (8, 8), (8, 16)):
+        zb, one = pj.zb_h1_schedule(n, m), pj.one_f_one_b_schedule(n, m)
+        row = [n, m, 3 * m + n - 1, f"{zb.step_time(1, 1, 1):g}", f"{one.step_time(1, 2, 0):g}"]
+        f, b = _zb_ticks(n, m)
+        for ring in (n, 2 * n):
+            w = _best_w(n, m, ring)
+            row.append("-" if w is None else "{}, {} / {}".format(*_step_of(n, f, b, w)))
+        row.append("{}, {} / {}".format(*_step_of(n, f, b, _greedy_w(n, m))))
+        rows.append(row)
+    print(
+        "Lockstep step times in slot times, F = B = W = 1 (1F1B: B = 2, its whole backward). The "
+        "last three columns keep ZB-H1's F and B ticks and place the W slots: exactly, with the "
+        "loop's ring of n cotangents or one of 2n, and greedily without a bound; each gives the "
+        "step, then the most stage inputs / output cotangents a device holds (ZB-H1: 2n - 1 / n)."
+    )
+    print()
+    heads = ["n", "m", "floor 3m + n - 1", "zb-h1", "1f1b", "best W, ring n", "best W, ring 2n", "greedy W"]
+    print(table(heads, rows))
+
+
 SECTIONS = {
     "theory": theory,
     "measured": measured,
@@ -852,6 +977,7 @@ SECTIONS = {
     "lockstep": lockstep,
     "bandwidth": bandwidth,
     "one-device": one_device,
+    "floor": floor,
 }
 
 
