@@ -950,8 +950,9 @@ def floor(quick: bool) -> None:
     section("The floor of one step: ZB-H1's ticks against 3m + n - 1 (F = B = W = 1)")
     rows = []
     for n, m in ((4, 8),) if quick else ((4, 8), (4, 16), (8, 8), (8, 16)):
-        zb, one = pj.zb_h1_schedule(n, m), pj.one_f_one_b_schedule(n, m)
+        zb, one, low = pj.zb_h1_schedule(n, m), pj.one_f_one_b_schedule(n, m), pj.zb_floor_schedule(n, m)
         row = [n, m, 3 * m + n - 1, f"{zb.step_time(1, 1, 1):g}", f"{one.step_time(1, 2, 0):g}"]
+        row.append(f"{low.step_time(1, 1, 1):g}, {low.stash_slots()} / {low.cotangent_slots()}")
         f, b = _zb_ticks(n, m)
         for ring in (n, 2 * n):
             w = _best_w(n, m, ring)
@@ -959,13 +960,15 @@ def floor(quick: bool) -> None:
         row.append("{}, {} / {}".format(*_step_of(n, f, b, _greedy_w(n, m))))
         rows.append(row)
     print(
-        "Lockstep step times in slot times, F = B = W = 1 (1F1B: B = 2, its whole backward). The "
-        "last three columns keep ZB-H1's F and B ticks and place the W slots: exactly, with the "
-        "loop's ring of n cotangents or one of 2n, and greedily without a bound; each gives the "
-        "step, then the most stage inputs / output cotangents a device holds (ZB-H1: 2n - 1 / n)."
+        "Lockstep step times in slot times, F = B = W = 1 (1F1B: B = 2, its whole backward). "
+        "'zb-floor' is pj.zb_floor_schedule (ZB-H1 with its last 2(n - 1) W slots in the drain); "
+        "the last three columns keep ZB-H1's F and B ticks and place the W slots: exactly, with a "
+        "ring of n cotangents or one of 2n, and greedily without a bound. Each gives the step, then "
+        "the most stage inputs / output cotangents a device holds (ZB-H1: 2n - 1 / n)."
     )
     print()
-    heads = ["n", "m", "floor 3m + n - 1", "zb-h1", "1f1b", "best W, ring n", "best W, ring 2n", "greedy W"]
+    heads = ["n", "m", "floor 3m + n - 1", "zb-h1", "1f1b", "zb-floor", "best W, ring n", "best W, ring 2n"]
+    heads.append("greedy W")
     print(table(heads, rows))
 
 

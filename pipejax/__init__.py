@@ -53,6 +53,7 @@ from pipejax._src.schedules.tables import one_f_one_b as one_f_one_b_schedule
 from pipejax._src.schedules.tables import sequential as sequential_schedule
 from pipejax._src.schedules.tables import v_half as v_half_schedule
 from pipejax._src.schedules.tables import v_half_bubble_fraction as v_half_bubble_fraction
+from pipejax._src.schedules.tables import zb_floor as zb_floor_schedule
 from pipejax._src.schedules.tables import zb_h1 as zb_h1_schedule
 from pipejax._src.schedules.tables import zb_h1_bubble_fraction as zb_h1_bubble_fraction
 from pipejax._src.schedules.tables import zb_v as zb_v_schedule
@@ -116,6 +117,7 @@ __all__ = [
     "v_half_bubble_fraction",
     "v_half_schedule",
     "weighted_mean",
+    "zb_floor_schedule",
     "zb_h1_bubble_fraction",
     "zb_h1_schedule",
     "zb_v_schedule",

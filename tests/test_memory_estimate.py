@@ -46,7 +46,7 @@ def xla_temp_bytes(pipe, params, x):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-floor"])
 def test_estimate_within_10_percent_of_xla(schedule, checkpoint):
     pipe, params, x = setup(schedule, checkpoint, m=8)
     est = pj.memory_estimate(pipe, params, x)

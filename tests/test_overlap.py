@@ -16,8 +16,8 @@ import pipejax as pj
 from pipejax._src.schedules import tables as sched
 
 SCHEDULES = [
-    ("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2),
-    ("v-half", 2), ("zb-v", 2),
+    ("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb-h1", 1), ("zb-floor", 1),
+    ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2),
 ]  # fmt: skip
 COMPUTE = {"dot_general", "tanh"}  # the stage's own work
 

@@ -43,8 +43,8 @@ import pipejax as pj
 from tests import models
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
-TRAINING = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "zb-floor", "interleaved-1f1b", "v-half", "zb-v")
+TRAINING = ("1f1b", "zb-h1", "zb-floor", "interleaved-1f1b", "v-half", "zb-v")
 REPEATS = {"circular": 2, "interleaved-1f1b": 2, "v-half": 2, "zb-v": 2}
 GPIPE_OF = {"circular": "circular", "interleaved-1f1b": "circular", "v-half": "circular", "zb-v": "circular"}
 S, BATCH, CHUNKS, W = 4, 8, 4, 3  # 4 stages, micro-batches of 2

@@ -26,6 +26,8 @@ def _actions(t: pj.Schedule) -> list[tuple]:
 BUILT_IN = [
     pj.one_f_one_b_schedule(4, 8),
     pj.zb_h1_schedule(3, 5),
+    pj.zb_floor_schedule(4, 8),
+    pj.zb_floor_schedule(3, 7, hop=2),
     pj.interleaved_one_f_one_b_schedule(2, 4, 3),
     pj.one_f_one_b_schedule(1, 3),
 ]
@@ -34,7 +36,7 @@ BUILT_IN = [
 @pytest.mark.parametrize("t", BUILT_IN, ids=lambda t: t.name)
 def test_actions_rebuild_every_training_table(t):
     u = pj.schedule_from_actions(
-        _actions(t), num_devices=t.num_devices, num_micro=t.num_micro, repeats=t.repeats
+        _actions(t), num_devices=t.num_devices, num_micro=t.num_micro, repeats=t.repeats, hop=t.hop
     )
     assert u.kinds == t.kinds and u.num_ticks == t.num_ticks and u.stash_slots() == t.stash_slots()
     for k in t.kinds:
@@ -256,6 +258,36 @@ def all_f_then_all_b(num_devices, num_micro):
     start = m + n - 1
     b = [(s, start + i + (n - 1 - s), "B", i) for s in range(n) for i in range(m)]
     return pj.schedule_from_actions(f + b, num_devices=n, num_micro=m, name="f-then-b")
+
+
+def test_zb_floor_reaches_the_floor_of_one_step():
+    """"zb-floor": ZB-H1's F and B slots with the last 2 (n - 1) W slots of each device moved
+    into the drain. With F = B = W its lockstep step is 3 m + n - 1 slot times (the last device
+    starts after the n - 1 before it: no table of one step does better), against ZB-H1's
+    3 m + 2 (n - 1); it is never longer than ZB-H1's where W costs at most F + B (hop 2: at
+    most B), keeps ZB-H1's stage inputs and 2 n - 2 cotangents for W; below m = 2 (n - 1) it is
+    ZB-H1's table."""
+    costs = [(f, b, w) for f in (0.5, 1, 2) for b in (0.5, 1, 2) for w in (0.25, 0.5, 1, 2, 3)]
+    for n in (1, 2, 3, 4, 8):
+        for m in range(1, 3 * n + 2):
+            for hop in (1, 2):
+                t, zb = pj.zb_floor_schedule(n, m, hop=hop), pj.zb_h1_schedule(n, m, hop=hop)
+                assert t.kinds == ("F", "B", "W") and t.name == "zb-floor"
+                for k in ("F", "B"):  # ZB-H1's F and B slots, the drain longer
+                    np.testing.assert_array_equal(t.micro[k][: zb.num_ticks], zb.micro[k])
+                    assert (t.micro[k][zb.num_ticks :] < 0).all()
+                assert t.stash_slots() == zb.stash_slots()
+                if m < 2 * (n - 1):
+                    assert t == zb.replace(name="zb-floor")
+                    continue
+                assert t.cotangent_slots() == max(n, 2 * n - 2)
+                for f, b, w in costs:
+                    if w <= (f + b if hop == 1 else b):
+                        assert t.step_time(f, b, w) <= zb.step_time(f, b, w) + 1e-12, (n, m, hop, f, b, w)
+                if hop == 1:
+                    assert t.step_time(1, 1, 1) == 3 * m + n - 1
+                    assert zb.step_time(1, 1, 1) == 3 * m + 2 * (n - 1)
+    assert pj.zb_h1_schedule(4, 8).cotangent_slots() == 4  # ZB-H1's ring of n, as before
 
 
 def test_a_user_table_equal_to_1f1b_gives_1f1b_program():

@@ -700,7 +700,8 @@ def test_pipeline_schedule_is_the_table_the_schedule_runs():
     """`Pipeline.schedule(batch)` gives a training schedule's own table (what value_and_grad
     runs), and the forward call's table with `training=False`; GPipe has no training table."""
     f = lambda p, x: x * p
-    for name, repeats in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2)):
+    kinds = (("1f1b", 1), ("zb-h1", 1), ("zb-floor", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2))
+    for name, repeats in kinds:
         apply = pj.pipeline([f] * 4, chunks=4, schedule=name, repeats=repeats)
         table = apply.schedule(8)
         assert table.trains and table.name == name

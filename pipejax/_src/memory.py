@@ -175,7 +175,7 @@ def _struct(a: Any) -> jax.ShapeDtypeStruct:
 
 # --- the estimate ---------------------------------------------------------------------------------
 
-ESTIMATED_SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1")
+ESTIMATED_SCHEDULES = ("gpipe", "circular", "1f1b", "zb-h1", "zb-floor")
 
 
 class MemoryEstimate(NamedTuple):
@@ -225,10 +225,13 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     1f1b      "always"      K A                R + 4 A                   g
     1f1b      "never"       K (R + O) (1)      3 (R + O) + 4 A           g
     zb-h1     as 1f1b       as 1f1b + n A      as 1f1b                   g
+    zb-floor  as 1f1b       as 1f1b + G A (2)  as 1f1b                   g
     ========  ============  =================  ===============  =======  ==============
 
     (1) ``K R + K_last (R + O)`` where ``K O > (K_last + 1)(R + O)``: the last stage's residuals
     are then kept apart, in ``K_last`` slots of their own (1F1B: none; ZB-H1: ``n``; below).
+    (2) ``G`` the table's :meth:`~pipejax.Schedule.cotangent_slots`: ``2 n - 2`` for
+    ``m >= 2 (n - 1)``.
 
     ``g = P`` when one stage's parameters ``P`` outweigh the residuals the tick's backward frees
     (``R``; 1F1B ``"never"``: ``3 (R + O)``), else 0: XLA puts the tick's parameter cotangent in
@@ -260,8 +263,9 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     Use :func:`memory_report` for the exact number.
 
     Args:
-      pipe: a :func:`pipeline` on a mesh, with ``schedule`` "gpipe", "circular", "1f1b" or
-        "zb-h1", ``checkpoint`` "always", "never" or (GPipe and circular) "except_last".
+      pipe: a :func:`pipeline` on a mesh, with ``schedule`` "gpipe", "circular", "1f1b",
+        "zb-h1" or "zb-floor", ``checkpoint`` "always", "never" or (GPipe and circular)
+        "except_last".
       params: the pipeline's parameters, in any form it accepts (arrays or
         ``jax.ShapeDtypeStruct``).
       x: a batch as the pipeline takes it (arrays or ``jax.ShapeDtypeStruct``).
@@ -301,7 +305,7 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     options.check_params_shape(params, pipe)  # as a call of the pipeline checks them
     batch = pipe.plan.check_batch(x)
     plan = microbatch.plan(batch, pipe.chunks)
-    n, m, v, name = pipe.num_devices, plan.num_micro, pipe.repeats, pipe.schedule_name
+    n, m, v = pipe.num_devices, plan.num_micro, pipe.repeats
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *jnp.shape(a)[1:]), _dtype(a)), x)
     unsharded = jax.tree.map(_struct, params)  # placed parameters' sharding types aside
     acts, residuals, stage_params = [], [], []
@@ -324,7 +328,9 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
         # to B) and one entry in the tick
         last = table.last_stage_slots()
         apart = pipe.checkpoint != "always" and last_apart_pays(k, o, last, slot)
-        stash = (k * r + last * slot if apart else k * slot) + (n * a if name == "zb-h1" else 0)
+        # W's output cotangents: a ring of `cotangent_slots` (ZB-H1: n)
+        cot = table.cotangent_slots() * a if "W" in table.kinds else 0
+        stash = (k * r + last * slot if apart else k * slot) + cot
         freed = r if pipe.checkpoint == "always" else 3 * slot
         outputs = loop = 0
     else:

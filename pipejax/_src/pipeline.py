@@ -176,8 +176,10 @@ def pipeline(
         mini-batch (e.g. :func:`pipejax.batch_norm_update`). Stats are bitwise identical across
         checkpoint modes and with or without a mesh.
       schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (interleaved; needs ``repeats``);
-        or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"``,
-        ``"interleaved-1f1b"`` (with ``repeats``), ``"v-half"`` or ``"zb-v"`` (two stages per
+        or a schedule that owns the backward pass, ``"1f1b"``, ``"zb-h1"``, ``"zb-floor"``
+        (ZB-H1 with its last W slots in the drain: a shorter step for ``2 n - 2`` cotangents
+        kept where ZB-H1 keeps ``n``), ``"interleaved-1f1b"`` (with ``repeats``), ``"v-half"``
+        or ``"zb-v"`` (two stages per
         device in a V, ``num_stages / 2`` devices), which :meth:`Pipeline.value_and_grad` runs
         (the forward call alone runs the GPipe or circular table); or a function ``(num_devices,
         num_micro) -> pj.Schedule`` that returns a training table you wrote

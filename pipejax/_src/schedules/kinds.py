@@ -7,9 +7,10 @@ schedule names. Two families:
 
 - :class:`ForwardSchedule` (GPipe, circular): a forward table only; autodiff runs it backwards,
   so any JAX transformation differentiates the forward call.
-- :class:`BackwardSchedule` (1F1B, ZB-H1, interleaved 1F1B, V-Half, ZB-V): a training table whose F, B and W
-  slots :meth:`pipejax.Pipeline.value_and_grad` runs; the forward call (inference) runs the
-  forward table, and differentiating it is refused (:meth:`BackwardSchedule.guard_forward`).
+- :class:`BackwardSchedule` (1F1B, ZB-H1, ZB-floor, interleaved 1F1B, V-Half, ZB-V): a
+  training table whose F, B and W slots :meth:`pipejax.Pipeline.value_and_grad` runs; the
+  forward call (inference) runs the forward table, and differentiating it is refused
+  (:meth:`BackwardSchedule.guard_forward`).
 
 Adding a schedule means adding its table to :mod:`pipejax._src.schedules.tables` and its object
 here. A user's schedule is a table builder (``schedule=`` a callable), run as
@@ -209,6 +210,7 @@ SCHEDULES: dict[str, Kind] = {
         ForwardSchedule("circular", takes_repeats=True),
         BackwardSchedule("1f1b", takes_repeats=False),
         BackwardSchedule("zb-h1", takes_repeats=False),
+        BackwardSchedule("zb-floor", takes_repeats=False),
         BackwardSchedule("interleaved-1f1b", takes_repeats=True, groups_of_n=True),
         BackwardSchedule("v-half", takes_repeats=False, v_shape=True),
         BackwardSchedule("zb-v", takes_repeats=False, v_shape=True),

@@ -267,8 +267,8 @@ def _check_stashes(s, ticks: dict[str, np.ndarray]) -> None:
             s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)"
         )
     if "W" in ticks and s.placement == "ring":  # (a V's cotangents wait in a pool: `cotangent_pool`)
-        b = ticks["B"]
-        _refuse_overlap(s, stage, micro, b, ticks["W"], s.num_devices, "the W cotangents' ring")
+        G = s.cotangent_slots()  # the ring held apart: checked in order of W, with its message
+        _refuse_overlap(s, stage, micro, ticks["B"], ticks["W"], G, f"the W cotangents' ring ({G} slots)")
 
 
 def clashes(group, first, last) -> tuple[np.ndarray, np.ndarray]:

@@ -263,10 +263,30 @@ class Schedule:
         stage, _, first, last = self._held()
         return self._pool(stage, first, last, self.kinds)
 
+    def cotangent_slots(self) -> int:
+        """The ring slots (slot = micro-batch mod the size) that the output cotangents W reads
+        take per stage, from each B to its W, in a ring table with W slots: ``n``, or the most a
+        stage holds at once where that is more ("zb-floor": ``2 n - 2``).
+
+        >>> from pipejax._src.schedules import tables
+        >>> tables.zb_h1(4, 8).cotangent_slots(), tables.zb_floor(4, 8).cotangent_slots()
+        (4, 6)
+        """
+        if "W" not in self.kinds:
+            raise ValueError(f"The {self.name!r} table has no W slots, so it keeps no cotangents for them.")
+        stage, _, _, _ = self._held()
+        first, last = rules.slot_ticks(self, "B"), rules.slot_ticks(self, "W")
+        cols, size = self.num_stages, (self.num_ticks + 1) * self.num_stages
+        diff = np.bincount(first * cols + stage, minlength=size) - np.bincount(
+            (last + 1) * cols + stage, minlength=size
+        )
+        held = np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0).max(initial=0)
+        return max(self.num_devices, int(held))
+
     def cotangent_pool(self) -> tuple[int, dict[str, np.ndarray]]:
         """``(size, slot)`` as :meth:`stash_pool`, for the output cotangents a table with W slots
         keeps from each B to its W (``slot["B"]`` where B writes, ``slot["W"]`` where W reads):
-        the V tables' pool (a ring table keeps a ring of ``n``)."""
+        the V tables' pool (a ring table keeps a ring, :meth:`cotangent_slots`)."""
         if "W" not in self.kinds:
             raise ValueError(f"The {self.name!r} table has no W slots, so it keeps no cotangents for them.")
         stage, _, _, _ = self._held()

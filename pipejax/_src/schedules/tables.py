@@ -194,7 +194,7 @@ def circular_bubble_fraction(num_devices: int, num_micro: int, repeats: int) -> 
 # ``max(F, B)`` for half a unit of work each. This table keeps both slots full instead and pays
 # with a deeper stash.)
 
-TRAINING_KINDS = ("1f1b", "zb-h1", "interleaved-1f1b", "v-half", "zb-v")
+TRAINING_KINDS = ("1f1b", "zb-h1", "zb-floor", "interleaved-1f1b", "v-half", "zb-v")
 
 
 def v_half(num_devices: int, num_micro: int, *, hop: int = 1) -> Schedule:
@@ -408,6 +408,8 @@ def training(name: str, num_stages: int, num_micro: int, repeats: int = 1, *, ho
         return interleaved_one_f_one_b(num_stages // repeats, num_micro, repeats, hop=hop)
     if name in ("v-half", "zb-v"):
         return _v_table(name, num_stages // 2, num_micro, weights=name == "zb-v", hop=hop)
+    if name == "zb-floor":
+        return zb_floor(num_stages, num_micro, hop=hop)
     return _training_table(name, num_stages, num_micro, hop)
 
 
@@ -440,6 +442,61 @@ def _training_table(name, n, m, hop=1) -> Schedule:
         micro["W"] = slot(h * (2 * (n - 1) - s) + s)
     stage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n))
     return Schedule(name, micro, dict.fromkeys(micro, stage), m, hop=h)
+
+
+def zb_floor(num_stages: int, num_micro: int, *, hop: int = 1) -> Schedule:
+    """ZB-H1's F and B slots with the W slots of the last ``2 (n - 1)`` micro-batches moved into
+    the drain: the step of ZB-H1 at the floor of one synchronous step.
+
+    With one stage per device and F = B = W, no table runs a step in fewer than ``3 m + n - 1``
+    slot times: the last device starts after the ``n - 1`` before it
+    (``docs/decisions/0034-no-zb-h2.md``). ZB-H1 runs ``3 m + 2 (n - 1)``: its drain runs each
+    W the tick after its B on every device, so each drain tick lasts a B and a W while the
+    devices that have finished wait. Here micro-batch ``i < m - 2 (n - 1)`` keeps ZB-H1's W,
+    and each device runs the W slots of the others in order, each in the first tick at or after
+    its B where the device runs less than the busiest device's F and B, else one a tick after
+    its last B. For ``m >= 2 (n - 1)`` the step is ``3 m + n - 1`` (``hop = 1``, F = B = W), and
+    never longer than ZB-H1's where W costs at most F + B (``hop = 2``, sends that overlap
+    compute: at most B). It keeps ZB-H1's stage inputs (``2 n - 1``
+    at most) and ``2 n - 2`` output cotangents where ZB-H1 keeps ``n``
+    (:meth:`~pipejax._src.schedules.table.Schedule.cotangent_slots`). For ``m < 2 (n - 1)`` it
+    is ZB-H1's table.
+
+    Examples:
+      >>> zb_floor(4, 8).step_time(1, 1, 1), zb_h1(4, 8).step_time(1, 1, 1)
+      (27.0, 30.0)
+      >>> zb_floor(4, 8).stash_slots(), zb_floor(4, 8).cotangent_slots()
+      (7, 6)
+    """
+    base = _training_table("zb-h1", num_stages, num_micro, hop)
+    n, m, h = base.num_devices, base.num_micro, base.hop
+    f, b = base.micro["F"], base.micro["B"]
+    busy = (f >= 0).astype(int) + (b >= 0)  # each device's F and B slots per tick
+    busiest = busy.max(axis=1)
+    # these micro-batches keep ZB-H1's W (all of them when m < 2 (n - 1): the table is ZB-H1's)
+    keep = m - 2 * (n - 1) if m >= 2 * (n - 1) else m
+    w_tick = {}
+    for d in range(n):
+        b_tick = {int(i): t for t, i in enumerate(b[:, d]) if i >= 0}
+        zb = {int(i): t for t, i in enumerate(base.micro["W"][:, d]) if i >= 0}
+        w_tick.update({(d, i): zb[i] for i in range(keep)})
+        t = zb[keep - 1] if keep else -1
+        for i in range(keep, m):
+            t = max(t + 1, b_tick[i])
+            while t < len(busy) and not busy[t, d] < busiest[t] and t <= b_tick[m - 1]:
+                t += 1
+            w_tick[d, i] = t
+    ticks = max(base.num_ticks, max(w_tick.values()) + 1)
+
+    def grown(a, fill):
+        return np.concatenate([a, np.full((ticks - len(a), n), fill, a.dtype)])
+
+    micro = {k: grown(base.micro[k], -1) for k in ("F", "B")}
+    micro["W"] = np.full((ticks, n), -1, np.int32)
+    for (d, i), t in w_tick.items():
+        micro["W"][t, d] = i
+    stage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n))
+    return Schedule("zb-floor", micro, dict.fromkeys(micro, stage), m, hop=h)
 
 
 def zb_h1_bubble_fraction(num_stages: int, num_micro: int, f: float, b: float, w: float) -> float:

@@ -114,8 +114,9 @@ class _MeshSlots(_Slots):
         self.pool = table.placement == "v"
         self.K = table.stash_pool()[0] if self.pool else table.stash_slots()
         self.zb = table.weight is not None
-        # the output cotangents W reads: a ring of n (slot b mod n), or a V's pool
-        self.G = table.cotangent_pool()[0] if self.zb and self.pool else self.n
+        # the output cotangents W reads: a ring (slot b mod G; `Schedule.cotangent_slots`, n for
+        # ZB-H1), or a V's pool
+        self.G = (table.cotangent_pool()[0] if self.pool else table.cotangent_slots()) if self.zb else self.n
         self.variant_of = jnp.asarray(index, jnp.int32)
         # the last stage's residuals (its loss's, a head's) kept apart from the other stages'
         # (`on_device`): in a ring of K_last slots of their own, or (K_last = 0: its F and B, or W, in one
@@ -279,7 +280,7 @@ class _MeshSlots(_Slots):
 
         # where F puts what it keeps and B (W) reads it: a V's pools, the table giving each stage
         # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
-        # device's one stage, a ring of n cotangents). (Each index is computed where it is used.)
+        # device's one stage, a ring of G cotangents). (Each index is computed where it is used.)
         pool = [engine.at_device(a, d) for a in engine.v_row(row, n)[2:]] if self.pool else None
         stash = engine.put(dev.stash, saved, pool[0] if pool else (fs // n) * K + f % K, f >= 0)
         xb = with_last(engine.take(stash, pool[1] if pool else (bs // n) * K + b % K), b)
@@ -314,9 +315,9 @@ class _MeshSlots(_Slots):
             # W's stage and its row (a ring's W: the one stage, static)
             ws, wr = (pool[3], pool[3] // n) if pool else (d, 0)
             if gstash is not None:  # (the last stage seeds its own)
-                gstash = engine.put(gstash, dev.bin, pool[4] if pool else b % n, b >= 0)
+                gstash = engine.put(gstash, dev.bin, pool[4] if pool else b % self.G, b >= 0)
             xw = with_last(engine.take(stash, pool[2] if pool else w % K), w)
-            gw = None if gstash is None else engine.take(gstash, pool[5] if pool else w % n)
+            gw = None if gstash is None else engine.take(gstash, pool[5] if pool else w % self.G)
 
             def w_branch(v):
                 def run(rows_p, xw, gw, w, acc):
