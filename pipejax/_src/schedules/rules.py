@@ -24,7 +24,8 @@ actions (:func:`~pipejax._src.schedules.actions.from_actions`). The rules:
 * **Stashes** (training tables). What F keeps for B and W sits in a ring of ``K`` slots per
   stage (:meth:`Schedule.stash_slots`), micro-batch ``i`` in slot ``i mod K``, so two
   micro-batches held at once on a stage must differ mod ``K``; W reads the cotangent B received
-  from a ring of ``D`` slots (slot ``i mod D``), likewise. W slots need ``repeats = 1``. A V
+  from a ring of ``G`` slots (slot ``i mod G``; ``G`` the most held at once, at least ``D``:
+  :meth:`Schedule.cotangent_slots`), likewise. W slots need ``repeats = 1``. A V
   table's two stages share one pool per device instead, each stage input given a slot by the
   table (:meth:`Schedule.stash_pool`): their lifetimes differ (long on the way down, short on
   the way up), and a ring per stage would hold the longest one twice.

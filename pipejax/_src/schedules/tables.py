@@ -438,7 +438,7 @@ def _training_table(name, n, m, hop=1) -> Schedule:
         return np.where((i >= 0) & (i < m), i, -1).astype(np.int32)
 
     micro = {"F": slot(h * s), "B": slot(h * (2 * (n - 1) - s))}
-    if name == "zb-h1":  # W s ticks after its B: the output cotangents' ring of n slots holds it
+    if name == "zb-h1":  # W s ticks after its B: a ring of n output cotangents holds it
         micro["W"] = slot(h * (2 * (n - 1) - s) + s)
     stage = np.broadcast_to(np.arange(n, dtype=np.int32), (ticks, n))
     return Schedule(name, micro, dict.fromkeys(micro, stage), m, hop=h)
