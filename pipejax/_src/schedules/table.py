@@ -214,9 +214,15 @@ class Schedule:
         stage, _, first, done = self._held()
         cols = self.num_stages if per_stage else self.num_devices
         col = stage if per_stage else self.device_of(stage)
+        return self._count_held(col, cols, first, done)
+
+    def _count_held(self, col, cols, first, last) -> np.ndarray:
+        """int[ticks, cols]: how many values column ``col`` holds at each tick, each held from
+        tick ``first`` to ``last`` (both included): +1 at the first tick and -1 after the last
+        in a table of differences, whose running sum down the ticks is the count."""
         size = (self.num_ticks + 1) * cols
         diff = np.bincount(first * cols + col, minlength=size) - np.bincount(
-            (done + 1) * cols + col, minlength=size
+            (last + 1) * cols + col, minlength=size
         )
         return np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0, dtype=np.int64)
 
@@ -276,11 +282,7 @@ class Schedule:
             raise ValueError(f"The {self.name!r} table has no W slots, so it keeps no cotangents for them.")
         stage, _, _, _ = self._held()
         first, last = rules.slot_ticks(self, "B"), rules.slot_ticks(self, "W")
-        cols, size = self.num_stages, (self.num_ticks + 1) * self.num_stages
-        diff = np.bincount(first * cols + stage, minlength=size) - np.bincount(
-            (last + 1) * cols + stage, minlength=size
-        )
-        held = np.cumsum(diff.reshape(self.num_ticks + 1, cols)[:-1], axis=0).max(initial=0)
+        held = self._count_held(stage, self.num_stages, first, last).max(initial=0)
         return max(self.num_devices, int(held))
 
     def cotangent_pool(self) -> tuple[int, dict[str, np.ndarray]]:
