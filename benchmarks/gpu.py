@@ -181,6 +181,10 @@ def scan_step(model, S, m, remat):
     return step
 
 
+OWN_BACKWARD = ("1f1b", "zb-h1", "zb-floor", "interleaved-1f1b", "v-half", "zb-v")  # the training tables
+TWO_CHUNKS = ("interleaved-1f1b", "v-half", "zb-v")
+
+
 def compile_seconds(fn, *args):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
@@ -222,16 +226,16 @@ def main() -> None:
     variants = {"composed (jax.value_and_grad)": (composed(model, S), args, None)}
     for ckpt, label in BASELINE.items():
         variants[label] = (scan_step(model, S, m, ckpt == "always"), args, None)
+    # every schedule; the two-chunk ones (interleaved 1F1B and the V's) hold S / 2 stages a device
+    # of a table for S / 2 devices, run on this one
     for name, ckpt in [
         ("gpipe", "never"),
         ("gpipe", "except_last"),
         ("gpipe", "always"),
-        ("1f1b", "always"),
-        ("1f1b", "never"),
-        ("zb-h1", "always"),
-        ("zb-h1", "never"),
+        *((name, ckpt) for name in OWN_BACKWARD for ckpt in ("always", "never")),
     ]:
-        pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule=name, checkpoint=ckpt)
+        repeats = 2 if name in TWO_CHUNKS else 1
+        pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule=name, repeats=repeats, checkpoint=ckpt)
         variants[f"{name} {ckpt}"] = (pipe.value_and_grad(sq), args, BASELINE.get(ckpt))
     # the same stages given as a list (one function per stage: a Python loop of direct calls), and
     # the same work on a one-device mesh (the circular table, S stages on one device)
