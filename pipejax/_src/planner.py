@@ -21,8 +21,9 @@ second), unless ``exhaustive=True``.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -366,20 +367,8 @@ def plan_pipeline(
                     pipe, params, x, loss_fn, state
                 )
             measures[candidate._key] = measure
-    return _choose(sweep, budget, headroom, _Measures(measures), exhaustive)
-
-
-class _Measures:
-    """The bytes of a sweep's candidates, each measured once, when a choice first needs it."""
-
-    def __init__(self, measures: dict[tuple, Callable[[], int]]):
-        self._measures, self._bytes = measures, {}
-
-    def __call__(self, candidate: Candidate) -> int:
-        key = candidate._key
-        if key not in self._bytes:
-            self._bytes[key] = int(self._measures[key]())
-        return self._bytes[key]
+    once = functools.cache(lambda key: int(measures[key]()))  # each candidate measured once, when needed
+    return _choose(sweep, budget, headroom, lambda candidate: once(candidate._key), exhaustive)
 
 
 def _step(table, mode, f, b, tick_cost, link) -> float:
