@@ -853,10 +853,15 @@ def one_device(quick: bool) -> None:
 
 
 def _zb_ticks(n: int, m: int) -> tuple[dict, dict]:
-    """ZB-H1's F and B ticks per (device, micro-batch): F at ``i + d``, B at ``i + 2(n - 1) - d``."""
-    f = {(d, i): i + d for d in range(n) for i in range(m)}
-    b = {(d, i): i + 2 * (n - 1) - d for d in range(n) for i in range(m)}
-    return f, b
+    """ZB-H1's F and B ticks per (device, micro-batch), read from the library's table."""
+    import numpy as np
+
+    import pipejax as pj
+
+    table = pj.zb_h1_schedule(n, m)
+    return tuple(
+        {(d, int(i)): t for (t, d), i in np.ndenumerate(table.micro[kind]) if i >= 0} for kind in "FB"
+    )
 
 
 def _step_of(n, ticks_f, ticks_b, ticks_w) -> tuple[int, int, int]:
