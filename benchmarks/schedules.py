@@ -150,8 +150,9 @@ def v_shape(quick: bool) -> None:
     got, rows = {}, []
     plain = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2))
     runs = [(name, v, False) for name, v in plain]
-    if not quick:  # sends that overlap compute: a deeper stash (V: a larger pool)
-        runs += [("1f1b", 1, True), ("v-half", 2, True), ("zb-v", 2, True)]
+    if not quick:  # ZB-H1 at one step's floor (2n - 2 W cotangents); sends that overlap compute:
+        # a deeper stash (V: a larger pool)
+        runs += [("zb-floor", 1, False), ("1f1b", 1, True), ("v-half", 2, True), ("zb-v", 2, True)]
     for ckpt in ("always", "never"):
         for name, v, overlap in runs:
             S, per = N * v, V_LAYERS // v
@@ -174,10 +175,10 @@ def v_shape(quick: bool) -> None:
             rows.append(row)
     print(
         f"{N} devices, each holding {V_LAYERS} tanh dense layers ({V_WIDTH} wide, float32) as one "
-        f"stage (1f1b, zb-h1) or two (interleaved v=2, v-half, zb-v); micro-batches of {V_MICRO} rows (one "
-        f"activation: {kib(V_MICRO * V_WIDTH * 4)} KiB). KiB per device; '/ 1f1b': against 1F1B with "
-        "the same checkpoint mode (without overlap; 'overlap': `overlap=True`, sends that overlap "
-        "compute)."
+        f"stage (1f1b, zb-h1, zb-floor) or two (interleaved v=2, v-half, zb-v); micro-batches of "
+        f"{V_MICRO} rows (one activation: {kib(V_MICRO * V_WIDTH * 4)} KiB). KiB per device; '/ 1f1b': "
+        "against 1F1B with the same checkpoint mode (without overlap; 'overlap': `overlap=True`, sends "
+        "that overlap compute)."
     )
     print()
     heads = ["schedule", *(f"m={m}" for m in ms), *(f"/ 1f1b m={m}" for m in ms), f"m={ms[-1]} / m=8"]
@@ -472,7 +473,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run with small sizes")
     ap.add_argument("--section", choices=sorted(SECTIONS), action="append")
     args = ap.parse_args(argv)
-    header("Training schedules (1f1b, zb-h1, interleaved-1f1b, v-half, zb-v) against GPipe", args.quick)
+    kinds = "1f1b, zb-h1, zb-floor, interleaved-1f1b, v-half, zb-v"
+    header(f"Training schedules ({kinds}) against GPipe", args.quick)
     for name in args.section or list(SECTIONS):
         SECTIONS[name](args.quick)
 
