@@ -261,7 +261,7 @@ def all_f_then_all_b(num_devices, num_micro):
 
 
 def test_zb_floor_reaches_the_floor_of_one_step():
-    """"zb-floor": ZB-H1's F and B slots with the last 2 (n - 1) W slots of each device moved
+    """ZB-floor (`"zb-floor"`): ZB-H1's F and B slots with the last 2 (n - 1) W slots of each device moved
     into the drain. With F = B = W its lockstep step is 3 m + n - 1 slot times (the last device
     starts after the n - 1 before it: no table of one step does better), against ZB-H1's
     3 m + 2 (n - 1); it is never longer than ZB-H1's where W costs at most F + B (hop 2: at
