@@ -4,6 +4,7 @@
 and numpy rank/dtype promotion that raises instead of silently broadcasting or upcasting.
 """
 
+import atexit
 import os
 
 # XLA's CPU collectives (ppermute, psum between fake devices) abort a program whose devices do not all
@@ -28,7 +29,6 @@ os.environ["XLA_FLAGS"] = (
 # `backend_compile_duration` event around the cache lookup). Set JAX_COMPILATION_CACHE_DIR to keep a
 # cache between runs instead; PIPEJAX_TEST_NO_CACHE=1 turns the cache off.
 if not os.environ.get("PIPEJAX_TEST_NO_CACHE") and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
     import shutil
     import tempfile
 
@@ -52,6 +52,47 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Where a test's time goes, on request: with PIPEJAX_TEST_TIMINGS=<folder> every test process
+# writes <folder>/<pid>.json at exit, the seconds jax spent in this process per test (tracing,
+# lowering to MLIR, XLA compiling or loading from the persistent cache, and the compile time the
+# cache saved) and its cache hits and misses. `benchmarks/suite_time.py` reads them beside the
+# JUnit report. Scripts a test starts are not counted (their time is the test's "rest").
+TIMINGS = os.environ.get("PIPEJAX_TEST_TIMINGS")
+if TIMINGS:
+    import collections
+    import json
+
+    import pytest
+
+    _current = ["(outside a test)"]
+    _spent = collections.defaultdict(collections.Counter)
+
+    def _add_seconds(event, duration_secs, **_):
+        _spent[_current[0]][event] += duration_secs
+
+    def _add_one(event, **_):
+        _spent[_current[0]][event] += 1
+
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_add_seconds)
+    jax.monitoring.register_event_listener(_add_one)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current[0] = item.nodeid
+        try:
+            return (yield)
+        finally:
+            _current[0] = "(outside a test)"
+
+    def _write_timings():
+        os.makedirs(TIMINGS, exist_ok=True)
+        with open(os.path.join(TIMINGS, f"{os.getpid()}.json"), "w") as file:
+            json.dump(_spent, file)
+
+    atexit.register(_write_timings)
 
 # A script that the multi-host test starts in launched processes, not a test module: importing it
 # (pytest's --doctest-modules imports every module) would call pipejax.launch.initialize().

@@ -1,6 +1,7 @@
 """Every benchmark script runs end to end in its --quick smoke mode; its numbers live in
 benchmarks/RESULTS.md and docs/."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -58,7 +59,13 @@ def run_quick(script: str, *args: str) -> str:
         ),
         (
             "gpu.py",  # any backend
-            ("One device:", "composed (jax.value_and_grad)", "scan (no remat)", "1f1b always", "their scan"),
+            (
+                "One device:",
+                "composed (jax.value_and_grad)",
+                "scan (no remat)",
+                *(f"{s} never" for s in ("1f1b", "zb-h1", "zb-floor", "interleaved-1f1b", "v-half", "zb-v")),
+                "their scan",
+            ),
         ),
         ("programs.py", ("Fingerprints", "1f1b mesh hom never", "Lines", "all of them")),
         ("decisions.py", ("Decision sites", "private members", "Import circles", "Files over 600 lines")),
@@ -160,3 +167,50 @@ def test_xla_log_parser_reads_the_program_compile():
     assert abs(info["llvm"] - 0.0405) < 1e-12
     assert info["kinds"] == {"add_tanh_fusion": 0.04, "wrapped_broadcast": 0.0005}
     assert parse_xla_log("no XLA log here") is None
+
+
+def test_suite_time_splits_each_test_by_its_timings(tmp_path, capsys):
+    """`benchmarks/suite_time.py` maps each JUnit test case to its pytest node id (the module's
+    file, then classes), sums the jax timings of every test process per test and per file, and
+    leaves the rest of a test's seconds as "rest"."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.suite_time import EVENTS, main
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest" time="10.0">'
+        '<testcase classname="tests.test_planner" name="test_a[x]" time="6.0"/>'
+        '<testcase classname="tests.test_planner" name="test_b" time="1.0"/>'
+        '<testcase classname="tests.test_overlap" name="test_c" time="3.0"/>'
+        "</testsuite></testsuites>"
+    )
+    timings = tmp_path / "timings"
+    timings.mkdir()
+    one = {
+        "tests/test_planner.py::test_a[x]": {EVENTS["trace"]: 1.0, EVENTS["compile"]: 3.0, EVENTS["hits"]: 2}
+    }
+    two = {"tests/test_overlap.py::test_c": {EVENTS["compile"]: 2.0, EVENTS["misses"]: 5}}
+    (timings / "1.json").write_text(json.dumps(one))
+    (timings / "2.json").write_text(json.dumps(two))
+    main(["--junit", str(junit), "--timings", str(timings), "--files", "1"])
+    out = capsys.readouterr().out
+    assert "3 tests in 10.0 s of wall time; 10 worker-seconds" in out, out
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and not set(cells[0]) <= set(":-"):
+            rows.setdefault(cells[1] if cells[1].startswith("`") else cells[2], cells)
+    # the slowest tests: seconds, node id, trace, lower, compile, rest
+    assert rows["`tests/test_planner.py::test_a[x]`"] == [
+        "6.00",
+        "`tests/test_planner.py::test_a[x]`",
+        "1",
+        "0",
+        "3",
+        "2",
+    ]
+    # by file: worker-seconds, share, file, trace, lower, compile, rest
+    assert rows["`tests/test_planner.py`"] == ["7", "70.0%", "`tests/test_planner.py`", "1", "0", "3", "3"]
+    assert rows["the other 1 files"] == ["3", "30.0%", "the other 1 files", "0", "0", "2", "1"]
+    assert rows["all"][3:] == ["1", "0", "5", "4"], rows["all"]
+    assert "2 hits and 5 misses" in out, out
