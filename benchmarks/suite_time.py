@@ -24,6 +24,7 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 from benchmarks._common import section, table
@@ -39,8 +40,12 @@ EVENTS = {
 SPLIT = ("trace", "lower", "compile")
 
 
-class Test(collections.namedtuple("Test", "nodeid file seconds")):
+class Case(NamedTuple):
     """One test of the report: its pytest node id, its file and its wall seconds."""
+
+    nodeid: str
+    file: str
+    seconds: float
 
 
 def node_id(classname: str, name: str) -> tuple[str, str]:
@@ -54,7 +59,7 @@ def node_id(classname: str, name: str) -> tuple[str, str]:
     return f"{classname}::{name}", classname
 
 
-def read_junit(path: Path) -> tuple[list[Test], float]:
+def read_junit(path: Path) -> tuple[list[Case], float]:
     """The report's tests and the run's wall seconds."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -63,7 +68,7 @@ def read_junit(path: Path) -> tuple[list[Test], float]:
         if case.find("skipped") is not None and float(case.get("time", 0)) < 0.01:
             continue
         nodeid, file = node_id(case.get("classname", ""), case.get("name", ""))
-        tests.append(Test(nodeid, file, float(case.get("time", 0))))
+        tests.append(Case(nodeid, file, float(case.get("time", 0))))
     return tests, sum(float(s.get("time", 0)) for s in suites)
 
 
