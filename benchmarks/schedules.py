@@ -26,7 +26,9 @@ Sections (markdown tables):
    table, and the table's lockstep bubble against the theory.
 3. ``compile``: compile time of one training step against GPipe's (checkpoint "always", the
    same recomputation). Noisy on a shared machine: medians of interleaved rounds.
-4. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
+4. ``stash_write``: decision 0035's A/B, the stash write as a dropped-index scatter against the
+   select it replaced, in one process (temp bytes, compile seconds, step time, bitwise equality).
+5. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
    CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
    (:meth:`pipejax.Schedule.step_time`, lockstep: a tick lasts as long as its busiest device).
 """
@@ -55,7 +57,16 @@ import numpy as np  # noqa: E402
 
 import pipejax as pj  # noqa: E402
 from benchmarks import _simulate as sim  # noqa: E402
-from benchmarks._common import header, interleaved_times, kib, normal, section, table, temp_bytes  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    header,
+    interleaved_times,
+    kib,
+    normal,
+    ratio_stats,
+    section,
+    table,
+    temp_bytes,
+)
 from pipejax._src.schedules import tables as sched  # noqa: E402
 from pipejax._src.training import step as train  # noqa: E402
 
@@ -458,6 +469,72 @@ def predicted(quick: bool) -> None:
     print(table(["n", "m", *heads], rows))
 
 
+def select_put(buf, value, slot, enabled):
+    """The stash write before decision 0035: ``buf[slot] = where(enabled, value, buf[slot])``."""
+    from jax import lax
+
+    def one(a, v):
+        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def stash_write(quick: bool) -> None:
+    """Decision 0035's measurement: the training slots' stash write as a dropped-index scatter
+    (the engine's ``put``) against the select of the slot's old value it replaced, in one process."""
+    from pipejax._src import engine
+
+    section("The stash write: a dropped-index scatter against a select of the old slot (decision 0035)")
+    variants = [("1f1b", "never", 1), ("v-half", "never", 2)]
+    if not quick:
+        variants += [("zb-h1", "never", 1), ("interleaved-1f1b", "never", 2), ("1f1b", "always", 1)]
+    rounds, m = (2, 8) if quick else (15, 8)
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    scatter = engine.put
+    rows = []
+    for name, ckpt, v in variants:
+        S, per = N * v, V_LAYERS // v
+        params = {
+            "w": normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5),
+            "b": normal((S, per, V_WIDTH), 1, 0.1),
+        }
+        x, t = normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3)
+        got = {}
+        for label, put in (("select", select_put), ("scatter", scatter)):
+            engine.put = put  # the slots read `engine.put` when the step is traced
+            try:
+                pipe = pj.pipeline(
+                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt
+                )
+                t0 = time.perf_counter()
+                compiled = jax.jit(pipe.value_and_grad(sq)).lower(params, x, t).compile()
+                seconds = time.perf_counter() - t0
+            finally:
+                engine.put = scatter
+            got[label] = (compiled, compiled.memory_analysis().temp_size_in_bytes, seconds)
+        a, b = (jax.tree.leaves(got[k][0](params, x, t)) for k in ("select", "scatter"))
+        same = all(bool(jnp.array_equal(p, q)) for p, q in zip(a, b, strict=True))
+        times = interleaved_times({k: got[k][0] for k in got}, (params, x, t), rounds)
+        med, q1, q3 = ratio_stats(times["scatter"], times["select"])
+        (_, select_bytes, select_s), (_, scatter_bytes, scatter_s) = got["select"], got["scatter"]
+        rows.append([
+            f"{name} {ckpt}", kib(select_bytes), kib(scatter_bytes), f"{scatter_bytes / select_bytes:.3f}",
+            f"{select_s:.2f}", f"{scatter_s:.2f}", f"{np.median(times['select']) * 1e3:.1f}",
+            f"{med:.2f}x ({q1:.2f}-{q3:.2f})", same,
+        ])  # fmt: skip
+    print(
+        f"The v_shape section's model (m={m}); temp KiB per device; compile: trace + lower + compile "
+        f"seconds of one program each; step: median ms of the select program and the median "
+        f"per-round ratio scatter / select over {rounds} interleaved rounds (quartiles); bitwise: "
+        "the loss and gradients of the two programs equal bit for bit."
+    )
+    print()
+    heads = ["schedule", "select KiB", "scatter KiB", "ratio", "compile select s", "compile scatter s"]
+    heads += ["step select ms", "step scatter / select", "bitwise"]
+    print(table(heads, rows, align="l" + "r" * 7 + "l"))
+
+
 SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
@@ -467,6 +544,7 @@ SECTIONS = {
     "slots": slots,
     "compile": compile_time,
     "predicted": predicted,
+    "stash_write": stash_write,
 }
 
 

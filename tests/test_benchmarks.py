@@ -51,6 +51,7 @@ def run_quick(script: str, *args: str) -> str:
                 "Slots:",
                 "Compile time",
                 "Predicted",
+                "The stash write",
             ),
         ),
         (

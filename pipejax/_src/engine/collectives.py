@@ -42,11 +42,15 @@ def shift(tree, axis_name, n, ring=False, back=False):
 
 
 def put(buf, value, slot, enabled):
-    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``)."""
+    """``buf[slot] = value`` where ``enabled``; unchanged otherwise (``buf`` leaves ``(K, ...)``).
+
+    A scatter whose index is out of range (``K``, dropped) where not ``enabled``, which XLA
+    updates in place. Selecting between ``value`` and the slot's old value instead made XLA:CPU
+    read the old value into a buffer of its own, live across the tick's F: one stash entry more
+    of temp memory (``docs/decisions/0035-stash-write-as-dropped-scatter.md``)."""
 
     def one(a, v):
-        old = lax.dynamic_index_in_dim(a, slot, keepdims=False)
-        return lax.dynamic_update_index_in_dim(a, jnp.where(enabled, v, old), slot, 0)
+        return a.at[jnp.where(enabled, slot, a.shape[0])].set(v, mode="drop")
 
     return jax.tree.map(one, buf, value)
 
