@@ -154,6 +154,19 @@ def v_stage(layers):
     return stage
 
 
+def v_problem(name, v, m, ckpt, mesh, overlap=False):
+    """The V section's model as ``v`` stages a device (``V_LAYERS // v`` layers each): its
+    pipeline under schedule ``name`` and its ``(params, x, t)``."""
+    S, per = N * v, V_LAYERS // v
+    pipe = pj.pipeline(
+        v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt,
+        overlap=overlap,
+    )  # fmt: skip
+    w, b = normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5), normal((S, per, V_WIDTH), 1, 0.1)
+    params = {"w": w, "b": b}
+    return pipe, (params, normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3))
+
+
 def v_shape(quick: bool) -> None:
     """V-Half against 1F1B and interleaved 1F1B on one model: each device's share is ``V_LAYERS``
     layers, one stage of them (1F1B) or two of half of them (interleaved, V-Half)."""
@@ -168,20 +181,11 @@ def v_shape(quick: bool) -> None:
         runs += [("zb-floor", 1, False), ("1f1b", 1, True), ("v-half", 2, True), ("zb-v", 2, True)]
     for ckpt in ("never",) if quick else ("always", "never"):  # --quick: the V's and 1F1B, once
         for name, v, overlap in runs:
-            S, per = N * v, V_LAYERS // v
             row = [f"{name} {ckpt}{', overlap' if overlap else ''}"]
             for m in ms:
-                pipe = pj.pipeline(
-                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh,
-                    checkpoint=ckpt, overlap=overlap,
-                )  # fmt: skip
-                params = {
-                    "w": normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5),
-                    "b": normal((S, per, V_WIDTH), 1, 0.1),
-                }
-                x, t = normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3)
+                pipe, args = v_problem(name, v, m, ckpt, mesh, overlap)
                 key = (name, ckpt, m, overlap)
-                got[key] = temp_bytes(pipe.value_and_grad(sq), params, x, t)
+                got[key] = temp_bytes(pipe.value_and_grad(sq), *args)
                 row.append(kib(got[key]))
             row += [f"{got[(name, ckpt, m, overlap)] / got[('1f1b', ckpt, m, False)]:.3f}" for m in ms]
             row.append(f"{got[(name, ckpt, ms[-1], overlap)] / got[(name, ckpt, 8, overlap)]:.2f}x")
@@ -489,50 +493,48 @@ def stash_write(quick: bool) -> None:
     variants = [("1f1b", "never", 1), ("v-half", "never", 2)]
     if not quick:
         variants += [("zb-h1", "never", 1), ("interleaved-1f1b", "never", 2), ("1f1b", "always", 1)]
-    rounds, m = (2, 8) if quick else (15, 8)
+        variants += [("zb-h1", "always", 1)]
+    rounds, compiles, m = (2, 1, 8) if quick else (15, 5, 8)
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     scatter = engine.put
+    writes = {"select": select_put, "scatter": scatter}
     rows = []
     for name, ckpt, v in variants:
-        S, per = N * v, V_LAYERS // v
-        params = {
-            "w": normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5),
-            "b": normal((S, per, V_WIDTH), 1, 0.1),
-        }
-        x, t = normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3)
-        got = {}
-        for label, put in (("select", select_put), ("scatter", scatter)):
-            engine.put = put  # the slots read `engine.put` when the step is traced
-            try:
-                pipe = pj.pipeline(
-                    v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt
-                )
-                t0 = time.perf_counter()
-                compiled = jax.jit(pipe.value_and_grad(sq)).lower(params, x, t).compile()
-                seconds = time.perf_counter() - t0
-            finally:
-                engine.put = scatter
-            got[label] = (compiled, compiled.memory_analysis().temp_size_in_bytes, seconds)
-        a, b = (jax.tree.leaves(got[k][0](params, x, t)) for k in ("select", "scatter"))
+        got, seconds = {}, {k: [] for k in writes}
+        for c in range(compiles):  # interleaved, the order turned each round
+            for label in list(writes)[:: 1 if c % 2 else -1]:
+                engine.put = writes[label]  # the slots read `engine.put` when the step is traced
+                try:
+                    pipe, args = v_problem(name, v, m, ckpt, mesh)
+                    t0 = time.perf_counter()
+                    got[label] = jax.jit(pipe.value_and_grad(sq)).lower(*args).compile()
+                    seconds[label].append(time.perf_counter() - t0)
+                finally:
+                    engine.put = scatter
+        a, b = (jax.tree.leaves(got[k](*args)) for k in writes)
         same = all(bool(jnp.array_equal(p, q)) for p, q in zip(a, b, strict=True))
-        times = interleaved_times({k: got[k][0] for k in got}, (params, x, t), rounds)
+        times = interleaved_times(got, args, rounds)
         med, q1, q3 = ratio_stats(times["scatter"], times["select"])
-        (_, select_bytes, select_s), (_, scatter_bytes, scatter_s) = got["select"], got["scatter"]
+        nbytes = {k: got[k].memory_analysis().temp_size_in_bytes for k in writes}
+        lines = {k: got[k].as_text().count("\n") for k in writes}
         rows.append([
-            f"{name} {ckpt}", kib(select_bytes), kib(scatter_bytes), f"{scatter_bytes / select_bytes:.3f}",
-            f"{select_s:.2f}", f"{scatter_s:.2f}", f"{np.median(times['select']) * 1e3:.1f}",
-            f"{med:.2f}x ({q1:.2f}-{q3:.2f})", same,
+            f"{name} {ckpt}", kib(nbytes["select"]), kib(nbytes["scatter"]),
+            f"{nbytes['scatter'] / nbytes['select']:.3f}",
+            *(f"{statistics.median(seconds[k]):.2f}" for k in writes), *(f"{lines[k]:,}" for k in writes),
+            f"{np.median(times['select']) * 1e3:.1f}", f"{med:.2f}x ({q1:.2f}-{q3:.2f})", same,
         ])  # fmt: skip
     print(
         f"The v_shape section's model (m={m}); temp KiB per device; compile: trace + lower + compile "
-        f"seconds of one program each; step: median ms of the select program and the median "
-        f"per-round ratio scatter / select over {rounds} interleaved rounds (quartiles); bitwise: "
-        "the loss and gradients of the two programs equal bit for bit."
+        f"seconds, the median of {compiles} interleaved compiles of each program; HLO lines: the "
+        "optimised module's text (the scatter is rewritten to an update in place, no loop); step: "
+        f"median ms of the select program and the median per-round ratio scatter / select over "
+        f"{rounds} interleaved rounds (quartiles); bitwise: the loss and gradients of the two "
+        "programs equal bit for bit."
     )
     print()
     heads = ["schedule", "select KiB", "scatter KiB", "ratio", "compile select s", "compile scatter s"]
-    heads += ["step select ms", "step scatter / select", "bitwise"]
-    print(table(heads, rows, align="l" + "r" * 7 + "l"))
+    heads += ["HLO lines select", "HLO lines scatter", "step select ms", "step scatter / select", "bitwise"]
+    print(table(heads, rows, align="l" + "r" * 9 + "l"))
 
 
 SECTIONS = {
