@@ -251,3 +251,24 @@ def test_bad_tied_at_call(data, tied, match):
     q, x, _ = data
     with pytest.raises(ValueError, match=match):
         pj.pipeline(STAGES, tied=tied)(to_stages(q), x)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_place_refuses_copies_that_differ(on_mesh):
+    """``place`` checks that a tied weight's copies are equal (the pipeline keeps them equal, it
+    does not make them so), for heterogeneous and homogeneous stages; a traced ``place`` and a
+    tree without the tied leaves (``state``) are not checked."""
+    mesh = jax.make_mesh((2,), ("stage",)) if on_mesh else None
+    ident = lambda p, x, k: x
+    t = jnp.arange(6.0).reshape(2, 3)
+    listed = pj.pipeline([ident, ident], tied=[[(0, "a"), (1, "b/a")]], mesh=mesh)
+    stacked = pj.pipeline(ident, num_stages=2, tied=[[(0, "a"), (1, "a")]], mesh=mesh)
+    for pipe, same, other in (
+        (listed, [{"a": t}, {"b": {"a": t}}], [{"a": t}, {"b": {"a": t.at[1, 2].add(0.5)}}]),
+        (stacked, {"a": jnp.stack([t, t])}, {"a": jnp.stack([t, 2 * t])}),
+    ):
+        pipe.place(same)
+        with pytest.raises(ValueError, match=r"`tied\[0\]` ties stage 0's leaf 'a' to stage 1's .* differ"):
+            pipe.place(other)
+        jax.jit(pipe.place)(other)  # traced: not checked
+    listed.place([{"c": t}, {"c": 2 * t}])  # no tied leaves (a state, say): not checked

@@ -57,6 +57,7 @@ from jax.sharding import Mesh
 
 from pipejax._src import aux_outputs, checks, microbatch, options
 from pipejax._src import plan as plan_mod
+from pipejax._src.params import forms as stage_forms
 from pipejax._src.params.placement import stage_index
 from pipejax._src.schedules import tables as sched
 from pipejax._src.training import step as train
@@ -211,8 +212,8 @@ def pipeline(
         ``[[(0, "embed"), (3, "head/table")]]``. Every copy's gradient (and tangent) is the sum
         over its group, under every schedule and every JAX derivative, while no value changes:
         copies that start equal stay bitwise equal under identical optimizer updates. The
-        copies must start equal; the pipeline does not check. See docs/pipeline_stages.md, "Tied
-        weights across stages".
+        copies must start equal: :meth:`Pipeline.place` checks it (a call does not). See
+        docs/pipeline_stages.md, "Tied weights across stages".
       aux: ``None``, or how the stages' auxiliary outputs are returned: ``"stack"``, ``"sum"``
         or ``"mean"``. A stage then returns ``(y, aux)`` (stateful: ``(y, stats, aux)``),
         ``aux`` a pytree of arrays of one micro-batch (an aux loss, router statistics), and the
@@ -511,9 +512,15 @@ class Pipeline:
 
         The ``state`` of a stateful pipeline takes the same forms and may be placed the same way
         (``apply(placed_params, x, state=apply.place(state))``).
+
+        With ``tied=``, the copies of each tied weight must be equal: ``place`` raises a
+        ``ValueError`` naming the group if they differ (checked on concrete values held by this
+        process; a traced or multi-process ``place`` does not check).
         """
         options.check_params_shape(params, self.plan)
-        return self.plan.place(params)
+        placed = self.plan.place(params)
+        stage_forms.check_tied_equal(self.plan, placed)
+        return placed
 
     def stage_params(self, params: Any, s: int) -> PyTree:
         """Stage ``s``'s parameter pytree, from any of the accepted ``params`` forms.

@@ -174,6 +174,37 @@ def tie(pipe, params):
     return view.subtract(deltas)
 
 
+def check_tied_equal(pipe, params) -> None:
+    """Raises if the copies of a tied weight in ``params`` (concrete, laid out by
+    :meth:`~pipejax.Pipeline.place`) differ: the pipeline keeps equal copies equal, it does not
+    make them so. Skipped for traced values, arrays not all addressable by this process, and
+    trees without the tied leaves (a stateful pipeline's ``state``)."""
+    if not pipe.tied or params is None:
+        return
+    view = pipe.kind.tie_view(pipe, params)
+    for g, group in enumerate(pipe.tied):
+        try:
+            copies = [view.read(s, path, f"tied[{g}][{i}]") for i, (s, path) in enumerate(group)]
+        except ValueError:  # the tree has no such leaves: not the parameters
+            return
+        if any(isinstance(c, jax.core.Tracer) or not c.is_fully_addressable for c in copies):
+            return  # traced (``place`` under ``jit``) or held by several processes
+        _check_copies(group, copies, g)
+        (s0, p0), first = group[0], np.asarray(copies[0])
+        for (s, path), c in zip(group[1:], copies[1:], strict=True):
+            c = np.asarray(c)
+            if not np.array_equal(first, c, equal_nan=True):
+                diff = np.abs(first.astype(np.float64) - c.astype(np.float64))
+                raise ValueError(
+                    f"`tied[{g}]` ties stage {s0}'s leaf {'/'.join(p0)!r} to stage {s}'s leaf "
+                    f"{'/'.join(path)!r}, but the copies differ (in {int(np.sum(first != c))} of "
+                    f"{first.size} entries, by up to {np.nanmax(diff):.3g}). Tied copies are one "
+                    "weight: the pipeline sums their gradients and keeps equal copies equal, but "
+                    f"does not make them equal. Before `place`, set stage {s}'s {'/'.join(path)!r} "
+                    f"to stage {s0}'s {'/'.join(p0)!r} (the same array)."
+                )
+
+
 def _check_copies(group, copies, g) -> None:
     (s0, p0), c0 = group[0], copies[0]
     for (s, path), c in zip(group, copies, strict=True):
