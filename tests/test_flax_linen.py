@@ -344,6 +344,19 @@ def test_from_sequential_with_wrong_shapes_is_refused_naming_the_layer():
     assert "in layer 0 (Block), whose parameters are 'layers_0'" in "\n".join(info.value.__notes__)
 
 
+def test_from_sequential_refuses_a_leaf_an_equal_layer_has_not():
+    """A misspelt or extra leaf in one of several equal layers is refused, not carried along."""
+    pipe = LinenPipeline([nn.Dense(4, param_dtype=F)] * 3, num_stages=3)
+    seq = pipe.to_sequential(pipe.init(jax.random.key(0), jnp.ones((2, 4), F)))
+    pipe.from_sequential(seq)
+    params = dict(seq["params"])
+    params["layers_2"] = {**params["layers_2"], "kernal": params["layers_2"]["kernel"]}
+    with pytest.raises(
+        ValueError, match=r"layers_0 and layers_2 are equal layers \(Dense\).*layers_2 has \['kernal'\]"
+    ):
+        pipe.from_sequential({"params": params})
+
+
 class CacheLayer(nn.Module):
     @nn.compact
     def __call__(self, h, cache=None):

@@ -53,6 +53,7 @@ from pipejax._src.flax.linen_layers import _LinenLayers
 from pipejax._src.flax.linen_variables import (
     _NAME,
     _batch_stats_of,
+    _check_alike,
     _check_collections,
     _check_packed,
     _check_present,
@@ -413,6 +414,7 @@ class LinenPipeline(nn.Module):
                 )
             if collection == "params":
                 _check_present(self.layers, tree, names)
+            _check_alike(self.layers, tree, names, collection)
             out[collection] = {
                 "stages": stack_box(stack, stack.place([tree.get(name, {}) for name in names]))
             }

@@ -57,6 +57,43 @@ def _check_present(layers: Sequence[nn.Module], tree: Mapping[str, Any], names: 
         )
 
 
+def _check_alike(
+    layers: Sequence[nn.Module], tree: Mapping[str, Any], names: list[str], collection: str
+) -> None:
+    """Raises where two equal layers (same class and configuration) have entries with different
+    leaf names in ``variables[collection]`` of ``from_sequential``: a misspelt or extra leaf,
+    which ``apply`` would carry along and never read. (Shapes may differ: an equal layer may
+    read inputs of another width.)"""
+    first: list[tuple[nn.Module, int]] = []  # one entry per kind of layer: (layer, its first index)
+    for index, layer in enumerate(layers):
+        if names[index] not in tree:
+            continue
+        paths = _leaf_paths(tree[names[index]])
+        j = next((j for other, j in first if other == layer), None)
+        if j is None:
+            first.append((layer, index))
+            continue
+        want = _leaf_paths(tree[names[j]])
+        if paths != want:
+            differ = [
+                f"{names[a]} has {sorted(pa - pb)} that {names[b]} has not"
+                for a, b, pa, pb in ((index, j, paths, want), (j, index, want, paths))
+                if pa - pb
+            ]
+            raise ValueError(
+                f"`variables[{collection!r}]`: {names[j]} and {names[index]} are equal layers "
+                f"({type(layer).__name__}), but their leaves differ: {'; '.join(differ)}. A misspelt "
+                "or extra leaf would be carried along and never read; give equal layers the leaves "
+                "their init creates."
+            )
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    """The ``'/'``-joined key path of every leaf of ``tree``."""
+    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    return {"/".join(name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:
     """Layer ``l``'s slice ``[l]`` of every leaf, for each layer of a stacked tree."""
     tree = unfreeze(tree)
