@@ -19,7 +19,8 @@ Sections (markdown tables):
    ``v_shape``: V-Half and ZB-V (2 stages per device in a V) against 1F1B, ZB-H1 and
    interleaved 1F1B on the same model (each device's share of 4 layers cut into 1 or 2
    stages), activations larger than parameters: temp bytes per device against ``m`` and their
-   ratio to 1F1B's.
+   ratio to 1F1B's. ``v_blocks``: the same comparison on residual MLP blocks (4x hidden), whose
+   residuals outweigh their input as a transformer block's do.
    ``head``: a last stage with a wide head and its loss: its residuals kept apart from the
    stash (as the engine does where that pays) against one container for every stage.
 2. ``slots``: the F/B/W slots each device executed, counted inside the program, against the
@@ -154,17 +155,63 @@ def v_stage(layers):
     return stage
 
 
-def v_problem(name, v, m, ckpt, mesh, overlap=False):
-    """The V section's model as ``v`` stages a device (``V_LAYERS // v`` layers each): its
-    pipeline under schedule ``name`` and its ``(params, x, t)``."""
+V_HIDDEN = 4 * V_WIDTH  # the residual MLP blocks' hidden width
+
+
+def v_block_stage(layers):
+    """``layers`` residual MLP blocks, ``x + tanh(x W1) W2`` (``V_WIDTH -> V_HIDDEN -> V_WIDTH``):
+    a block keeps more than its input (the hidden activations), as a transformer block does."""
+
+    def stage(p, x, key):
+        for j in range(layers):
+            x = x + jnp.tanh(x @ p["w1"][j]) @ p["w2"][j]
+        return x
+
+    return stage
+
+
+def v_problem(name, v, m, ckpt, mesh, overlap=False, blocks=False):
+    """The V section's model as ``v`` stages a device (``V_LAYERS // v`` layers each; ``blocks``:
+    residual MLP blocks instead of tanh layers): its pipeline under schedule ``name`` and its
+    ``(params, x, t)``."""
     S, per = N * v, V_LAYERS // v
     pipe = pj.pipeline(
-        v_stage(per), num_stages=S, chunks=m, schedule=name, repeats=v, mesh=mesh, checkpoint=ckpt,
-        overlap=overlap,
+        (v_block_stage if blocks else v_stage)(per), num_stages=S, chunks=m, schedule=name, repeats=v,
+        mesh=mesh, checkpoint=ckpt, overlap=overlap,
     )  # fmt: skip
-    w, b = normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5), normal((S, per, V_WIDTH), 1, 0.1)
-    params = {"w": w, "b": b}
+    if blocks:
+        w1 = normal((S, per, V_WIDTH, V_HIDDEN), 0, V_WIDTH**-0.5)
+        params = {"w1": w1, "w2": normal((S, per, V_HIDDEN, V_WIDTH), 1, V_HIDDEN**-0.5)}
+    else:
+        w, b = normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5), normal((S, per, V_WIDTH), 1, 0.1)
+        params = {"w": w, "b": b}
     return pipe, (params, normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3))
+
+
+def v_blocks(quick: bool) -> None:
+    """The V section's comparison on residual MLP blocks, whose residuals outweigh their input."""
+    section("V-Half and ZB-V against 1F1B on residual MLP blocks: temp bytes per device against m")
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    ms = (8,) if quick else (8, 16, 32)
+    plain = (("1f1b", 1), ("v-half", 2)) if quick else (("1f1b", 1), ("zb-h1", 1), ("v-half", 2), ("zb-v", 2))
+    got, rows = {}, []
+    for ckpt in ("never",) if quick else ("always", "never"):
+        for name, v in plain:
+            for m in ms:
+                pipe, args = v_problem(name, v, m, ckpt, mesh, blocks=True)
+                got[(name, ckpt, m)] = temp_bytes(pipe.value_and_grad(sq), *args)
+            row = [f"{name} {ckpt}", *(kib(got[(name, ckpt, m)]) for m in ms)]
+            row += [f"{got[(name, ckpt, m)] / got[('1f1b', ckpt, m)]:.3f}" for m in ms]
+            rows.append([*row, f"{got[(name, ckpt, ms[-1])] / got[(name, ckpt, 8)]:.2f}x"])
+    print(
+        f"{N} devices, each holding {V_LAYERS} residual MLP blocks x + tanh(x W1) W2 ({V_WIDTH} -> "
+        f"{V_HIDDEN} -> {V_WIDTH}, float32) as one stage (1f1b, zb-h1) or two (v-half, zb-v); "
+        f"micro-batches of {V_MICRO} rows. KiB per device; '/ 1f1b': against 1F1B with the same "
+        "checkpoint mode."
+    )
+    print()
+    heads = ["schedule", *(f"m={m}" for m in ms), *(f"/ 1f1b m={m}" for m in ms), f"m={ms[-1]} / m=8"]
+    print(table(heads, rows, align="l" + "r" * (2 * len(ms) + 1)))
 
 
 def v_shape(quick: bool) -> None:
@@ -541,6 +588,7 @@ SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
     "v_shape": v_shape,
+    "v_blocks": v_blocks,
     "head": head,
     "local": local,
     "slots": slots,

@@ -46,6 +46,7 @@ def run_quick(script: str, *args: str) -> str:
             (
                 "Memory: compiled temp bytes",
                 "V-Half and ZB-V against 1F1B",
+                "V-Half and ZB-V against 1F1B on residual MLP blocks",
                 "A wide head's residuals out of the stash",
                 "Without a mesh",
                 "Slots:",
