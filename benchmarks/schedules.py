@@ -29,6 +29,8 @@ Sections (markdown tables):
    same recomputation). Noisy on a shared machine: medians of interleaved rounds.
 4. ``stash_write``: decision 0035's A/B, the stash write as a dropped-index scatter against the
    select it replaced, in one process (temp bytes, compile seconds, step time, bitwise equality).
+   ``stash_pool``: decision 0036's, interleaved 1F1B's stash as one pool per device against a
+   ring per stage, likewise.
 5. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
    CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
    (:meth:`pipejax.Schedule.step_time`, lockstep: a tick lasts as long as its busiest device).
@@ -429,7 +431,7 @@ def slots(quick: bool) -> None:
                     " ".join("/".join(str(int(c)) for c in row) for row in counts),
                     bool((counts == expect).all()),
                     table_.num_ticks,
-                    table_.stash_pool()[0] if table_.placement == "v" else table_.stash_slots(),
+                    table_.stash_pool()[0] if table_.pooled else table_.stash_slots(),
                     f"{bubble:.4f}",
                     f"{theory:.4f}",
                 ]
@@ -439,7 +441,7 @@ def slots(quick: bool) -> None:
         "B = 2 (1f1b) or B = W = 1 (zb-h1), per device's share of the model; theory: "
         "(n-1)/(v m+n-1) for 1f1b (v = 1: GPipe's) and interleaved, "
         "(n-1)(F+B)/((m+n-1)(F+B)+mW) for zb-h1 and zb-v, (n-1)/(m+n-1) for v-half. stash: "
-        "slots per stage held (v-half, zb-v: one pool per device for both its stages)."
+        "slots per stage held (interleaved, v-half, zb-v: one pool per device for both its stages)."
     )
     print()
     print(
@@ -531,6 +533,53 @@ def select_put(buf, value, slot, enabled):
     return jax.tree.map(one, buf, value)
 
 
+def ab_rows(variants, patches, quick, blocks=False):
+    """One table row per ``(schedule, checkpoint, repeats)`` of ``variants`` on the V sections'
+    model (m = 8): the step built under each of the two ``patches`` (``{label: (set, undo)}``,
+    the old way first), compared in one process: temp KiB, compile seconds (median of
+    interleaved compiles, the order turned each round), the optimised module's lines, step time
+    (median per-round ratio over interleaved rounds) and bitwise equality of loss and gradients."""
+    rounds, compiles, m = (2, 1, 8) if quick else (15, 5, 8)
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    old, new = patches
+    rows = []
+    for name, ckpt, v in variants:
+        got, seconds = {}, {k: [] for k in patches}
+        for c in range(compiles):
+            for label in list(patches)[:: 1 if c % 2 else -1]:
+                set_, undo = patches[label]
+                set_()  # read when the step is traced
+                try:
+                    pipe, args = v_problem(name, v, m, ckpt, mesh, blocks=blocks)
+                    t0 = time.perf_counter()
+                    got[label] = jax.jit(pipe.value_and_grad(sq)).lower(*args).compile()
+                    seconds[label].append(time.perf_counter() - t0)
+                finally:
+                    undo()
+        a, b = (jax.tree.leaves(got[k](*args)) for k in patches)
+        same = all(bool(jnp.array_equal(p, q)) for p, q in zip(a, b, strict=True))
+        times = interleaved_times(got, args, rounds)
+        med, q1, q3 = ratio_stats(times[new], times[old])
+        nbytes = {k: got[k].memory_analysis().temp_size_in_bytes for k in patches}
+        lines = {k: got[k].as_text().count("\n") for k in patches}
+        rows.append([
+            f"{name} {ckpt}", kib(nbytes[old]), kib(nbytes[new]), f"{nbytes[new] / nbytes[old]:.3f}",
+            *(f"{statistics.median(seconds[k]):.2f}" for k in patches), *(f"{lines[k]:,}" for k in patches),
+            f"{np.median(times[old]) * 1e3:.1f}", f"{med:.2f}x ({q1:.2f}-{q3:.2f})", same,
+        ])  # fmt: skip
+    print(
+        f"The v_shape section's model{' with residual MLP blocks' if blocks else ''} (m={m}); temp KiB "
+        f"per device; compile: trace + lower + compile seconds, the median of {compiles} interleaved "
+        f"compiles of each program; HLO lines: the optimised module's text; step: median ms of the "
+        f"{old} program and the median per-round ratio {new} / {old} over {rounds} interleaved "
+        "rounds (quartiles); bitwise: the loss and gradients of the two programs equal bit for bit."
+    )
+    print()
+    heads = ["schedule", f"{old} KiB", f"{new} KiB", "ratio", f"compile {old} s", f"compile {new} s"]
+    heads += [f"HLO lines {old}", f"HLO lines {new}", f"step {old} ms", f"step {new} / {old}", "bitwise"]
+    print(table(heads, rows, align="l" + "r" * 9 + "l"))
+
+
 def stash_write(quick: bool) -> None:
     """Decision 0035's measurement: the training slots' stash write as a dropped-index scatter
     (the engine's ``put``) against the select of the slot's old value it replaced, in one process."""
@@ -541,47 +590,27 @@ def stash_write(quick: bool) -> None:
     if not quick:
         variants += [("zb-h1", "never", 1), ("interleaved-1f1b", "never", 2), ("1f1b", "always", 1)]
         variants += [("zb-h1", "always", 1)]
-    rounds, compiles, m = (2, 1, 8) if quick else (15, 5, 8)
-    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     scatter = engine.put
-    writes = {"select": select_put, "scatter": scatter}
-    rows = []
-    for name, ckpt, v in variants:
-        got, seconds = {}, {k: [] for k in writes}
-        for c in range(compiles):  # interleaved, the order turned each round
-            for label in list(writes)[:: 1 if c % 2 else -1]:
-                engine.put = writes[label]  # the slots read `engine.put` when the step is traced
-                try:
-                    pipe, args = v_problem(name, v, m, ckpt, mesh)
-                    t0 = time.perf_counter()
-                    got[label] = jax.jit(pipe.value_and_grad(sq)).lower(*args).compile()
-                    seconds[label].append(time.perf_counter() - t0)
-                finally:
-                    engine.put = scatter
-        a, b = (jax.tree.leaves(got[k](*args)) for k in writes)
-        same = all(bool(jnp.array_equal(p, q)) for p, q in zip(a, b, strict=True))
-        times = interleaved_times(got, args, rounds)
-        med, q1, q3 = ratio_stats(times["scatter"], times["select"])
-        nbytes = {k: got[k].memory_analysis().temp_size_in_bytes for k in writes}
-        lines = {k: got[k].as_text().count("\n") for k in writes}
-        rows.append([
-            f"{name} {ckpt}", kib(nbytes["select"]), kib(nbytes["scatter"]),
-            f"{nbytes['scatter'] / nbytes['select']:.3f}",
-            *(f"{statistics.median(seconds[k]):.2f}" for k in writes), *(f"{lines[k]:,}" for k in writes),
-            f"{np.median(times['select']) * 1e3:.1f}", f"{med:.2f}x ({q1:.2f}-{q3:.2f})", same,
-        ])  # fmt: skip
-    print(
-        f"The v_shape section's model (m={m}); temp KiB per device; compile: trace + lower + compile "
-        f"seconds, the median of {compiles} interleaved compiles of each program; HLO lines: the "
-        "optimised module's text (the scatter is rewritten to an update in place, no loop); step: "
-        f"median ms of the select program and the median per-round ratio scatter / select over "
-        f"{rounds} interleaved rounds (quartiles); bitwise: the loss and gradients of the two "
-        "programs equal bit for bit."
-    )
-    print()
-    heads = ["schedule", "select KiB", "scatter KiB", "ratio", "compile select s", "compile scatter s"]
-    heads += ["HLO lines select", "HLO lines scatter", "step select ms", "step scatter / select", "bitwise"]
-    print(table(heads, rows, align="l" + "r" * 9 + "l"))
+    restore = lambda: setattr(engine, "put", scatter)  # the slots read `engine.put` when traced
+    patches = {"select": (lambda: setattr(engine, "put", select_put), restore), "scatter": (restore, restore)}
+    ab_rows(variants, patches, quick)
+
+
+def stash_pool(quick: bool) -> None:
+    """Decision 0036's measurement: interleaved 1F1B's stash as one pool per device
+    (``Schedule.pooled``) against the ring per stage it kept before, in one process."""
+    from pipejax._src.schedules.table import Schedule
+
+    section("One stash pool per device against a ring per stage: interleaved 1F1B (decision 0036)")
+    pooled = Schedule.pooled
+    rings = property(lambda s: s.trains and s.placement == "v")  # the rule before: the V's only
+    restore = lambda: setattr(Schedule, "pooled", pooled)
+    patches = {"rings": (lambda: setattr(Schedule, "pooled", rings), restore), "pool": (restore, restore)}
+    variants = [("interleaved-1f1b", "never", 2)] + ([] if quick else [("interleaved-1f1b", "always", 2)])
+    ab_rows(variants, patches, quick)
+    if not quick:
+        print()
+        ab_rows(variants, patches, quick, blocks=True)
 
 
 SECTIONS = {
@@ -595,6 +624,7 @@ SECTIONS = {
     "compile": compile_time,
     "predicted": predicted,
     "stash_write": stash_write,
+    "stash_pool": stash_pool,
 }
 
 

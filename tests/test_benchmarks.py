@@ -53,6 +53,7 @@ def run_quick(script: str, *args: str) -> str:
                 "Compile time",
                 "Predicted",
                 "The stash write",
+                "One stash pool per device",
             ),
         ),
         (

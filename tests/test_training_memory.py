@@ -196,7 +196,7 @@ def test_a_wide_head_stays_out_of_the_stash(monkeypatch, schedule, repeats):
     monkeypatch.setattr(_MeshSlots, "keep_last_apart", False)
     together, _ = temp_and_step()
     table = pipe.schedule(x.shape[0])
-    K = table.stash_pool()[0] if table.placement == "v" else table.stash_slots() * table.repeats
+    K = table.stash_pool()[0] if table.pooled else table.stash_slots() * table.repeats
     k_last = table.last_stage_slots()
     assert k_last == (4 if schedule.startswith("zb") else 0)
     logits = HEAD_MICRO * HEAD_VOCAB * 4

@@ -62,6 +62,7 @@ from pipejax._src.engine.stages import _row as _row
 from pipejax._src.engine.stages import dispatch as dispatch
 from pipejax._src.engine.table_rows import back_row as back_row
 from pipejax._src.engine.table_rows import loop_delay as loop_delay
+from pipejax._src.engine.table_rows import pool_row as pool_row
 from pipejax._src.engine.table_rows import rows as rows
 from pipejax._src.engine.table_rows import split_row as split_row
 from pipejax._src.engine.table_rows import table as table

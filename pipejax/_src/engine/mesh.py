@@ -263,7 +263,7 @@ class MeshDevices:
                     (message, sent), sending = c.sending, (message, sent)
                     carry = carry._replace(sending=sending)
                 if v_shape:  # down or up the V, or the turn on the device itself
-                    fsrc, bsrc = (at_device(a, d) for a in v_row(row, D)[:2])
+                    fsrc, bsrc = (at_device(a, d) for a in v_row(row, D))
                     odd = split_row(row, D)[2] % 2  # the tick's parity picks where messages go
                     if overlap:  # a shift each way; the turn (own) takes one tick. What goes out
                         # now was made last tick: activations made on an even tick (sent on an

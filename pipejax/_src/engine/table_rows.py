@@ -26,9 +26,11 @@ def rows(schedule):
     if schedule.trains:
         w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
         columns = [schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B")]
-        if schedule.placement == "v":  # and a V table's sources and pool slots (`v_row`)
+        if schedule.placement == "v":  # a V's sources (`v_row`)
+            columns += [_sources(schedule, "F"), _sources(schedule, "B")]
+        if schedule.pooled:  # and a pooled table's slots (`pool_row`)
             _, pool = schedule.stash_pool()
-            columns += [_sources(schedule, "F"), _sources(schedule, "B"), pool["F"], pool["B"]]
+            columns += [pool["F"], pool["B"]]
             if schedule.weight is not None:  # W: its stash slot and stage, its cotangent's slots
                 _, cot = schedule.cotangent_pool()
                 columns += [pool["W"], schedule.stages("W"), cot["B"], cot["W"]]
@@ -69,14 +71,22 @@ def back_row(row, D: int):
     return row[2 * D + 1 : 3 * D + 1], row[3 * D + 1 : 4 * D + 1], row[4 * D + 1 : 5 * D + 1]
 
 
+def pool_row(row, schedule):
+    """A pooled table's row of :func:`rows` (:attr:`~pipejax._src.schedules.table.Schedule.pooled`)
+    as ``(F stash slot[D], B stash slot[D])``, the pool slot F writes and B reads
+    (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`); with W slots also ``(W stash
+    slot[D], W stage[D], B cotangent slot[D], W cotangent slot[D])``, the slots of
+    :meth:`~pipejax._src.schedules.table.Schedule.cotangent_pool`. A V's come after its
+    sources (:func:`v_row`)."""
+    D = schedule.num_devices
+    start = 5 * D + 1 + (2 * D if schedule.placement == "v" else 0)
+    return tuple(row[start + j * D : start + (j + 1) * D] for j in range(2 if schedule.weight is None else 6))
+
+
 def v_row(row, D: int):
-    """A V table's row of :func:`rows` as ``(F source[D], B source[D], F stash slot[D], B stash
-    slot[D])``: where the next tick's F and B read their messages from, and the pool slot F
-    writes and B reads (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`); with W
-    slots also ``(W stash slot[D], W stage[D], B cotangent slot[D], W cotangent slot[D])``, the
-    slots of :meth:`~pipejax._src.schedules.table.Schedule.cotangent_pool`."""
-    k = (row.shape[0] - 5 * D - 1) // D
-    return tuple(row[5 * D + 1 + j * D : 5 * D + 1 + (j + 1) * D] for j in range(k))
+    """A V table's row of :func:`rows` as ``(F source[D], B source[D])``: where the next tick's F
+    and B read their messages from (:data:`LEFT`, :data:`RIGHT`, :data:`OWN`)."""
+    return row[5 * D + 1 : 6 * D + 1], row[6 * D + 1 : 7 * D + 1]
 
 
 def loop_delay(schedule: Schedule) -> int:

@@ -25,10 +25,11 @@ actions (:func:`~pipejax._src.schedules.actions.from_actions`). The rules:
   stage (:meth:`Schedule.stash_slots`), micro-batch ``i`` in slot ``i mod K``, so two
   micro-batches held at once on a stage must differ mod ``K``; W reads the cotangent B received
   from a ring of ``G`` slots (slot ``i mod G``; ``G`` the most held at once, at least ``D``:
-  :meth:`Schedule.cotangent_slots`), likewise. W slots need ``repeats = 1``. A V
-  table's two stages share one pool per device instead, each stage input given a slot by the
-  table (:meth:`Schedule.stash_pool`): their lifetimes differ (long on the way down, short on
-  the way up), and a ring per stage would hold the longest one twice.
+  :meth:`Schedule.cotangent_slots`), likewise. W slots need ``repeats = 1``. A table whose
+  devices hold several stages (interleaved 1F1B, a V) shares one pool per device instead
+  (:attr:`Schedule.pooled`), each stage input given a slot by the table
+  (:meth:`Schedule.stash_pool`): the stages' lifetimes differ (a V's: long on the way down,
+  short on the way up), and a ring per stage would hold the longest one on every stage.
 
 Each function takes the table (a ``Schedule``) as ``s``; this module imports none of the
 schedule modules.
@@ -262,7 +263,7 @@ def _check_v_parity(s, ticks: dict[str, np.ndarray]) -> None:
 def _check_stashes(s, ticks: dict[str, np.ndarray]) -> None:
     """Two micro-batches held at once on a stage use different ring slots (see the module)."""
     stage, micro, first, last = s._held()
-    if s.placement == "ring":  # (a V's pool gives every held input a free slot: `stash_pool`)
+    if not s.pooled:  # (a pool gives every held input a free slot: `stash_pool`)
         K = s.stash_slots()
         _refuse_overlap(
             s, stage, micro, first, last, K, f"F's stash ({K} slots per stage: the most in flight)"

@@ -89,6 +89,16 @@ class Schedule:
         return "B" in self.micro
 
     @property
+    def pooled(self) -> bool:
+        """Whether what F keeps waits in one pool per device, shared by the device's stages, each
+        input given its slot by the table (:meth:`stash_pool`): a training table whose devices
+        hold several stages (interleaved 1F1B, the V's). Otherwise in a ring of
+        :meth:`stash_slots` per stage. A pool needs no more slots than the most inputs a device
+        holds at once; rings per stage are each sized for the stage holding the most (interleaved
+        1F1B, ``n = 4``: 11 slots a device against 2 x 8)."""
+        return self.trains and self.repeats > 1
+
+    @property
     def num_ticks(self) -> int:
         return self.micro["F"].shape[0]
 
@@ -254,7 +264,7 @@ class Schedule:
 
     def stash_pool(self) -> tuple[int, dict[str, np.ndarray]]:
         """``(size, slot)``: one pool of stashed stage inputs per device, shared by its stages
-        (the V tables' stash), and ``slot[kind]``, int32[ticks, n], the pool slot each F slot
+        (the stash of a :attr:`pooled` table), and ``slot[kind]``, int32[ticks, n], the pool slot each F slot
         writes and each B (and W) slot reads (``-1``: idle).
 
         Each held input takes the lowest slot free at its F tick and gives it back after its

@@ -10,7 +10,8 @@ mesh, :meth:`engine.LocalDevices.run` without one), with the slots of :class:`_M
   -- micro-batch ``i`` of ``x`` on stage 0, the activation the previous device sent otherwise --
   and the stage runs on it, keeping what B and W need in a ring buffer of
   :meth:`~pipejax._src.schedules.table.Schedule.stash_slots` slots (slot ``i`` mod the size;
-  a V table: one pool per device, :meth:`~pipejax._src.schedules.table.Schedule.stash_pool`);
+  a table whose devices hold several stages, interleaved or a V: one pool per device,
+  :meth:`~pipejax._src.schedules.table.Schedule.stash_pool`, decision 0036);
   the last stage adds its micro-batch's loss terms to the sums. Where it pays, the last stage's
   residuals (its loss's, a head's) are kept apart, so the stash's slots are sized for the other
   stages: handed straight to B in the tick, or kept in a ring of
@@ -34,8 +35,8 @@ accumulation over the micro-batches, the table :func:`~pipejax._src.schedules.ta
 (:func:`on_one_device`), with the same keys, loss terms and checkpoint modes, and one
 micro-batch's activations kept at a time.
 
-Memory: a device keeps what B and W need of at most ``stash_slots`` micro-batches (``2 n - 1``),
-however many run.
+Memory: a device keeps what B and W need of at most ``stash_slots`` micro-batches (``2 n - 1``)
+per stage, or its pool's size, however many run.
 """
 
 from __future__ import annotations
@@ -109,13 +110,13 @@ class _MeshSlots(_Slots):
     def __init__(self, grad, table, stages, variants, index, axes):
         self.grad, self.stages, self.variants, self.axes = grad, stages, variants, axes
         self.n, self.repeats = table.num_devices, table.repeats  # stage s is row s // n of a device
-        # what F keeps: K slots per stage the device holds, or one pool of K for both stages of a
-        # V, each input's slot given by the table (`Schedule.stash_pool`)
-        self.pool = table.placement == "v"
+        # what F keeps: K slots per stage the device holds, or one pool of K for the device's
+        # stages, each input's slot given by the table (`Schedule.pooled`, `stash_pool`)
+        self.pool, self.table = table.pooled, table
         self.K = table.stash_pool()[0] if self.pool else table.stash_slots()
         self.zb = table.weight is not None
         # the output cotangents W reads: a ring (slot b mod G; `Schedule.cotangent_slots`, n for
-        # ZB-H1), or a V's pool
+        # ZB-H1), or the pool's
         self.G = (table.cotangent_pool()[0] if self.pool else table.cotangent_slots()) if self.zb else self.n
         self.variant_of = jnp.asarray(index, jnp.int32)
         # the last stage's residuals (its loss's, a head's) kept apart from the other stages'
@@ -278,10 +279,10 @@ class _MeshSlots(_Slots):
                 return entry
             return entry, (direct if lstash is None else engine.take(lstash, i % self.K_last))
 
-        # where F puts what it keeps and B (W) reads it: a V's pools, the table giving each stage
+        # where F puts what it keeps and B (W) reads it: the device's pools, the table giving each stage
         # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
         # device's one stage, a ring of G cotangents). (Each index is computed where it is used.)
-        pool = [engine.at_device(a, d) for a in engine.v_row(row, n)[2:]] if self.pool else None
+        pool = [engine.at_device(a, d) for a in engine.pool_row(row, self.table)] if self.pool else None
         stash = engine.put(dev.stash, saved, pool[0] if pool else (fs // n) * K + f % K, f >= 0)
         xb = with_last(engine.take(stash, pool[1] if pool else (bs // n) * K + b % K), b)
 
