@@ -20,6 +20,7 @@ from flax.core import unfreeze
 
 from pipejax._src.flax import batchnorm as flax_batchnorm
 from pipejax._src.flax import common
+from pipejax._src.params.forms import leaf_paths
 from pipejax._src.params.placement import StageParams
 
 _NAME = "LinenPipeline"
@@ -68,12 +69,12 @@ def _check_alike(
     for index, layer in enumerate(layers):
         if names[index] not in tree:
             continue
-        paths = _leaf_paths(tree[names[index]])
+        paths = {"/".join(p) for p in leaf_paths(tree[names[index]])}
         j = next((j for other, j in first if other == layer), None)
         if j is None:
             first.append((layer, index))
             continue
-        want = _leaf_paths(tree[names[j]])
+        want = {"/".join(p) for p in leaf_paths(tree[names[j]])}
         if paths != want:
             differ = [
                 f"{names[a]} has {sorted(pa - pb)} that {names[b]} has not"
@@ -86,12 +87,6 @@ def _check_alike(
                 "or extra leaf would be carried along and never read; give equal layers the leaves "
                 "their init creates."
             )
-
-
-def _leaf_paths(tree: Any) -> set[str]:
-    """The ``'/'``-joined key path of every leaf of ``tree``."""
-    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-    return {"/".join(name(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _unstack_tree(tree: Any, num_layers: int, what: str) -> list[Any]:

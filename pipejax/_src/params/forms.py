@@ -230,11 +230,16 @@ def _key_name(entry) -> str:
     return str(entry)
 
 
+def leaf_paths(tree) -> list[tuple[str, ...]]:
+    """The path of every leaf of ``tree`` as a tuple of key names, in flattening order (a tied
+    path's form: ``("head", "table")`` for ``'head/table'``)."""
+    return [tuple(_key_name(e) for e in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def _find(tree, path, where, s):
     """The flat index of the leaf of ``tree`` at ``path``, or a ``ValueError`` naming the paths
     there are."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    paths = [tuple(_key_name(e) for e in p) for p, _ in leaves]
+    paths = leaf_paths(tree)
     if path in paths:
         return paths.index(path)
     shown = ", ".join(repr("/".join(p)) for p in paths[:8]) + (", ..." if len(paths) > 8 else "")
