@@ -60,13 +60,11 @@ from pipejax._src.engine.stages import Heterogeneous as Heterogeneous
 from pipejax._src.engine.stages import Homogeneous as Homogeneous
 from pipejax._src.engine.stages import _row as _row
 from pipejax._src.engine.stages import dispatch as dispatch
-from pipejax._src.engine.table_rows import back_row as back_row
+from pipejax._src.engine.table_rows import columns as columns
 from pipejax._src.engine.table_rows import loop_delay as loop_delay
-from pipejax._src.engine.table_rows import pool_row as pool_row
+from pipejax._src.engine.table_rows import read_row as read_row
 from pipejax._src.engine.table_rows import rows as rows
-from pipejax._src.engine.table_rows import split_row as split_row
 from pipejax._src.engine.table_rows import table as table
-from pipejax._src.engine.table_rows import v_row as v_row
 from pipejax._src.engine.tick import Carry as Carry
 from pipejax._src.engine.tick import Slots as Slots
 from pipejax._src.engine.tick import _Ctx as _Ctx

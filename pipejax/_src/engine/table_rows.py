@@ -9,33 +9,71 @@ import numpy as np
 
 from pipejax._src.schedules.table import Schedule
 
+# The row's columns in order, each ``D`` wide (one per device) but the tick's (one): the one
+# map that :func:`rows` writes and :func:`read_row` reads. Every table starts with ``PREFIX`` (a
+# forward table with its first three); :func:`columns` says what follows.
+PREFIX = ("F", "F stage", "tick", "B", "W", "B stage")
+
+
+def columns(schedule: Schedule) -> tuple[str, ...]:
+    """The names of ``schedule``'s columns in the rows of :func:`rows`: ``F``, ``B``, ``W``
+    the micro-batch of each slot kind and ``F stage``, ``B stage`` (``W stage``) its stage; a V
+    table's message sources (``F source``, ``B source``: :func:`_sources`); a pooled table's
+    stash slots (``F pool``, ``B pool``, ``W pool``: ``Schedule.stash_pool``) and, with W
+    slots, its cotangents' (``B cotangent pool``, ``W cotangent pool``: ``Schedule.cotangent_pool``)."""
+    if not schedule.trains:
+        return PREFIX[:3]
+    names = list(PREFIX)
+    if schedule.placement == "v":
+        names += ["F source", "B source"]
+    if schedule.pooled:
+        names += ["F pool", "B pool"]
+        if schedule.weight is not None:
+            names += ["W pool", "W stage", "B cotangent pool", "W cotangent pool"]
+    return tuple(names)
+
 
 def rows(schedule):
-    """The scan's per-tick input: one table ``int32[T, 2 D + 1]``, each row the tick's micro-batch
-    and stage of every device and the tick itself (split by :func:`split_row`); a training table
-    (one with B slots) has its F slots there and, after them,
-    the micro-batches of its B and W slots and the stages of its B slots (:func:`back_row`):
-    ``int32[T, 5 D + 1]``.
+    """The scan's per-tick input: one table ``int32[T, w]``, each row the columns of
+    :func:`columns` for the tick (read with :func:`read_row`): a forward table's micro-batch and
+    stage of every device and the tick itself, ``int32[T, 2 D + 1]``; a training table's also
+    the micro-batches of its B and W slots and the stages of its B slots, and what its kind
+    needs after them.
 
     One table, not a ``tick = arange(T)`` beside the others: XLA turns such a constant into an
     ``iota`` computed into a buffer of its own, kept through both loops; the table stays a
     constant of the program. A row is split where it is read, inside the checkpoints (the
     stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
     backward pass."""
-    tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
-    if schedule.trains:
+    values = {"tick": np.arange(schedule.num_ticks, dtype=np.int32)[:, None]}
+    if not schedule.trains:
+        values.update({"F": schedule.table, "F stage": schedule.stages()})
+    else:
         w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
-        columns = [schedule.forward, schedule.stages("F"), tick, schedule.backward, w, schedule.stages("B")]
-        if schedule.placement == "v":  # a V's sources (`v_row`)
-            columns += [_sources(schedule, "F"), _sources(schedule, "B")]
-        if schedule.pooled:  # and a pooled table's slots (`pool_row`)
+        values.update({"F": schedule.forward, "F stage": schedule.stages("F")})
+        values.update({"B": schedule.backward, "W": w, "B stage": schedule.stages("B")})
+        if schedule.placement == "v":
+            values.update({"F source": _sources(schedule, "F"), "B source": _sources(schedule, "B")})
+        if schedule.pooled:
             _, pool = schedule.stash_pool()
-            columns += [pool["F"], pool["B"]]
-            if schedule.weight is not None:  # W: its stash slot and stage, its cotangent's slots
+            values.update({f"{k} pool": pool[k] for k in pool})
+            if schedule.weight is not None:
                 _, cot = schedule.cotangent_pool()
-                columns += [pool["W"], schedule.stages("W"), cot["B"], cot["W"]]
-        return table(*columns)
-    return table(schedule.table, schedule.stages(), tick)
+                values.update({"W stage": schedule.stages("W")})
+                values.update({f"{k} cotangent pool": cot[k] for k in cot})
+    return table(*(values[name] for name in columns(schedule)))
+
+
+def read_row(row, D: int, names, order=PREFIX):
+    """The columns ``names`` of a row of :func:`rows` of ``D`` devices, in the order given: each
+    ``[D]`` (the tick: a scalar). ``order`` is the table's :func:`columns`; the default, the
+    columns every table starts with, reads those."""
+    where, start = {}, 0
+    for name in order:
+        width = 1 if name == "tick" else D
+        where[name] = row[start] if name == "tick" else row[start : start + width]
+        start += width
+    return tuple(where[name] for name in names)
 
 
 LEFT, RIGHT, OWN = 0, 1, 2  # where a V table's message comes from: device d - 1, d + 1, or d
@@ -59,34 +97,6 @@ def _sources(schedule, kind: str) -> np.ndarray:
 def table(*columns) -> jax.Array:
     """A schedule's integer columns ``[T, w]`` side by side: one ``int32[T, sum w]`` constant."""
     return jnp.asarray(np.concatenate(columns, axis=1).astype(np.int32))
-
-
-def split_row(row, D: int):
-    """A row of :func:`rows` as ``(micro[D], stage[D], tick)`` (a training table: of F slots)."""
-    return row[:D], row[D : 2 * D], row[2 * D]
-
-
-def back_row(row, D: int):
-    """A training table's row of :func:`rows` as ``(B micro[D], W micro[D], B stage[D])``."""
-    return row[2 * D + 1 : 3 * D + 1], row[3 * D + 1 : 4 * D + 1], row[4 * D + 1 : 5 * D + 1]
-
-
-def pool_row(row, schedule):
-    """A pooled table's row of :func:`rows` (:attr:`~pipejax._src.schedules.table.Schedule.pooled`)
-    as ``(F stash slot[D], B stash slot[D])``, the pool slot F writes and B reads
-    (:meth:`~pipejax._src.schedules.table.Schedule.stash_pool`); with W slots also ``(W stash
-    slot[D], W stage[D], B cotangent slot[D], W cotangent slot[D])``, the slots of
-    :meth:`~pipejax._src.schedules.table.Schedule.cotangent_pool`. A V's come after its
-    sources (:func:`v_row`)."""
-    D = schedule.num_devices
-    start = 5 * D + 1 + (2 * D if schedule.placement == "v" else 0)
-    return tuple(row[start + j * D : start + (j + 1) * D] for j in range(2 if schedule.weight is None else 6))
-
-
-def v_row(row, D: int):
-    """A V table's row of :func:`rows` as ``(F source[D], B source[D])``: where the next tick's F
-    and B read their messages from (:data:`LEFT`, :data:`RIGHT`, :data:`OWN`)."""
-    return row[5 * D + 1 : 6 * D + 1], row[6 * D + 1 : 7 * D + 1]
 
 
 def loop_delay(schedule: Schedule) -> int:

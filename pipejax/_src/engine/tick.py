@@ -13,7 +13,7 @@ from jax import lax
 from pipejax._src.engine.collectives import _unlead
 from pipejax._src.engine.config import Config, Inputs, clip, stage_keys, take, write
 from pipejax._src.engine.stages import _round
-from pipejax._src.engine.table_rows import rows, split_row
+from pipejax._src.engine.table_rows import read_row, rows
 
 
 class Carry(NamedTuple):
@@ -58,7 +58,7 @@ def device_tick(
         if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
             # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
             # with m <= n on what arrives now, the inbox itself (no buffer)
-            tick, size = split_row(row, D)[2], jax.tree.leaves(loop)[0].shape[0]
+            (tick,), size = read_row(row, D, ("tick",)), jax.tree.leaves(loop)[0].shape[0]
             loop = jax.tree.map(
                 lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox
             )
@@ -94,7 +94,7 @@ def device_tick(
 def at(row, d, D: int, static_stage=None):
     """Device ``d``'s micro-batch and stage in the tick's row of the table (of ``D`` devices;
     ``static_stage``: the stage, when the phase runs one stage only)."""
-    micro, stage, _ = split_row(row, D)
+    micro, stage = read_row(row, D, ("F", "F stage"))
     return at_device(micro, d), (at_device(stage, d) if static_stage is None else static_stage)
 
 
@@ -172,7 +172,7 @@ class ForwardSlots:
         return make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
     def fresh_index(self, row, d, D: int, k: int, m: int):
-        return split_row(row, D)[2] % k  # stage 0 starts micro-batch t at tick t
+        return read_row(row, D, ("tick",))[0] % k  # stage 0 starts micro-batch t at tick t
 
     def start(self, acc, prev):
         return acc(), prev, None

@@ -265,7 +265,7 @@ class _MeshSlots(_Slots):
         K, n, zb, rows_p, grad = self.K, self.n, self.zb, self.prows, self.grad
         one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
         f, fs = engine.at(row, d, n)
-        b, w, bs = (engine.at_device(a, d) for a in engine.back_row(row, n))
+        b, w, bs = (engine.at_device(a, d) for a in engine.read_row(row, n, ("B", "W", "B stage")))
         _, _, dloss, saved, c0 = out
         # the last stage's entry of this tick's F goes to B (W) beside the stash entry it reads
         saved, direct = saved if self.dbox is not None else (saved, None)
@@ -282,9 +282,14 @@ class _MeshSlots(_Slots):
         # where F puts what it keeps and B (W) reads it: the device's pools, the table giving each stage
         # input (and each cotangent W reads) its slot; or a ring of K slots per stage (W: the
         # device's one stage, a ring of G cotangents). (Each index is computed where it is used.)
-        pool = [engine.at_device(a, d) for a in engine.pool_row(row, self.table)] if self.pool else None
-        stash = engine.put(dev.stash, saved, pool[0] if pool else (fs // n) * K + f % K, f >= 0)
-        xb = with_last(engine.take(stash, pool[1] if pool else (bs // n) * K + b % K), b)
+        pool = None
+        if self.pool:  # the stash slots F writes and B, W read; W's stage; the cotangents' slots
+            order = engine.columns(self.table)
+            names = [name for name in order if name.endswith(" pool") or name == "W stage"]
+            read = engine.read_row(row, n, names, order)
+            pool = {name: engine.at_device(a, d) for name, a in zip(names, read, strict=True)}
+        stash = engine.put(dev.stash, saved, pool["F pool"] if pool else (fs // n) * K + f % K, f >= 0)
+        xb = with_last(engine.take(stash, pool["B pool"] if pool else (bs // n) * K + b % K), b)
 
         def b_branch(v):
             def run(rows_p, xb, g, b, grow):
@@ -314,11 +319,13 @@ class _MeshSlots(_Slots):
         gstash, c2 = dev.gstash, zero
         if zb:  # W: the parameter cotangent, from the stash and B's stashed output cotangent
             # W's stage and its row (a ring's W: the one stage, static)
-            ws, wr = (pool[3], pool[3] // n) if pool else (d, 0)
+            ws, wr = (pool["W stage"], pool["W stage"] // n) if pool else (d, 0)
             if gstash is not None:  # (the last stage seeds its own)
-                gstash = engine.put(gstash, dev.bin, pool[4] if pool else b % self.G, b >= 0)
-            xw = with_last(engine.take(stash, pool[2] if pool else w % K), w)
-            gw = None if gstash is None else engine.take(gstash, pool[5] if pool else w % self.G)
+                gstash = engine.put(gstash, dev.bin, pool["B cotangent pool"] if pool else b % self.G, b >= 0)
+            xw = with_last(engine.take(stash, pool["W pool"] if pool else w % K), w)
+            gw = None
+            if gstash is not None:
+                gw = engine.take(gstash, pool["W cotangent pool"] if pool else w % self.G)
 
             def w_branch(v):
                 def run(rows_p, xw, gw, w, acc):
@@ -477,7 +484,7 @@ class _LocalSlots(_Slots):
         reading its own column gave every slot its own index and predicate, which XLA keeps
         apart: with 16 stacked stages 3,156 HLO lines against 2,701 and 58,808 temp bytes
         against 57,720 (CPU, jax 0.10.2)."""
-        return engine.split_row(row, self.S)[0][0]
+        return engine.read_row(row, self.S, ("F",))[0][0]
 
     def _row(self, params, s: int):
         """Stage ``s``'s parameters, picked inside its slot at a static index (``a[s]``): with the
