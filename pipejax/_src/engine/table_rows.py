@@ -20,7 +20,7 @@ def columns(schedule: Schedule) -> tuple[str, ...]:
     the micro-batch of each slot kind and ``F stage``, ``B stage`` (``W stage``) its stage; a V
     table's message sources (``F source``, ``B source``: :func:`_sources`); a pooled table's
     stash slots (``F pool``, ``B pool``, ``W pool``: ``Schedule.stash_pool``) and, with W
-    slots, its cotangents' (``B cotangent pool``, ``W cotangent pool``: ``Schedule.cotangent_pool``)."""
+    slots, its cotangents' (``B cotangent``, ``W cotangent``: ``Schedule.cotangent_pool``)."""
     if not schedule.trains:
         return PREFIX[:3]
     names = list(PREFIX)
@@ -29,7 +29,7 @@ def columns(schedule: Schedule) -> tuple[str, ...]:
     if schedule.pooled:
         names += ["F pool", "B pool"]
         if schedule.weight is not None:
-            names += ["W pool", "W stage", "B cotangent pool", "W cotangent pool"]
+            names += ["W pool", "W stage", "B cotangent", "W cotangent"]
     return tuple(names)
 
 
@@ -45,22 +45,19 @@ def rows(schedule):
     constant of the program. A row is split where it is read, inside the checkpoints (the
     stage's, :func:`recomputed`): split outside, its pieces would be kept per tick for the
     backward pass."""
-    values = {"tick": np.arange(schedule.num_ticks, dtype=np.int32)[:, None]}
+    tick = np.arange(schedule.num_ticks, dtype=np.int32)[:, None]
     if not schedule.trains:
-        values.update({"F": schedule.table, "F stage": schedule.stages()})
-    else:
-        w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
-        values.update({"F": schedule.forward, "F stage": schedule.stages("F")})
-        values.update({"B": schedule.backward, "W": w, "B stage": schedule.stages("B")})
-        if schedule.placement == "v":
-            values.update({"F source": _sources(schedule, "F"), "B source": _sources(schedule, "B")})
-        if schedule.pooled:
-            _, pool = schedule.stash_pool()
-            values.update({f"{k} pool": pool[k] for k in pool})
-            if schedule.weight is not None:
-                _, cot = schedule.cotangent_pool()
-                values.update({"W stage": schedule.stages("W")})
-                values.update({f"{k} cotangent pool": cot[k] for k in cot})
+        return table(schedule.table, schedule.stages(), tick)
+    w = schedule.weight if schedule.weight is not None else np.full_like(schedule.forward, -1)
+    values = {"F": schedule.forward, "F stage": schedule.stages("F"), "tick": tick, "W": w}
+    values.update({"B": schedule.backward, "B stage": schedule.stages("B")})
+    if schedule.placement == "v":
+        values.update({"F source": _sources(schedule, "F"), "B source": _sources(schedule, "B")})
+    if schedule.pooled:
+        values.update({f"{k} pool": a for k, a in schedule.stash_pool()[1].items()})
+        if schedule.weight is not None:
+            values.update({f"{k} cotangent": a for k, a in schedule.cotangent_pool()[1].items()})
+            values["W stage"] = schedule.stages("W")
     return table(*(values[name] for name in columns(schedule)))
 
 
@@ -68,12 +65,9 @@ def read_row(row, D: int, names, order=PREFIX):
     """The columns ``names`` of a row of :func:`rows` of ``D`` devices, in the order given: each
     ``[D]`` (the tick: a scalar). ``order`` is the table's :func:`columns`; the default, the
     columns every table starts with, reads those."""
-    where, start = {}, 0
-    for name in order:
-        width = 1 if name == "tick" else D
-        where[name] = row[start] if name == "tick" else row[start : start + width]
-        start += width
-    return tuple(where[name] for name in names)
+    widths = [1 if name == "tick" else D for name in order]
+    start = dict(zip(order, np.cumsum([0, *widths[:-1]]).tolist(), strict=True))
+    return tuple(row[start[n]] if n == "tick" else row[start[n] : start[n] + D] for n in names)
 
 
 LEFT, RIGHT, OWN = 0, 1, 2  # where a V table's message comes from: device d - 1, d + 1, or d

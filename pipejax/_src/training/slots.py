@@ -285,7 +285,7 @@ class _MeshSlots(_Slots):
         pool = None
         if self.pool:  # the stash slots F writes and B, W read; W's stage; the cotangents' slots
             order = engine.columns(self.table)
-            names = [name for name in order if name.endswith(" pool") or name == "W stage"]
+            names = [name for name in order if name.endswith((" pool", " cotangent", "W stage"))]
             read = engine.read_row(row, n, names, order)
             pool = {name: engine.at_device(a, d) for name, a in zip(names, read, strict=True)}
         stash = engine.put(dev.stash, saved, pool["F pool"] if pool else (fs // n) * K + f % K, f >= 0)
@@ -321,11 +321,9 @@ class _MeshSlots(_Slots):
             # W's stage and its row (a ring's W: the one stage, static)
             ws, wr = (pool["W stage"], pool["W stage"] // n) if pool else (d, 0)
             if gstash is not None:  # (the last stage seeds its own)
-                gstash = engine.put(gstash, dev.bin, pool["B cotangent pool"] if pool else b % self.G, b >= 0)
+                gstash = engine.put(gstash, dev.bin, pool["B cotangent"] if pool else b % self.G, b >= 0)
             xw = with_last(engine.take(stash, pool["W pool"] if pool else w % K), w)
-            gw = None
-            if gstash is not None:
-                gw = engine.take(gstash, pool["W cotangent pool"] if pool else w % self.G)
+            gw = None if gstash is None else engine.take(gstash, pool["W cotangent"] if pool else w % self.G)
 
             def w_branch(v):
                 def run(rows_p, xw, gw, w, acc):
