@@ -276,7 +276,8 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     Raises:
       TypeError: ``pipe`` is not a :class:`~pipejax._src.pipeline.Pipeline`.
       ValueError: a pipeline the formula does not cover (no mesh, a data axis, ``param_specs``,
-        a stateful pipeline, the interleaved schedule, a ``jax.checkpoint`` policy); and, as a
+        a stateful pipeline, a schedule whose devices hold several stages: interleaved 1F1B,
+        V-Half, ZB-V; a ``jax.checkpoint`` policy); and, as a
         call of the pipeline would, ``params`` or ``x`` that do not fit it: parameters without
         the pipeline's stages, a batch without a leading batch axis, or a stage that cannot be
         applied to what reaches it (the message names the stage boundary).
