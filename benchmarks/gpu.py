@@ -37,6 +37,7 @@ speed-ups need several devices and are not measured here.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -203,19 +204,27 @@ def main() -> None:
         help="the transformer's compute and activation dtype (parameters stay float32)",
     )
     ap.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: by device kind)")
-    args = ap.parse_args()
-    quick = args.quick or args.size == "quick"
-    size = SIZES[args.model]["quick" if quick else args.size]
+    ap.add_argument(
+        "--rows",
+        help="comma-separated labels (or label prefixes) of the programs to run; the composed model always "
+        "runs (the reference loss), and a row's scan baseline runs with it. Default: every row",
+    )
+    ap.add_argument("--rounds", type=int, help="timing rounds (default: by size)")
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write each program's optimised HLO to DIR/<label>.txt")
+    opts = ap.parse_args()
+    quick = opts.quick or opts.size == "quick"
+    size = SIZES[opts.model]["quick" if quick else opts.size]
     S, L, width, hidden, m, micro, rounds, *rest = size
-    if args.model == "mlp":
-        if args.compute != "bfloat16":
+    rounds = opts.rounds or rounds
+    if opts.model == "mlp":
+        if opts.compute != "bfloat16":
             ap.error("--compute applies to --model transformer (the MLP computes in float32)")
         model = mlp(S, L, width, hidden, m * micro)
     else:
-        model = transformer(S, L, width, hidden, m * micro, *rest, compute=args.compute)
+        model = transformer(S, L, width, hidden, m * micro, *rest, compute=opts.compute)
     dev = jax.devices()[0]
-    peak = args.peak_tflops or PEAK_TFLOPS.get(dev.device_kind, (None, None))[model.tf32]
-    kind = "--peak-tflops" if args.peak_tflops else ("TF32" if model.tf32 else "bfloat16") + " dense"
+    peak = opts.peak_tflops or PEAK_TFLOPS.get(dev.device_kind, (None, None))[model.tf32]
+    kind = "--peak-tflops" if opts.peak_tflops else ("TF32" if model.tf32 else "bfloat16") + " dense"
     print(f"## One device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}\n")
     print(
         f"{model.text}, batch {m * micro} in m = {m} micro-batches of {micro}; `mesh=None`. "
@@ -251,30 +260,42 @@ def main() -> None:
         stage, num_stages=S, chunks=m, schedule="circular", repeats=S, mesh=mesh, checkpoint="always"
     )
     variants["circular always, one-device mesh"] = (pipe.value_and_grad(sq), args, BASELINE["always"])
-    compiled, rows = {}, []
+    variants = select(variants, opts.rows, ap)
+    compiled, rows, failed = {}, [], []
     ref_loss = None
     for label, (fn, fn_args, _) in variants.items():
-        secs, c = compile_seconds(fn, *fn_args)
+        try:
+            secs, c = compile_seconds(fn, *fn_args)
+            loss = float(c(*fn_args)[0])
+        except Exception as e:  # out of memory on a large model: the row says so, the others run
+            failed.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"# {failed[-1]}", file=sys.stderr, flush=True)
+            continue
         compiled[label] = (c, fn_args)
-        loss, _ = c(*fn_args)
-        loss = float(loss)
         ref_loss = loss if ref_loss is None else ref_loss
         mem = c.memory_analysis()
         rel = f"{abs(loss - ref_loss) / abs(ref_loss):.1e}"
         rows.append([label, f"{secs:.2f}", kib(mem.temp_size_in_bytes), rel])
+        print(f"# {label}: compile {secs:.2f} s, temp {rows[-1][2]} KiB", file=sys.stderr, flush=True)
+        if opts.dump_hlo:
+            out = Path(opts.dump_hlo)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / (re.sub(r"[^A-Za-z0-9.-]+", "_", label).strip("_") + ".txt")).write_text(c.as_text())
     # each program runs on its own arguments (`interleaved_times` passes the same to all)
     calls = {label: (lambda *_, c=c, a=a: c(*a)) for label, (c, a) in compiled.items()}
     times = interleaved_times(calls, (), rounds=rounds)
     verdicts = []
+    composed_t = times.get("composed (jax.value_and_grad)")
     for row in rows:
         tt, base = times[row[0]], variants[row[0]][2]
+        base = base if base in times else None
         step = statistics.median(tt)
         vs_scan = statistics.median(list(tt / times[base])) if base else None
         if base:
             verdicts.append((row[0], vs_scan))
         row[2:2] = [
             f"{step * 1e3:.2f}",
-            f"{statistics.median(list(tt / times['composed (jax.value_and_grad)'])):.2f}",
+            f"{statistics.median(list(tt / composed_t)):.2f}" if composed_t is not None else "-",
             f"{vs_scan:.2f}" if base else "-",
             f"{model.flops / step / (peak * 1e12):.1%}" if peak else "n/a",
         ]
@@ -286,6 +307,23 @@ def main() -> None:
         f"stage): {len(verdicts) - len(over)} of {len(verdicts)}"
         + (f"; over: {', '.join(over)}." if over else ".")
     )
+    for line in failed:
+        print(f"Failed: {line}")
+
+
+def select(variants, rows, ap):
+    """The programs ``--rows`` names (labels or label prefixes), the composed model and their scans."""
+    if not rows:
+        return variants
+    wanted = [w.strip() for w in rows.split(",") if w.strip()]
+    unknown = [w for w in wanted if not any(label.startswith(w) for label in variants)]
+    if unknown:
+        ap.error(f"--rows: no program's label starts with {unknown}; the labels are {list(variants)}")
+    keep = {"composed (jax.value_and_grad)"}
+    for label, (_, _, base) in variants.items():
+        if any(label.startswith(w) for w in wanted):
+            keep |= {label} | ({base} if base else set())
+    return {label: v for label, v in variants.items() if label in keep}
 
 
 if __name__ == "__main__":
