@@ -7,6 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pipejax as pj
+from pipejax._src import compat
 
 WIDTH, HIDDEN, MICRO = 32, 64, 16
 
@@ -55,10 +56,11 @@ def test_estimate_within_10_percent_of_xla(schedule, checkpoint):
 
 
 def test_estimate_keeps_the_last_stage_apart_as_the_engine_does():
-    """With one tanh layer a stage ``R = 3 A`` (the input, ``tanh`` and ``1 - tanh``): 1F1B's 7
-    slots' share of the loss's residual (``7 O``) outweighs one more entry of the last stage's
-    residuals (``R + O = 4 A``), so the engine hands those straight to B and no slot holds the
-    loss's part; the estimate's stash is ``K R``, within 10 % of XLA (XLA: 82.1 -> 71.4 KiB)."""
+    """With one tanh layer a stage keeps ``R = 3 A`` on jax 0.10 (the input, ``tanh`` and
+    ``1 - tanh``) and ``2 A`` on jax 0.11, which saves one fewer: either way 1F1B's 7 slots'
+    share of the loss's residual (``7 O``) outweighs one more entry of the last stage's
+    residuals (``R + O``), so the engine hands those straight to B and no slot holds the loss's
+    part; the estimate's stash is ``K R``, within 10 % of XLA (XLA: 82.1 -> 71.4 KiB)."""
     mesh = jax.make_mesh((4,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
     layer = lambda p, h, key: jnp.tanh(h @ p)
     pipe = pj.pipeline(layer, num_stages=4, chunks=8, checkpoint="never", mesh=mesh, schedule="1f1b")
@@ -67,7 +69,10 @@ def test_estimate_keeps_the_last_stage_apart_as_the_engine_does():
     x = jax.device_put(x, NamedSharding(mesh, P()))
     est = pj.memory_estimate(pipe, params, x)
     a = WIDTH * MICRO * 4
-    assert (est.residual_bytes, est.output_bytes, est.stash) == (3 * a, a, 7 * 3 * a)
+    saved = compat.saved_residuals(lambda p, h: jnp.sum(layer(p, h, None)), params[0], x[:MICRO])
+    r = a * sum(aval.shape == (MICRO, WIDTH) for aval, _ in saved)  # JAX's own count
+    assert r in (2 * a, 3 * a), saved
+    assert (est.residual_bytes, est.output_bytes, est.stash) == (r, a, 7 * r)
     assert abs(est.total / xla_temp_bytes(pipe, params, x) - 1) <= 0.10
 
 

@@ -210,11 +210,12 @@ def test_the_stash_is_written_in_place(monkeypatch, schedule, repeats):
     """A training slot writes F's stash entry with a scatter that drops an idle write
     (``engine.put``, decision 0035). Against the write it replaced, a select between the entry
     and the slot's old value, which XLA:CPU read into a buffer of its own live across F, the
-    step keeps at least four activations less (here an entry holds 5: the stage input and
-    ``tanh``, ``1 - tanh`` of its 2 layers), with bitwise the same loss and gradients."""
+    step keeps at least an entry less one activation (here an entry holds 5 on jax 0.10: the
+    stage input and ``tanh``, ``1 - tanh`` of its 2 layers; jax 0.11 saves fewer), with bitwise
+    the same loss and gradients."""
     from jax import lax
 
-    from pipejax._src import engine
+    from pipejax._src import compat, engine
 
     def select_put(buf, value, slot, enabled):
         def one(a, v):
@@ -244,7 +245,12 @@ def test_the_stash_is_written_in_place(monkeypatch, schedule, repeats):
     temp, got = temp_and_step()
     monkeypatch.setattr(engine, "put", select_put)
     selected, want = temp_and_step()
-    assert selected - temp >= 4 * rows * WIDTH * 4, (selected, temp)  # measured: 4.8
+    one = jax.tree.map(lambda a: a[0], params)  # stage 0
+    saved = compat.saved_residuals(lambda p, h: jnp.sum(stage(p, h, None)), one, x[:rows])
+    entry = sum(aval.shape == (rows, WIDTH) for aval, _ in saved)  # activations an entry holds
+    assert entry >= 3, saved
+    # measured: 4.8 activations with entries of 5 (jax 0.10.2), 3.8 on jax 0.11.2
+    assert selected - temp >= (entry - 1) * rows * WIDTH * 4, (selected, temp, entry)
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
