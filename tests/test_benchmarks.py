@@ -84,6 +84,38 @@ def test_benchmark_quick(script, headings):
         assert heading in out, f"{script}: missing {heading!r}:\n{out[-2000:]}"
 
 
+def test_gpu_rows_and_their_kernels_per_loop_iteration(tmp_path):
+    """``gpu.py --rows`` runs the programs named, the composed model and their scans; its HLO
+    dumps are what ``hlo_kernels.py`` counts: the one-device 1F1B program is one loop over the
+    micro-batches (4 at --quick)."""
+    out = run_quick("gpu.py", "--rows", "1f1b never", "--dump-hlo", str(tmp_path))
+    rows = lambda text: [ln.split("|") for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
+    labels = [row[1].strip() for row in rows(out)]
+    assert labels[1:] == ["composed (jax.value_and_grad)", "scan (no remat)", "1f1b never"], labels
+    assert "Rows within 1.10x of their scan" in out
+    dumped = sorted(p.name for p in tmp_path.iterdir())
+    assert dumped == ["1f1b_never.txt", "composed_jax.value_and_grad.txt", "scan_no_remat.txt"], dumped
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hlo_kernels.py"), str(tmp_path / "1f1b_never.txt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    loops = rows(proc.stdout)
+    assert [int(row[2]) for row in loops[1:]] == [4], proc.stdout  # one loop: m = 4 micro-batches
+    assert all(int(row[3]) > 0 for row in loops[1:]), proc.stdout
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--quick", "--rows", "nosuch"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2 and "--rows: no program's label starts with ['nosuch']" in bad.stderr
+
+
 @pytest.mark.slow
 def test_memory_benchmark_quick(tmp_path):
     plot = tmp_path / "memory.png"
