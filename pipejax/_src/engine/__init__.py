@@ -62,6 +62,7 @@ from pipejax._src.engine.stages import _row as _row
 from pipejax._src.engine.stages import dispatch as dispatch
 from pipejax._src.engine.table_rows import columns as columns
 from pipejax._src.engine.table_rows import loop_delay as loop_delay
+from pipejax._src.engine.table_rows import pool_columns as pool_columns
 from pipejax._src.engine.table_rows import read_row as read_row
 from pipejax._src.engine.table_rows import rows as rows
 from pipejax._src.engine.table_rows import table as table

@@ -23,14 +23,17 @@ def columns(schedule: Schedule) -> tuple[str, ...]:
     slots, its cotangents' (``B cotangent``, ``W cotangent``: ``Schedule.cotangent_pool``)."""
     if not schedule.trains:
         return PREFIX[:3]
-    names = list(PREFIX)
-    if schedule.placement == "v":
-        names += ["F source", "B source"]
-    if schedule.pooled:
-        names += ["F pool", "B pool"]
-        if schedule.weight is not None:
-            names += ["W pool", "W stage", "B cotangent", "W cotangent"]
-    return tuple(names)
+    names = PREFIX + (("F source", "B source") if schedule.placement == "v" else ())
+    return names + pool_columns(schedule)
+
+
+def pool_columns(schedule: Schedule) -> tuple[str, ...]:
+    """The last columns of :func:`columns`: a pooled table's stash slots and, with W slots, W's
+    stage and the cotangents' slots (none for a table without pools)."""
+    if not schedule.pooled:
+        return ()
+    with_w = () if schedule.weight is None else ("W pool", "W stage", "B cotangent", "W cotangent")
+    return ("F pool", "B pool", *with_w)
 
 
 def rows(schedule):

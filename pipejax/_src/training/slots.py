@@ -284,9 +284,8 @@ class _MeshSlots(_Slots):
         # device's one stage, a ring of G cotangents). (Each index is computed where it is used.)
         pool = None
         if self.pool:  # the stash slots F writes and B, W read; W's stage; the cotangents' slots
-            order = engine.columns(self.table)
-            names = [name for name in order if name.endswith((" pool", " cotangent", "W stage"))]
-            read = engine.read_row(row, n, names, order)
+            names = engine.pool_columns(self.table)
+            read = engine.read_row(row, n, names, engine.columns(self.table))
             pool = {name: engine.at_device(a, d) for name, a in zip(names, read, strict=True)}
         stash = engine.put(dev.stash, saved, pool["F pool"] if pool else (fs // n) * K + f % K, f >= 0)
         xb = with_last(engine.take(stash, pool["B pool"] if pool else (bs // n) * K + b % K), b)
