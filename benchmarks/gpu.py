@@ -211,6 +211,12 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, help="timing rounds (default: by size)")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write each program's optimised HLO to DIR/<label>.txt")
+    ap.add_argument(
+        "--probe-runtime-row",
+        action="store_true",
+        help="also run 1F1B with stacked stages adding each parameter cotangent into its accumulator row "
+        "at a runtime index (decision 0018's next step on a GPU; bitwise the same gradients)",
+    )
     opts = ap.parse_args()
     quick = opts.quick or opts.size == "quick"
     size = SIZES[opts.model]["quick" if quick else opts.size]
@@ -260,6 +266,11 @@ def main() -> None:
         stage, num_stages=S, chunks=m, schedule="circular", repeats=S, mesh=mesh, checkpoint="always"
     )
     variants["circular always, one-device mesh"] = (pipe.value_and_grad(sq), args, BASELINE["always"])
+    if opts.probe_runtime_row:
+        for ckpt in ("always", "never"):
+            pipe = pj.pipeline(stage, num_stages=S, chunks=m, schedule="1f1b", checkpoint=ckpt)
+            fn = runtime_row(pipe.value_and_grad(sq))
+            variants[f"1f1b {ckpt}, accumulator row at a runtime index"] = (fn, args, BASELINE[ckpt])
     variants = select(variants, opts.rows, ap)
     compiled, rows, failed = {}, [], []
     ref_loss = None
@@ -309,6 +320,36 @@ def main() -> None:
     )
     for line in failed:
         print(f"Failed: {line}")
+
+
+def runtime_row(fn):
+    """``fn`` traced with the stacked stages' ``add_row`` reading and writing the accumulator's row
+    at a runtime index (an optimization barrier hides the constant from XLA), so that XLA:GPU sees
+    a ``dynamic-slice`` and a ``dynamic-update-slice`` at the same index, the pattern it updates in
+    place; the library adds at a static index (``a.at[s].add``), which XLA:GPU rewrites whole
+    (decision 0018). A probe: it patches the kind while ``fn`` is traced."""
+    from jax import lax
+
+    from pipejax._src.kinds import HomogeneousKind
+
+    def add_row(self, acc, s, delta):
+        r = lax.optimization_barrier(jnp.int32(s))
+
+        def one(a, t):
+            row = lax.dynamic_index_in_dim(a, r, keepdims=False)
+            return lax.dynamic_update_index_in_dim(a, row + t.astype(a.dtype), r, 0)
+
+        return jax.tree.map(one, acc, delta)
+
+    def traced(*args):
+        static = HomogeneousKind.add_row
+        HomogeneousKind.add_row = add_row
+        try:
+            return fn(*args)
+        finally:
+            HomogeneousKind.add_row = static
+
+    return traced
 
 
 def select(variants, rows, ap):

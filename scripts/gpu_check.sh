@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh                 # on the device machine (the device tool sets OUT)
 #   GPU_CHECK_SIZE=quick GPU_CHECK_TESTS=tests/test_schedule.py bash scripts/gpu_check.sh  # a dry run
 #
+# The MLP's table includes `--probe-runtime-row` (decision 0018's open question on a GPU).
 # The suite runs on every core but the first three (pinned with taskset), `gpu.py` on those three,
 # so the GPU's timings and compile times share no core with the tests. Each part has its own
 # timeout, so a slow part still leaves the others' output; the suite is stopped with SIGINT, which
@@ -45,7 +46,7 @@ workers=$((cores > 4 ? cores - 3 : 2))
 
 mlp_rows=${GPU_CHECK_MLP_ROWS:-}
 tf_rows=${GPU_CHECK_TRANSFORMER_ROWS:-scan,gpipe never,gpipe always,1f1b never,1f1b always,zb-h1 never,v-half never,circular}
-pin 0 2 timeout 150 "$PY" benchmarks/gpu.py --size "$SIZE" ${mlp_rows:+--rows "$mlp_rows"} \
+pin 0 2 timeout 150 "$PY" benchmarks/gpu.py --size "$SIZE" ${mlp_rows:+--rows "$mlp_rows"} --probe-runtime-row \
     --dump-hlo "$OUT/hlo/mlp" >"$OUT/gpu_mlp.md" 2>"$OUT/gpu_mlp.err"
 echo "gpu.py mlp exit status $? at $SECONDS s" >>"$OUT/gpu_mlp.err"
 pin 0 2 timeout 330 "$PY" benchmarks/gpu.py --size "$SIZE" --model transformer --rows "$tf_rows" --rounds 6 \

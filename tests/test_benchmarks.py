@@ -87,14 +87,17 @@ def test_benchmark_quick(script, headings):
 def test_gpu_rows_and_their_kernels_per_loop_iteration(tmp_path):
     """``gpu.py --rows`` runs the programs named, the composed model and their scans; its HLO
     dumps are what ``hlo_kernels.py`` counts: the one-device 1F1B program is one loop over the
-    micro-batches (4 at --quick)."""
-    out = run_quick("gpu.py", "--rows", "1f1b never", "--dump-hlo", str(tmp_path))
+    micro-batches (4 at --quick). The runtime-index probe's row has the plain row's loss."""
+    out = run_quick("gpu.py", "--rows", "1f1b never", "--probe-runtime-row", "--dump-hlo", str(tmp_path))
     rows = lambda text: [ln.split("|") for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
     labels = [row[1].strip() for row in rows(out)]
-    assert labels[1:] == ["composed (jax.value_and_grad)", "scan (no remat)", "1f1b never"], labels
+    probe = "1f1b never, accumulator row at a runtime index"
+    assert labels[1:] == ["composed (jax.value_and_grad)", "scan (no remat)", "1f1b never", probe], labels
+    assert rows(out)[3][-2] == rows(out)[4][-2], out  # the loss's difference from the composed model's
     assert "Rows within 1.10x of their scan" in out
     dumped = sorted(p.name for p in tmp_path.iterdir())
-    assert dumped == ["1f1b_never.txt", "composed_jax.value_and_grad.txt", "scan_no_remat.txt"], dumped
+    files = ["1f1b_never.txt", "1f1b_never_accumulator_row_at_a_runtime_index.txt"]
+    assert dumped == [*files, "composed_jax.value_and_grad.txt", "scan_no_remat.txt"], dumped
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hlo_kernels.py"), str(tmp_path / "1f1b_never.txt")],
         capture_output=True,
