@@ -13,9 +13,9 @@ A kernel is a top-level instruction of the loop body that does work on the devic
 matmuls), a custom call (cuBLAS, cuDNN), a copy, a collective. Tuples, parameters, constants,
 bitcasts and ``get-tuple-element`` launch nothing; a ``conditional`` (XLA:CPU's slots) is not
 counted, nor are its branches' kernels (a loop inside a branch is listed on its own). "Bytes
-written" is the size of each result,
-so an in-place ``dynamic-update-slice`` fusion counts its whole buffer: read it as an upper
-bound. Works on any backend's text; the GPU's is what a per-tick cost is counted on.
+written" is the size of each result, so an in-place ``dynamic-update-slice`` fusion counts its
+whole buffer: read it as an upper bound. Works on any backend's text; the GPU's is what a
+per-tick cost is counted on.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ SHAPE = re.compile(r"\b(" + "|".join(ITEMSIZE) + r")\[([\d,]*)\]")
 INSTR = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
 
 
-def computations(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
-    """``({name: [(instruction, result type, opcode line)]}, entry name)``."""
+def computations(text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+    """``({computation: [(instruction, result type, opcode, line)]}, entry computation)``."""
     comps, current, entry = {}, None, ""
     for line in text.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -60,10 +60,9 @@ def nbytes(type_text: str) -> int:
     return total
 
 
-def kind(opcode: str, line: str) -> str:
+def kind(name: str, opcode: str, line: str) -> str:
     """A kernel's kind: the fusion's name without its number (``loop_add_fusion``), or the opcode."""
     if opcode == "fusion":
-        name = INSTR.match(line).group(1)
         return re.sub(r"[.\d]+$", "", name)
     if opcode == "custom-call":
         return "custom-call " + re.search(r'custom_call_target="([^"]+)"', line).group(1)
@@ -96,7 +95,7 @@ def body_kernels(comps, body):
     for name, result, opcode, line in comps[body]:
         if opcode in FREE or opcode in ("while", "conditional"):
             continue
-        out.append((kind(opcode, line), nbytes(result), name, result))
+        out.append((kind(name, opcode, line), nbytes(result), name, result))
     return out
 
 

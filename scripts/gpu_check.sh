@@ -3,7 +3,7 @@
 # on the CPU platform of that machine's JAX, side by side, every result under $OUT.
 #
 #   bash scripts/gpu_check.sh                 # on the device machine (the device tool sets OUT)
-#   GPU_CHECK_SIZE=quick GPU_CHECK_TESTS=tests/test_schedule.py bash scripts/gpu_check.sh  # a dry run
+#   GPU_CHECK_SIZE=quick GPU_CHECK_TESTS=tests/test_schedule_tables.py bash scripts/gpu_check.sh  # a dry run
 #
 # The MLP's table includes `--probe-runtime-row` (decision 0018's open question on a GPU).
 # The suite runs on every core but the first three (pinned with taskset), `gpu.py` on those three,
