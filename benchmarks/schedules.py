@@ -31,6 +31,8 @@ Sections (markdown tables):
    select it replaced, in one process (temp bytes, compile seconds, step time, bitwise equality).
    ``stash_pool``: decision 0036's, interleaved 1F1B's stash as one pool per device against a
    ring per stage, likewise.
+   ``estimate``: :func:`pipejax.memory_estimate` against XLA's temp bytes for every training
+   schedule (the pooled tables included), on three models.
 5. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
    CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
    (:meth:`pipejax.Schedule.step_time`, lockstep: a tick lasts as long as its busiest device).
@@ -172,10 +174,10 @@ def v_block_stage(layers):
     return stage
 
 
-def v_problem(name, v, m, ckpt, mesh, overlap=False, blocks=False):
+def v_problem(name, v, m, ckpt, mesh, overlap=False, blocks=False, micro=V_MICRO):
     """The V section's model as ``v`` stages a device (``V_LAYERS // v`` layers each; ``blocks``:
-    residual MLP blocks instead of tanh layers): its pipeline under schedule ``name`` and its
-    ``(params, x, t)``."""
+    residual MLP blocks instead of tanh layers), on micro-batches of ``micro`` rows: its pipeline
+    under schedule ``name`` and its ``(params, x, t)``."""
     S, per = N * v, V_LAYERS // v
     pipe = pj.pipeline(
         (v_block_stage if blocks else v_stage)(per), num_stages=S, chunks=m, schedule=name, repeats=v,
@@ -187,7 +189,44 @@ def v_problem(name, v, m, ckpt, mesh, overlap=False, blocks=False):
     else:
         w, b = normal((S, per, V_WIDTH, V_WIDTH), 0, V_WIDTH**-0.5), normal((S, per, V_WIDTH), 1, 0.1)
         params = {"w": w, "b": b}
-    return pipe, (params, normal((m * V_MICRO, V_WIDTH), 2), normal((m * V_MICRO, V_WIDTH), 3))
+    return pipe, (params, normal((m * micro, V_WIDTH), 2), normal((m * micro, V_WIDTH), 3))
+
+
+def estimate(quick: bool) -> None:
+    """``pj.memory_estimate`` against XLA's temp bytes, for every training schedule, on the V
+    sections' models and on residual blocks whose parameters outweigh the micro-batch."""
+    section("pj.memory_estimate against XLA's temp bytes per device, every training schedule")
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    m = 8
+    runs = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("v-half", 2), ("zb-v", 2))
+    models = [("tanh layers", False, V_MICRO), ("residual blocks", True, V_MICRO)]
+    models.append(("residual blocks", True, 16))
+    if quick:
+        runs, models = runs[3:4], models[2:]
+    rows, ratios = [], []
+    for label, blocks, micro in models:
+        for ckpt in ("always",) if quick else ("always", "never"):
+            for name, v in runs:
+                pipe, (params, x, t) = v_problem(name, v, m, ckpt, mesh, blocks=blocks, micro=micro)
+                params = pipe.place(params)  # as the estimate assumes (unplaced: a copy of them all)
+                est = pj.memory_estimate(pipe, params, x)
+                got = temp_bytes(pipe.value_and_grad(sq), params, x, t)
+                ratios.append(est.total / got)
+                terms = (est.stash, est.work, est.params)
+                rows.append([f"{label}, {micro} rows", f"{name} {ckpt}", kib(got), kib(est.total),
+                             f"{est.total / got:.3f}", *(kib(b) for b in terms)])  # fmt: skip
+    print(
+        f"{N} devices, each holding {V_LAYERS} tanh layers or residual MLP blocks ({V_WIDTH} -> "
+        f"{V_HIDDEN} -> {V_WIDTH}, float32) as one stage (1f1b, zb-h1) or two (interleaved v=2, "
+        f"v-half, zb-v); m = {m} micro-batches of 512 rows (activations outweigh a stage's "
+        "parameters) or 16 (the parameters outweigh them). KiB per device; the estimate's stash, "
+        "work and parameter terms beside its total."
+    )
+    print()
+    heads = ["model", "schedule", "XLA", "estimate", "estimate / XLA", "stash", "work", "params"]
+    print(table(heads, rows, align="llrrrrrr"))
+    print()
+    print(f"estimate / XLA: {min(ratios):.3f} to {max(ratios):.3f} over {len(ratios)} programs.")
 
 
 def v_blocks(quick: bool) -> None:
@@ -625,6 +664,7 @@ SECTIONS = {
     "predicted": predicted,
     "stash_write": stash_write,
     "stash_pool": stash_pool,
+    "estimate": estimate,
 }
 
 

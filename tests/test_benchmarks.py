@@ -54,6 +54,7 @@ def run_quick(script: str, *args: str) -> str:
                 "Predicted",
                 "The stash write",
                 "One stash pool per device",
+                "pj.memory_estimate against XLA",
             ),
         ),
         (

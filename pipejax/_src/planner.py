@@ -33,7 +33,7 @@ from pipejax._src import checks, microbatch
 from pipejax._src.balance.costs import layer_costs, output_bytes
 from pipejax._src.balance.partitioning import partition
 from pipejax._src.balance.solver import balance_costs
-from pipejax._src.memory import ESTIMATED_SCHEDULES, memory_estimate
+from pipejax._src.memory import memory_estimate
 from pipejax._src.pipeline import pipeline
 from pipejax._src.schedules.kinds import SCHEDULES as KINDS
 
@@ -217,8 +217,8 @@ def plan_pipeline(
         ``pj.partition(layers, balance, stateful=True)``'s stages (state grouped as parameters).
         Its costs are the layers' on ``x`` with every row real; ``memory="compiled"`` only.
       schedules: the schedules to sweep, among ``"gpipe"``, ``"circular"``, ``"1f1b"``,
-        ``"zb-h1"``, ``"interleaved-1f1b"`` and ``"v-half"``; default all of them (``memory="estimate"``:
-        the first four, those :func:`pipejax.memory_estimate` covers).
+        ``"zb-h1"``, ``"zb-floor"``, ``"interleaved-1f1b"``, ``"v-half"`` and ``"zb-v"``; default
+        all of them.
       chunks: the ``chunks`` to sweep; default the powers of two up to the batch (at most 64).
       checkpoints: the modes to sweep, among ``"always"``, ``"never"`` and ``"except_last"``.
       repeats: the stages per device of the circular and interleaved 1F1B schedules.
@@ -286,14 +286,8 @@ def plan_pipeline(
     else:
         checks.check_callable(loss_fn, "loss_fn", "(y, targets) -> per-example losses")
     if schedules is None:
-        schedules = ESTIMATED_SCHEDULES if memory == "estimate" else SCHEDULES
+        schedules = SCHEDULES
     schedules = _among(schedules, SCHEDULES, "schedules")
-    if memory == "estimate" and "interleaved-1f1b" in schedules:
-        raise ValueError(
-            "`schedules` holds 'interleaved-1f1b', whose memory `memory=\"estimate\"` "
-            f"(pj.memory_estimate) does not model; it covers {ESTIMATED_SCHEDULES}. Use "
-            '`memory="compiled"` (each candidate compiled) or leave that schedule out.'
-        )
     stateful = layer_state is not None
     if stateful:
         layer_state = list(
