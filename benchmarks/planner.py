@@ -117,14 +117,14 @@ def main() -> None:
     models = {"uniform": uniform} if args.quick else {
         "uniform": uniform, "embedding_blocks_head": embedding_blocks_head, "stateful": stateful,
     }  # fmt: skip
-    rows = []
+    rows, against = [], []
     for name, model in models.items():
         layers, params, x, *state = model()
         options = dict(
             chunks=CHUNKS, checkpoints=MODES, headroom=HEADROOM, layer_state=state[0] if state else None
         )
         if args.quick:
-            options.update(memory="estimate", schedules=SCHEDULES[:4], checkpoints=("always",))
+            options.update(memory="estimate", schedules=SCHEDULES, checkpoints=("always",))
         else:
             options.update(schedules=SCHEDULES)
         # as a user plans (bytes measured where the choice needs them), then the whole sweep
@@ -149,6 +149,8 @@ def main() -> None:
                 name, label, len(full.sweep), measured(got), f"{seconds[0]:.1f}",
                 "-" if seconds[1] is None else f"{seconds[1]:.1f}", same,
             ])  # fmt: skip
+        if not args.quick and not state:  # the estimate's choices against the compiled sweep's
+            against += estimated_against_compiled(name, layers, params, x, mesh, options, loose, tight_budget)
         section(f"{name}: a loose budget (1e9 bytes)")
         print(loose.table())
         section(f"{name}: a tight budget ({tight_budget / 1024:,.1f} KiB, headroom {HEADROOM})")
@@ -163,6 +165,46 @@ def main() -> None:
     print()
     heads = ["model", "budget", "candidates", "measured", "seconds", "exhaustive seconds", "same choice"]
     print(table(heads, rows, align="llrrrrl"))
+    if against:
+        section("Estimated bytes against compiled: the same choice?")
+        print(
+            '`memory="estimate"` (pj.memory_estimate, nothing compiled) against the compiled sweep '
+            "above, every schedule: the estimate / XLA range over the sweep's candidates (the "
+            "schedules that own the backward, and autodiff's), the "
+            "estimate's choice under each budget, its compiled bytes and whether they fit, and the "
+            "compiled sweep's choice. The stateful model is left out (the estimate refuses state)."
+        )
+        print()
+        heads = ["model", "budget", "estimate / XLA, training tables", "estimate / XLA, GPipe and circular"]
+        heads += ["estimate's choice", "its XLA KiB", "fits", "compiled choice"]
+        print(table(heads, against, align="llllrrll"))
+
+
+def estimated_against_compiled(name, layers, params, x, mesh, options, loose, tight_budget) -> list:
+    """Rows of the last table: the plan chosen on estimated bytes against the compiled one."""
+    estimate = pj.plan_pipeline(layers, params, x, mesh=mesh, memory_per_device=1e9, exhaustive=True,
+                                **{**options, "memory": "estimate"})  # fmt: skip
+    xla = {c._key: c.temp_bytes for c in loose.sweep}
+    forward = {"gpipe", "circular"}  # autodiff of a forward table; the others own the backward
+
+    def span(keep):
+        ratios = [c.temp_bytes / xla[c._key] for c in estimate.sweep if keep(c.schedule)]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+    spans = [span(lambda s: s not in forward), span(lambda s: s in forward)]
+    label = lambda c: "-" if c is None else f"{c.schedule} m={c.chunks} {c.checkpoint}"
+    out = []
+    tight = loose.under(tight_budget, headroom=HEADROOM)
+    for budget, text, compiled in (
+        (1e9, "loose (1e9 bytes)", loose),
+        (tight_budget, f"tight ({tight_budget / 1024:,.1f} KiB)", tight),
+    ):
+        best = estimate.under(budget, headroom=HEADROOM).best
+        bytes_ = None if best is None else xla[best._key]
+        fits = bytes_ is not None and bytes_ * HEADROOM <= budget
+        kib = "-" if bytes_ is None else f"{bytes_ / 1024:,.1f}"
+        out.append([name, text, *spans, label(best), kib, fits, label(compiled.best)])
+    return out
 
 
 if __name__ == "__main__":
