@@ -10,8 +10,9 @@ It sweeps every candidate and predicts, for each:
   links, each tick's messages;
 * **the temp bytes per device**: XLA's compiled memory analysis of the candidate's training step
   (``memory="compiled"``, exact for the platform it compiles for), or
-  :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled, but it reads 0.8-2.3 of XLA's
-  bytes on stages of several layers; ``benchmarks/RESULTS.md``).
+  :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled; on
+  ``benchmarks/planner.py``'s models it reads 0.93-1.32 of XLA's bytes for the training tables
+  and 0.51-1.02 for GPipe and circular, ``benchmarks/RESULTS.md``).
 
 and returns the fastest candidate that fits, with the runner-up and the whole sweep. Steps are
 cheap (a table and some sums) and bytes are not (a compile each), so only the bytes the choice
