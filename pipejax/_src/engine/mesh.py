@@ -22,7 +22,7 @@ from pipejax._src.engine.collectives import (
     sum_exact,
 )
 from pipejax._src.engine.config import Config, Inputs, read, take
-from pipejax._src.engine.table_rows import LEFT, RIGHT, columns, loop_delay, read_row
+from pipejax._src.engine.table_rows import LEFT, RIGHT, columns, loop_delay, read_row, read_tick
 from pipejax._src.engine.tick import Carry, _Ctx, _scan, at_device, recomputed
 from pipejax._src.schedules.table import Schedule
 
@@ -265,7 +265,7 @@ class MeshDevices:
                 if v_shape:  # down or up the V, or the turn on the device itself
                     sources = read_row(row, D, ("F source", "B source"), columns(schedule))
                     fsrc, bsrc = (at_device(a, d) for a in sources)
-                    odd = read_row(row, D, ("tick",))[0] % 2  # the tick's parity picks where messages go
+                    odd = read_tick(row, D) % 2  # the tick's parity picks where messages go
                     if overlap:  # a shift each way; the turn (own) takes one tick. What goes out
                         # now was made last tick: activations made on an even tick (sent on an
                         # odd one) go down the V, to d + 1, and cotangents to d - 1
@@ -360,7 +360,7 @@ class MeshDevices:
         D = pushes[0].shape[1]
 
         def where_to(row):
-            t = 0 if row is None else read_row(row, D, ("tick",))[0]
+            t = 0 if row is None else read_tick(row, D)
             code = lax.dynamic_index_in_dim(
                 jnp.asarray(pushes[0])[t], d, keepdims=False, allow_negative_indices=False
             )

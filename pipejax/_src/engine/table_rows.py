@@ -73,6 +73,11 @@ def read_row(row, D: int, names, order=PREFIX):
     return tuple(row[start[n]] if n == "tick" else row[start[n] : start[n] + D] for n in names)
 
 
+def read_tick(row, D: int):
+    """The tick of a row of :func:`rows` of ``D`` devices (a scalar)."""
+    return read_row(row, D, ("tick",))[0]
+
+
 LEFT, RIGHT, OWN = 0, 1, 2  # where a V table's message comes from: device d - 1, d + 1, or d
 
 

@@ -13,7 +13,7 @@ from jax import lax
 from pipejax._src.engine.collectives import _unlead
 from pipejax._src.engine.config import Config, Inputs, clip, stage_keys, take, write
 from pipejax._src.engine.stages import _round
-from pipejax._src.engine.table_rows import read_row, rows
+from pipejax._src.engine.table_rows import read_row, read_tick, rows
 
 
 class Carry(NamedTuple):
@@ -58,7 +58,7 @@ def device_tick(
         if v > 1 and _may_be(d, 0) and jax.tree.leaves(loop):
             # device 0 starts a later round on what arrived `delay` ticks ago (see `loop_delay`);
             # with m <= n on what arrives now, the inbox itself (no buffer)
-            (tick,), size = read_row(row, D, ("tick",)), jax.tree.leaves(loop)[0].shape[0]
+            tick, size = read_tick(row, D), jax.tree.leaves(loop)[0].shape[0]
             loop = jax.tree.map(
                 lambda a, b: lax.dynamic_update_index_in_dim(a, b, tick % size, 0), loop, inbox
             )
@@ -172,7 +172,7 @@ class ForwardSlots:
         return make_step(cfg, ctx, inputs, phase, vary, global_micro)
 
     def fresh_index(self, row, d, D: int, k: int, m: int):
-        return read_row(row, D, ("tick",))[0] % k  # stage 0 starts micro-batch t at tick t
+        return read_tick(row, D) % k  # stage 0 starts micro-batch t at tick t
 
     def start(self, acc, prev):
         return acc(), prev, None
