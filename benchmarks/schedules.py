@@ -32,7 +32,8 @@ Sections (markdown tables):
    ``stash_pool``: decision 0036's, interleaved 1F1B's stash as one pool per device against a
    ring per stage, likewise.
    ``estimate``: :func:`pipejax.memory_estimate` against XLA's temp bytes for every training
-   schedule (the pooled tables included), on three models.
+   schedule (the pooled tables included), on three models. ``stages_not_alike``: GPipe and
+   circular on stages given as a list, every checkpoint mode, the estimate beside.
 5. ``predicted``: step time on ``n`` devices predicted from F, B and W costs measured on this
    CPU: GPipe with ``benchmarks/_simulate.py`` (lockstep), 1F1B and ZB-H1 from their tables
    (:meth:`pipejax.Schedule.step_time`, lockstep: a tick lasts as long as its busiest device).
@@ -652,6 +653,43 @@ def stash_pool(quick: bool) -> None:
         ab_rows(variants, patches, quick, blocks=True)
 
 
+def stages_not_alike(quick: bool) -> None:
+    """GPipe and circular on stages given as a list (one ``lax.switch`` branch each): temp bytes
+    per device in every checkpoint mode, and ``pj.memory_estimate`` beside them."""
+    from benchmarks.planner import embedding_blocks_head, uniform
+    from pipejax._src.balance.partitioning import partition
+
+    section("Stages not alike (a list): GPipe and circular temp bytes per device, every mode")
+    mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
+    models = [
+        ("embedding + 6 blocks + head", embedding_blocks_head, (3, 2, 2, 1)),
+        ("8 tanh blocks", uniform, (2,) * 4),
+    ]
+    modes = ("never",) if quick else ("always", "never", "except_last")
+    rows = []
+    for label, model, cut in models[:1] if quick else models:
+        layers, params, x = model()
+        for name, v in (("gpipe", 1), ("circular", 2)):
+            part = partition(layers, list(cut) if v == 1 else [1] * len(layers))
+            stage_params = part.group(list(params))
+            for mode in modes:
+                pipe = pj.pipeline(
+                    list(part.stages), chunks=8, checkpoint=mode, mesh=mesh, schedule=name, repeats=v
+                )
+                placed = pipe.place(stage_params)
+                y = jax.eval_shape(lambda p, x, pipe=pipe: pipe(p, x), placed, x)
+                got = temp_bytes(pipe.value_and_grad(sq), placed, x, jnp.zeros(y.shape, y.dtype))
+                est = pj.memory_estimate(pipe, placed, x).total
+                rows.append([label, f"{name} {mode}", kib(got), kib(est), f"{est / got:.2f}"])
+    print(
+        f"`benchmarks/planner.py`'s models on {N} devices, a batch of 64 in 8 micro-batches, the stages "
+        "a list of partitions (GPipe: the planner's balance; circular: a layer a stage, 2 a device). "
+        "KiB per device."
+    )
+    print()
+    print(table(["model", "schedule", "XLA", "estimate", "estimate / XLA"], rows, align="llrrr"))
+
+
 SECTIONS = {
     "memory": memory,
     "sharded": sharded_memory,
@@ -665,6 +703,7 @@ SECTIONS = {
     "stash_write": stash_write,
     "stash_pool": stash_pool,
     "estimate": estimate,
+    "stages_not_alike": stages_not_alike,
 }
 
 

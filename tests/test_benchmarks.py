@@ -55,6 +55,7 @@ def run_quick(script: str, *args: str) -> str:
                 "The stash write",
                 "One stash pool per device",
                 "pj.memory_estimate against XLA",
+                "Stages not alike",
             ),
         ),
         (

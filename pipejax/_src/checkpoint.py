@@ -183,6 +183,7 @@ class Phase(NamedTuple):
     stop: int
     remat: Remat  # how each stage computation (bubble guard included) is wrapped
     guard: bool = True  # whether a tick of the phase may be a bubble (then the stage kind guards it)
+    keeps: bool = False  # whether its ticks keep residuals for the backward pass (not "always")
 
 
 def phases(checkpoint: Any, schedule: Schedule) -> list[Phase]:
@@ -227,7 +228,7 @@ def _guarded(start: int, stop: int, checkpoint: Any) -> Phase:
     the backward pass differently, and on the demo's Flax model 150 gradient entries of
     ``"always"`` differed from ``"never"`` by an ulp. The bitwise contract wins.)
     """
-    return Phase(start, stop, remat_for(checkpoint))
+    return Phase(start, stop, remat_for(checkpoint), keeps=checkpoint != "always")
 
 
 def remat_for(checkpoint: Any) -> Remat:

@@ -273,10 +273,8 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     cotangent into the device's flat row of packed parameters (one more ``P``); and GPipe's and
     the circular schedule's ``"never"`` keep in every tick the union of the stages' residuals
     (the tick's ``lax.switch`` keeps every branch's; of one shape and dtype, as many as the stage
-    that keeps the most; the parameters' own included). On ``benchmarks/planner.py``'s
-    embedding + blocks + head model that reads 0.93-1.23 of XLA's bytes for the training
-    tables and 0.82-0.99 for GPipe and circular, but 0.51-0.59 for GPipe ``"never"``, whose
-    ticks keep more of the parameters than the residuals name.
+    that keeps the most). ``benchmarks/planner.py`` prints the estimate against XLA on its
+    models (``benchmarks/RESULTS.md``).
     ``benchmarks/schedules.py --section estimate`` measures every training schedule on three
     models (tanh layers and residual blocks, micro-batches of 512 and 16 rows, ``"always"`` and
     ``"never"``): the pooled tables read 0.85-1.12 of XLA's bytes there, the others 0.84-1.22.
@@ -327,15 +325,15 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     n, m, v = pipe.num_devices, plan.num_micro, pipe.repeats
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.micro_size, *jnp.shape(a)[1:]), _dtype(a)), x)
     unsharded = jax.tree.map(_struct, params)  # placed parameters' sharding types aside
-    acts, residuals, all_residuals, stage_params = [], [], [], []
+    acts, residuals, residual_shapes, stage_params = [], [], [], []
     for s, stage in enumerate(pipe.stages):
         p = jax.eval_shape(lambda params, s=s: pipe.stage_params(params, s), unsharded)
         # the stage on what reaches it, as the pipeline infers it (a shape error names the boundary)
         out, _ = boundaries.stage_output(s, pipe, p, None, micro, None, None)
         acts.append(_nbytes(micro))
-        varying, every = _micro_residual_bytes(stage, p, micro)
-        residuals.append(varying)
-        all_residuals.append(every)
+        size, shapes = _micro_residual_bytes(stage, p, micro)
+        residuals.append(size)
+        residual_shapes.append(shapes)
         stage_params.append(_nbytes(p))
         micro = out.structs()
     a, r, o = max(acts), max(residuals), _nbytes(micro)
@@ -369,8 +367,8 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     else:
         ticks, drain = table.num_ticks, table.drain_ticks  # drain: except_last's "never"
         # autodiff of the tick's switch among mixed stages keeps the residuals of every branch
-        # in every tick (the parameters' own included), those of one shape and dtype shared
-        kept = _union_bytes(all_residuals) if mixed else r
+        # in every tick, those of one shape and dtype shared
+        kept = _union_bytes(residual_shapes) if mixed else r
         stash = {
             "always": ticks * a,
             "never": ticks * kept,
@@ -389,6 +387,10 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     grad = max(stage_params) if max(stage_params) > freed else 0
     if mixed:  # the cotangent added into the device's flat row of packed parameters
         grad += max(stage_params)
+    if mixed and not pipe.plan.schedule.owns_backward and pipe.checkpoint != "always":
+        # where ticks keep residuals each stage's parameters are unpacked outside the tick's
+        # switch (`engine.stages`), and its backward gives every one of them a cotangent
+        grad += sum(stage_params)
     grad += rows
     total = stash + work + outputs + loop + grad
     return MemoryEstimate(a, r, o, held, stash, work, outputs, loop, grad, total)
@@ -425,9 +427,8 @@ def _check_estimable(pipe: Any) -> None:
 
 
 def _micro_residual_bytes(stage: Callable[..., Any], p: Any, x: Any) -> tuple[int, Counter]:
-    """The residuals of ``jax.vjp`` of ``stage`` at ``(p, x)``: the bytes of those that depend on
-    ``x``, and how many of each shape and dtype it keeps in all (the parameters' own, such as a
-    weight a matmul keeps, included)."""
+    """The residuals of ``jax.vjp`` of ``stage`` at ``(p, x)`` that depend on ``x``: their bytes,
+    and how many of each shape and dtype there are."""
 
     def leaves(p, x):
         return jax.tree.leaves(jax.vjp(lambda p, x: stage(p, x, None), p, x)[1])
@@ -439,7 +440,8 @@ def _micro_residual_bytes(stage: Callable[..., Any], p: Any, x: Any) -> tuple[in
         if any(not isinstance(v, jex_core.Literal) and v in tainted for v in eqn.invars):
             tainted.update(eqn.outvars)
     outs = [var for var in closed.jaxpr.outvars if not isinstance(var, jex_core.Literal)]
-    return sum(_nbytes(v.aval) for v in outs if v in tainted), Counter(_struct(v.aval) for v in outs)
+    kept = [v.aval for v in outs if v in tainted]
+    return sum(map(_nbytes, kept)), Counter(map(_struct, kept))
 
 
 def _union_bytes(kept: list[Counter]) -> int:

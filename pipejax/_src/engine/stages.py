@@ -74,7 +74,9 @@ class Heterogeneous:
         """The last stage's output, read from the message of the last device ``d``."""
         return self.box.unpack(message, self.boundaries[self.S]) if self.packed(d) else message
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
+    def compute(
+        self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None, keeps=False
+    ):
         """Runs stage ``s`` of device ``d`` on ``x_in``; returns the (message, stats).
 
         ``guard``: ``(working, prev)``; where ``working`` is False (a bubble) nothing runs and
@@ -85,19 +87,34 @@ class Heterogeneous:
         with respect to the parameters).
         On a mesh the bubble is one more branch of the stage switch (one level of control flow,
         not a ``cond`` around a ``switch``).
+
+        ``keeps``: the tick keeps residuals for the backward pass (a phase other than
+        ``"always"``). Its stages' parameters are then unpacked outside the switch, each from its
+        own row of the device's block (row ``t // D``, static): values of the loop's constants,
+        which autodiff keeps once. Unpacked in a branch they are the branch's residuals, kept in
+        every tick (GPipe ``"never"`` on ``benchmarks/planner.py``'s embedding model: 1,432.4 ->
+        377.0 KiB). Where the ticks keep nothing that costs more: the backward pass gives every
+        stage's parameters a cotangent in every tick (uniform stages, ``"always"``: 48.2 -> 64.1
+        KiB), so they stay in the branch.
         """
         if self.switch:
             r = _round(s, self.D, self.v)
-            prow, srow = _row((params, state), r, self.v)
+            if keeps:
+                srow = _row(state, r, self.v)
+                prow = [
+                    self.pbox.unpack(_row(params, t // self.D, self.v), lay)
+                    for t, lay in enumerate(self.param_layouts)
+                ]
+                unpack = lambda prow, t: prow[t]
+            else:
+                prow, srow = _row((params, state), r, self.v)
+                unpack = lambda prow, t: self.pbox.unpack(prow, self.param_layouts[t])
 
             def branch(t):
                 call = stage_call(self.cfg, t)
 
                 def f(prow, srow, x_in, xs, mask, ic, k):
-                    p, st = (
-                        self.pbox.unpack(prow, self.param_layouts[t]),
-                        self.sbox.unpack(srow, self.state_layouts[t]),
-                    )
+                    p, st = unpack(prow, t), self.sbox.unpack(srow, self.state_layouts[t])
                     if t == 0 and fresh is not None:  # the micro-batch of x, as data
                         x_in = jax.tree.map(_read_as, x_in, fresh)
                     x = self.box.unpack(x_in, self.boundaries[t])
@@ -188,10 +205,13 @@ class Homogeneous:
     # ~370 KiB more per device on benchmarks/maxtext_style.py (1,059.6 -> 689.6 KiB at m=4).
     computes_bubbles = True
 
-    def compute(self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None):
+    def compute(
+        self, d, params, state, x_in, xs, mask, ic, s, key_for, vary, guard=None, fresh=None, keeps=False
+    ):
         """Runs stage ``s`` on ``x_in`` (or micro-batch ``ic`` of ``xs`` for stage 0). ``guard``
         is not needed (see :attr:`computes_bubbles`), and ``fresh`` is unused: one stage
-        function reads both ``x`` and the activations."""
+        function reads both ``x`` and the activations; ``keeps`` too: the parameters are the
+        device's row, read as one (a named slice with several repeats), without a switch."""
         x = x_in  # on a mesh the devices deliver stage 0's micro-batch as the message
         if self.local:
             x = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), take(xs, ic), x_in)

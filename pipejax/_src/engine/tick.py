@@ -218,7 +218,9 @@ def make_step(cfg: Config, ctx: _Ctx, inputs: Inputs, phase, vary, global_micro)
         like_prev = lambda tree: vary(tree, prev)  # outputs typed like the carry (see `_as_varying`)
         # guard: on a bubble (i < 0) the stage does not run and the device keeps its last output
         guard = (i >= 0, prev) if phase.guard else None
-        return ctx.stages.compute(d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard, fresh)
+        return ctx.stages.compute(
+            d, params, state, inbox, xs, mask, ic, s, key_for, like_prev, guard, fresh, phase.keeps
+        )
 
     def step(d, params, state, inbox, prev, row, static_stage=None, fresh=None):
         # the micro-batch and stage are read from the tick's row inside the checkpoint, so the
