@@ -93,9 +93,9 @@ class Heterogeneous:
         own row of the device's block (row ``t // D``, static): values of the loop's constants,
         which autodiff keeps once. Unpacked in a branch they are the branch's residuals, kept in
         every tick (GPipe ``"never"`` on ``benchmarks/planner.py``'s embedding model: 1,432.4 ->
-        377.0 KiB). Where the ticks keep nothing that costs more: the backward pass gives every
-        stage's parameters a cotangent in every tick (uniform stages, ``"always"``: 48.2 -> 64.1
-        KiB), so they stay in the branch.
+        377.0 KiB; decision 0037). Where the ticks keep nothing, that would cost more: the
+        backward pass gives every stage's parameters a cotangent in every tick (8 tanh blocks as a
+        list, ``"always"``: 48.2 -> 64.1 KiB), so there they are unpacked in the branch.
         """
         if self.switch:
             r = _round(s, self.D, self.v)
