@@ -12,7 +12,7 @@ It sweeps every candidate and predicts, for each:
   (``memory="compiled"``, exact for the platform it compiles for), or
   :func:`pipejax.memory_estimate` (``"estimate"``: nothing compiled; on
   ``benchmarks/planner.py``'s models it reads 0.93-1.32 of XLA's bytes for the training tables
-  and 0.51-1.02 for GPipe and circular, ``benchmarks/RESULTS.md``).
+  and 0.69-1.08 for GPipe and circular, ``benchmarks/RESULTS.md``).
 
 and returns the fastest candidate that fits, with the runner-up and the whole sweep. Steps are
 cheap (a table and some sums) and bytes are not (a compile each), so only the bytes the choice
