@@ -657,7 +657,6 @@ def stages_not_alike(quick: bool) -> None:
     """GPipe and circular on stages given as a list (one ``lax.switch`` branch each): temp bytes
     per device in every checkpoint mode, and ``pj.memory_estimate`` beside them."""
     from benchmarks.planner import embedding_blocks_head, uniform
-    from pipejax._src.balance.partitioning import partition
 
     section("Stages not alike (a list): GPipe and circular temp bytes per device, every mode")
     mesh = jax.make_mesh((N,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -670,7 +669,7 @@ def stages_not_alike(quick: bool) -> None:
     for label, model, cut in models[:1] if quick else models:
         layers, params, x = model()
         for name, v in (("gpipe", 1), ("circular", 2)):
-            part = partition(layers, list(cut) if v == 1 else [1] * len(layers))
+            part = pj.partition(layers, list(cut) if v == 1 else [1] * len(layers))
             stage_params = part.group(list(params))
             for mode in modes:
                 pipe = pj.pipeline(

@@ -246,16 +246,9 @@ def test_planner_estimates_every_schedule():
     assert {s for s, _ in got} >= {"interleaved-1f1b", "v-half", "zb-v"}
     assert got["v-half", "never"] < got["1f1b", "never"] < got["zb-v", "never"], got
     v = next(c for c in plan.sweep if (c.schedule, c.checkpoint) == ("v-half", "never"))
-    stages = np.cumsum([0, *v.balance])
-    pipe = pj.pipeline([_chain(v.balance[i]) for i in range(8)], chunks=8, checkpoint="never", mesh=mesh,
-                       schedule="v-half")  # fmt: skip
-    grouped = [params[stages[i] : stages[i + 1]] for i in range(8)]
-    assert pj.memory_estimate(pipe, grouped, x).total == v.temp_bytes
-
-
-def _chain(k):
-    """``k`` of the uniform model's layers as one stage (its parameters: a list of ``k``)."""
-    return lambda ps, h, key: [h := _block(p, h, key) for p in ps][-1]
+    part = pj.partition(layers, list(v.balance))
+    pipe = pj.pipeline(part.stages, chunks=8, checkpoint="never", mesh=mesh, schedule="v-half")
+    assert pj.memory_estimate(pipe, part.group(params), x).total == v.temp_bytes
 
 
 def test_planner_refuses_bad_arguments():

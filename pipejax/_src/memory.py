@@ -16,6 +16,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
+from pipejax._src import checkpoint as ckpt
 from pipejax._src import checks, compat, microbatch, options
 from pipejax._src.engine import boundaries
 from pipejax._src.pipeline import Pipeline
@@ -195,7 +196,8 @@ class MemoryEstimate(NamedTuple):
     outputs: int  # the output micro-batches a device holds (GPipe and circular)
     loop: int  # circular: the activations waiting for their next round, and their cotangents
     params: int  # parameter-sized temporaries: a tick's parameter cotangent, when it has no room;
-    # a pooled table's stage rows and a V's turned block
+    # a pooled table's stage rows and a V's turned block; stages not alike: their flat row's
+    # cotangent, and every stage's where ticks keep residuals
     total: int  # the sum of the five terms above
 
 
@@ -387,7 +389,11 @@ def memory_estimate(pipe: Pipeline, params: Any, x: Any) -> MemoryEstimate:
     grad = max(stage_params) if max(stage_params) > freed else 0
     if mixed:  # the cotangent added into the device's flat row of packed parameters
         grad += max(stage_params)
-    if mixed and not pipe.plan.schedule.owns_backward and pipe.checkpoint != "always":
+    if (
+        mixed
+        and not pipe.plan.schedule.owns_backward
+        and any(p.keeps for p in ckpt.phases(pipe.checkpoint, table))
+    ):
         # where ticks keep residuals each stage's parameters are unpacked outside the tick's
         # switch (`engine.stages`), and its backward gives every one of them a cotangent
         grad += sum(stage_params)

@@ -99,22 +99,22 @@ class Heterogeneous:
         """
         if self.switch:
             r = _round(s, self.D, self.v)
-            if keeps:
+            if keeps:  # the branches' operand: every stage's parameters, unpacked
                 srow = _row(state, r, self.v)
-                prow = [
+                pin = [
                     self.pbox.unpack(_row(params, t // self.D, self.v), lay)
                     for t, lay in enumerate(self.param_layouts)
                 ]
-                unpack = lambda prow, t: prow[t]
-            else:
-                prow, srow = _row((params, state), r, self.v)
-                unpack = lambda prow, t: self.pbox.unpack(prow, self.param_layouts[t])
+                stage_params = lambda pin, t: pin[t]
+            else:  # the branches' operand: the device's packed row
+                pin, srow = _row((params, state), r, self.v)
+                stage_params = lambda pin, t: self.pbox.unpack(pin, self.param_layouts[t])
 
             def branch(t):
                 call = stage_call(self.cfg, t)
 
-                def f(prow, srow, x_in, xs, mask, ic, k):
-                    p, st = unpack(prow, t), self.sbox.unpack(srow, self.state_layouts[t])
+                def f(pin, srow, x_in, xs, mask, ic, k):
+                    p, st = stage_params(pin, t), self.sbox.unpack(srow, self.state_layouts[t])
                     if t == 0 and fresh is not None:  # the micro-batch of x, as data
                         x_in = jax.tree.map(_read_as, x_in, fresh)
                     x = self.box.unpack(x_in, self.boundaries[t])
@@ -126,7 +126,7 @@ class Heterogeneous:
             working, prev = (True, None) if guard is None else guard
             idle = lambda *args: prev
             branches = [branch(t) for t in range(self.S)]
-            return dispatch(working, s, branches, idle, prow, srow, x_in, xs, mask, ic, key_for(s))
+            return dispatch(working, s, branches, idle, pin, srow, x_in, xs, mask, ic, key_for(s))
         # a virtual device (no mesh) runs its own stage d on raw activations: a direct call
         assert guard is None and self.v == 1, "virtual devices run one stage each, without bubbles"
         x = take(xs, ic) if d == 0 else x_in
